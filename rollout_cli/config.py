@@ -1,0 +1,57 @@
+"""Engine configuration: one frozen dataclass, one CLI flag per field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine loads the model and sizes its batches and KV cache."""
+
+    model: str
+    """Directory of a HuggingFace checkpoint: config.json, *.safetensors, tokenizer files."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu, or cuda / cuda:N."""
+    dtype: str = "auto"
+    """Weight and activation dtype: auto is bfloat16 on CUDA and float32 on the CPU."""
+    max_model_len: int | None = None
+    """Longest prompt + response in tokens; default: the config's max_position_embeddings."""
+    max_batch_tokens: int = 8192
+    """Token budget of one forward step; longer prompts are prefilled in chunks of this size."""
+    max_running: int = 256
+    """Requests in flight at once (decoding or prefilling)."""
+    kv_memory_fraction: float = 0.85
+    """On CUDA, the share of GPU memory (after weights and activations) the KV cache may take."""
+    kv_cache_tokens: int | None = None
+    """Exact KV pool size in tokens; overrides kv_memory_fraction (tests use it to force preemption)."""
+    load_format: str = "auto"
+    """auto reads safetensors; dummy makes random weights from config.json alone (benchmarks)."""
+    enable_prefix_cache: bool = True
+    """Share computed prompt prefixes between requests through the radix cache."""
+    weight_version: str = "0"
+    """Version recorded on every trajectory produced by the weights loaded at start."""
+
+    def __post_init__(self) -> None:
+        from rollout_cli.errors import RolloutError
+
+        if self.dtype not in DTYPES:
+            raise RolloutError(f"unknown --dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if not (self.device in DEVICES or self.device.startswith("cuda:")):
+            raise RolloutError(f"unknown --device {self.device!r}; choose one of {', '.join(DEVICES)} (or cuda:N)")
+        if self.load_format not in LOAD_FORMATS:
+            raise RolloutError(f"unknown --load-format {self.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
+        if self.max_batch_tokens < 1:
+            raise RolloutError("--max-batch-tokens must be at least 1")
+        if self.max_running < 1:
+            raise RolloutError("--max-running must be at least 1")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise RolloutError("--kv-memory-fraction must be in (0, 1]")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2:
+            raise RolloutError("--kv-cache-tokens must be at least 2")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise RolloutError("--max-model-len must be at least 2")

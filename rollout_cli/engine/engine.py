@@ -1,0 +1,236 @@
+"""The engine: load a checkpoint once, then turn prompts into trajectories.
+
+The loop is the three calls of shared/DESIGN.md: scheduler.schedule() ->
+runner.run() -> scheduler.postprocess(). Prompts are pulled lazily from the
+caller's iterator, so a million-row prompt file never sits in memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollout_cli.config import EngineConfig
+from rollout_cli.engine.attention import KVCache
+from rollout_cli.engine.kv_sizing import kv_pool_tokens, profile_activation_bytes
+from rollout_cli.engine.model_runner import ModelRunner
+from rollout_cli.engine.request import Request
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.scheduler import BatchEntry, ScheduleOutput, Scheduler
+from rollout_cli.errors import RolloutError
+from rollout_cli.models.build import build_model, load_model_config, resolve_device, resolve_dtype
+from rollout_cli.models.llama import head_dim_of
+
+
+@dataclass
+class Trajectory:
+    """One finished sample; the fields of a trajectory Parquet row."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[float]
+    response_text: str
+    finish_reason: str
+    weight_version: str
+    passthrough: dict[str, Any] = field(default_factory=dict)
+
+    def to_row(self) -> dict[str, Any]:
+        row = {k: v for k, v in self.__dict__.items() if k != "passthrough"}
+        row.update(self.passthrough)
+        return row
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """A tokenized prompt with its row number and passthrough columns."""
+
+    prompt_index: int
+    prompt_token_ids: list[int]
+    passthrough: dict[str, Any] = field(default_factory=dict)
+
+
+def _load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception:  # no tokenizer files: token-id prompts still work, text is left empty
+        return None
+
+
+def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+
+    def add(value):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
+        from transformers import GenerationConfig
+
+        add(GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
+    if not ids and tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class Engine:
+    """Python API under the CLI.
+
+        from rollout_cli import Engine, SamplingParams
+        engine = Engine(model="recipes/example_model")
+        results = engine.generate(["What is 2 + 3?"], SamplingParams(n=4, max_new_tokens=32))
+    """
+
+    def __init__(self, model: str | EngineConfig, **options):
+        self.config = model if isinstance(model, EngineConfig) else EngineConfig(model=model, **options)
+        cfg = self.config
+        self.hf_config = load_model_config(cfg.model)
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        self.max_model_len = cfg.max_model_len or limit
+        self.tokenizer = _load_tokenizer(cfg.model)
+        self.eos_token_ids = _eos_token_ids(cfg.model, self.hf_config, self.tokenizer)
+        self.model = build_model(cfg.model, self.hf_config, self.device, self.dtype,
+                                 max_positions=self.max_model_len, load_format=cfg.load_format)
+        self.weight_version = cfg.weight_version
+        self._build_cache()
+        self._request_ids = itertools.count()
+
+    def _build_cache(self) -> None:
+        cfg, hf = self.config, self.hf_config
+        num_layers, num_kv_heads, head_dim = hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf)
+        bytes_per_token = KVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, self.dtype)
+        activation = 0
+        if self.device.type == "cuda" and cfg.kv_cache_tokens is None:
+            activation = profile_activation_bytes(self._profile_step, self.device)
+        num_slots = kv_pool_tokens(
+            device=self.device, bytes_per_token=bytes_per_token, max_running=cfg.max_running,
+            max_model_len=self.max_model_len, kv_memory_fraction=cfg.kv_memory_fraction,
+            kv_cache_tokens=cfg.kv_cache_tokens, activation_bytes=activation,
+        )
+        self.kv = KVCache(num_layers, num_slots, num_kv_heads, head_dim, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.kv, cfg.max_running, self.max_model_len, self.device)
+        self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache)
+
+    def _profile_step(self) -> None:
+        """One prefill chunk of max_batch_tokens over a throwaway KV pool, to measure activations."""
+        hf = self.hf_config
+        tokens = min(self.config.max_batch_tokens, self.max_model_len)
+        kv = KVCache(hf.num_hidden_layers, tokens + 1, hf.num_key_value_heads, head_dim_of(hf), self.dtype, self.device)
+        runner = ModelRunner(self.model, kv, 1, tokens, self.device)
+        request = Request(-1, 0, 0, [0] * tokens, SamplingParams(max_new_tokens=1))
+        slots = list(range(1, tokens + 1))
+        entry = BatchEntry(request, 0, 0, request.prompt_token_ids, 0, slots, sample=True)
+        runner.run(ScheduleOutput([entry]))
+
+    @property
+    def num_kv_slots(self) -> int:
+        return self.kv.num_slots
+
+    # ---- prompts -------------------------------------------------------------
+
+    def encode(self, prompt) -> list[int]:
+        """A string, a list of chat messages or a list of token ids -> token ids."""
+        from rollout_cli.io.prompts import InvalidPrompt, encode_prompt
+
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt) and prompt:
+            return list(prompt)
+        if self.tokenizer is None:
+            raise RolloutError(f"{self.config.model} has no tokenizer files; pass prompts as token ids")
+        try:
+            return encode_prompt(self.tokenizer, prompt)
+        except InvalidPrompt as err:
+            raise RolloutError(f"invalid prompt: {err}") from err
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ---- generation ----------------------------------------------------------
+
+    def generate(self, prompts: list, params: SamplingParams | None = None) -> list[Trajectory]:
+        """All samples of all prompts, ordered by (prompt_index, sample_index)."""
+        params = params or SamplingParams()
+        inputs = [PromptInput(i, self.encode(p)) for i, p in enumerate(prompts)]
+        results = list(self.stream(inputs, params))
+        return sorted(results, key=lambda t: (t.prompt_index, t.sample_index))
+
+    def stream(
+        self,
+        prompts: Iterable[PromptInput],
+        params: SamplingParams,
+        skip: set[tuple[int, int]] | frozenset = frozenset(),
+        on_step: Callable[[], None] | None = None,
+    ) -> Iterator[Trajectory]:
+        """Yield trajectories as they finish; (prompt_index, sample_index) pairs in `skip` are not run."""
+        source = iter(prompts)
+        exhausted = False
+        queue_target = 2 * self.config.max_running  # requests kept waiting: enough to fill the batch
+        scheduler = self.scheduler
+        while True:
+            while not exhausted and len(scheduler.waiting) < queue_target:
+                prompt = next(source, None)
+                if prompt is None:
+                    exhausted = True
+                    break
+                self._add_prompt(prompt, params, skip)
+            if not scheduler.has_work():
+                return
+            out = scheduler.schedule()
+            if not out:
+                raise RuntimeError("scheduler produced an empty step with work pending")
+            tokens, logprobs = self.runner.run(out)
+            for request in scheduler.postprocess(out, tokens, logprobs):
+                yield self._trajectory(request)
+            if on_step is not None:
+                on_step()
+
+    def _add_prompt(self, prompt: PromptInput, params: SamplingParams, skip) -> None:
+        if len(prompt.prompt_token_ids) >= self.max_model_len:
+            raise RolloutError(
+                f"prompt {prompt.prompt_index} has {len(prompt.prompt_token_ids)} tokens, leaving no room to "
+                f"generate under --max-model-len {self.max_model_len}; raise it or filter long prompts"
+            )
+        leader = None
+        for sample_index in range(params.n):
+            if (prompt.prompt_index, sample_index) in skip:
+                continue
+            request = Request(
+                request_id=next(self._request_ids),
+                prompt_index=prompt.prompt_index,
+                sample_index=sample_index,
+                prompt_token_ids=list(prompt.prompt_token_ids),
+                params=params,
+                eos_token_ids=self.eos_token_ids,
+                max_model_len=self.max_model_len,
+                group_leader=leader,
+                payload=prompt.passthrough,
+            )
+            leader = leader or request
+            self.scheduler.add(request)
+
+    def _trajectory(self, request: Request) -> Trajectory:
+        return Trajectory(
+            prompt_index=request.prompt_index,
+            sample_index=request.sample_index,
+            prompt_token_ids=request.prompt_token_ids,
+            response_token_ids=request.output_token_ids,
+            response_logprobs=request.output_logprobs,
+            response_text=self.decode(request.output_token_ids),
+            finish_reason=request.finish_reason,
+            weight_version=self.weight_version,
+            passthrough=request.payload or {},
+        )

@@ -1,0 +1,76 @@
+"""One sample being generated: its tokens, its KV slots and its progress.
+
+Plain Python over ints and lists so the scheduler is testable on the CPU.
+Prefill, chunked prefill, decode and recompute after preemption are the same
+thing: `num_computed_tokens` catches up to `num_tokens`, and a token is
+sampled whenever it has caught up.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from rollout_cli.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int = 1 << 30
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_computed_tokens: int = 0
+    # KV slot of every computed token, in order; the first `num_cached_tokens`
+    # belong to the radix cache (locked through `cache_node`), the rest to us.
+    slots: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    cache_node: object = None
+    # Row of the runner's req_to_token table; how many of `slots` it already holds.
+    table_row: int = -1
+    num_slots_in_table: int = 0
+    num_preemptions: int = 0
+    group_leader: "Request | None" = None  # the sample that computes a shared prompt first
+    payload: object = None  # caller data carried to the result (passthrough columns)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def prompt_computed(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        """Record one sampled token and set finish_reason if it ends the sample."""
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        if not self.params.ignore_eos and token_id in self.eos_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_token_ids) >= self.params.max_new_tokens or self.num_tokens >= self.max_model_len:
+            self.finish_reason = "length"

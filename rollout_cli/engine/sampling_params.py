@@ -1,0 +1,53 @@
+"""Per-job sampling settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOGPROBS_MODES = ("processed", "raw")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How responses are sampled; one set per job, shared by all its prompts."""
+
+    n: int = 1
+    """Samples per prompt."""
+    max_new_tokens: int = 256
+    """Longest response in tokens (finish_reason `length` when reached)."""
+    temperature: float = 1.0
+    """0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's; 0 disables."""
+    seed: int = 0
+    """Each sample's random stream is keyed by (seed, prompt_index, sample_index, position)."""
+    ignore_eos: bool = False
+    """Keep generating past eos tokens until max_new_tokens."""
+    logprobs_mode: str = "processed"
+    """processed: log_softmax(logits / temperature); raw: log_softmax(logits)."""
+
+    def __post_init__(self) -> None:
+        from rollout_cli.errors import RolloutError
+
+        if self.n < 1:
+            raise RolloutError("--n must be at least 1")
+        if self.max_new_tokens < 1:
+            raise RolloutError("--max-new-tokens must be at least 1")
+        if self.temperature < 0:
+            raise RolloutError("--temperature must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RolloutError("--top-p must be in (0, 1]")
+        if self.top_k < 0:
+            raise RolloutError("--top-k must be >= 0 (0 disables it)")
+        if not 0.0 <= self.min_p < 1.0:
+            raise RolloutError("--min-p must be in [0, 1)")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise RolloutError(f"unknown --logprobs-mode {self.logprobs_mode!r}; choose processed or raw")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,283 @@
+"""Continuous-batching scheduler: which requests run this step, with how many tokens.
+
+Plain Python over ints and lists. One step has a token budget
+(`max_batch_tokens`): running requests go first (a decode costs one token,
+an unfinished prefill takes a chunk), then waiting requests are admitted
+while budget, request rows and KV slots last. When the KV pool runs out the
+newest running request is preempted: its computed tokens go into the radix
+cache (so recomputing them is cheap if they survive eviction), it gives up
+its slots, and it waits again at the front of the queue. Nothing is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rollout_cli.engine.kv_slots import SlotAllocator
+from rollout_cli.engine.radix_cache import RadixCache
+from rollout_cli.engine.request import Request, RequestStatus
+from rollout_cli.errors import RolloutError
+
+
+@dataclass
+class BatchEntry:
+    """One request's share of a forward step."""
+
+    request: Request
+    table_row: int
+    start: int  # first position computed this step (== num_computed_tokens before the step)
+    token_ids: list[int]  # tokens at positions [start, start + len(token_ids))
+    table_start: int  # first position whose slot is (re)written into the req_to_token table
+    table_slots: list[int]  # slots for positions [table_start, start + len(token_ids))
+    sample: bool  # this step reaches the end of the request's tokens: sample the next one
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def new_slots(self) -> list[int]:
+        """KV slots the new tokens are stored into."""
+        return self.table_slots[len(self.table_slots) - len(self.token_ids):]
+
+
+@dataclass
+class ScheduleOutput:
+    entries: list[BatchEntry] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
+    cached_prompt_tokens: int = 0  # of those, served by the prefix cache
+    computed_tokens: int = 0  # tokens run through the model, recomputes included
+    preemptions: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        num_kv_slots: int,
+        max_running: int,
+        max_batch_tokens: int,
+        enable_prefix_cache: bool = True,
+    ):
+        self.allocator = SlotAllocator(num_kv_slots)
+        self.cache = RadixCache(self.allocator) if enable_prefix_cache else None
+        self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._free_rows = list(range(max_running - 1, -1, -1))
+        self.stats = SchedulerStats()
+
+    # ---- queue -------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- KV slots ----------------------------------------------------------
+
+    def _available_slots(self) -> int:
+        return self.allocator.num_free + (self.cache.evictable_size if self.cache else 0)
+
+    def _allocate(self, count: int) -> list[int] | None:
+        if self.allocator.num_free < count and self.cache is not None:
+            self.cache.evict(count - self.allocator.num_free)
+        if self.allocator.num_free < count:
+            return None
+        return self.allocator.allocate(count)
+
+    # ---- one step ----------------------------------------------------------
+
+    def schedule(self) -> ScheduleOutput:
+        out = ScheduleOutput()
+        budget = self.max_batch_tokens
+        scheduled: set[int] = set()
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            count = min(request.num_uncomputed_tokens, budget)
+            slots = self._allocate_or_preempt(request, count, scheduled)
+            if slots is None:  # `request` itself was preempted
+                continue
+            out.entries.append(self._entry(request, count, slots))
+            scheduled.add(request.request_id)
+            budget -= count
+        self._admit(out, budget)
+        return out
+
+    def _allocate_or_preempt(self, request: Request, count: int, scheduled: set[int]) -> list[int] | None:
+        while True:
+            slots = self._allocate(count)
+            if slots is not None:
+                return slots
+            victims = [r for r in self.running if r.request_id not in scheduled and r is not request]
+            victim = victims[-1] if victims else request
+            if victim is request and len(self.running) == 1 and not scheduled:
+                raise RolloutError(
+                    f"the KV cache ({self.allocator.num_slots - 1} tokens) cannot hold one request of "
+                    f"{request.num_tokens} tokens; raise --kv-memory-fraction / --kv-cache-tokens or lower --max-model-len"
+                )
+            self.preempt(victim)
+            if victim is request:
+                return None
+
+    def _admit(self, out: ScheduleOutput, budget: int) -> None:
+        # Keep one free slot per running request so the next decode step need not preempt.
+        for request in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_running:
+                return
+            leader = request.group_leader
+            if leader is not None and leader.status is RequestStatus.RUNNING and not leader.prompt_computed:
+                continue  # wait for the sibling computing our prompt; we then hit the cache
+            self._match_cached_prefix(request)
+            # A prompt larger than the free pool starts with a smaller chunk; it grows
+            # (preempting newer requests if needed) on later steps.
+            count = min(request.num_uncomputed_tokens, budget, self._available_slots() - len(self.running))
+            if count <= 0:
+                self._release_cached_prefix(request)
+                return
+            slots = self._allocate(count)
+            assert slots is not None
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            request.table_row = self._free_rows.pop()
+            request.num_slots_in_table = 0
+            self.running.append(request)
+            out.entries.append(self._entry(request, count, slots))
+            budget -= count
+
+    def _match_cached_prefix(self, request: Request) -> None:
+        first_admission = request.num_preemptions == 0
+        if self.cache is not None:
+            # At least one token must run through the model to produce logits.
+            slots, node = self.cache.match_prefix(request.all_token_ids[: request.num_tokens - 1])
+            self.cache.lock(node)
+            request.cache_node = node
+            request.slots = list(slots)
+            request.num_cached_tokens = request.num_computed_tokens = len(slots)
+        if first_admission:
+            self.stats.prompt_tokens += request.num_prompt_tokens
+            self.stats.cached_prompt_tokens += min(request.num_computed_tokens, request.num_prompt_tokens)
+
+    def _release_cached_prefix(self, request: Request) -> None:
+        if request.num_preemptions == 0:
+            self.stats.prompt_tokens -= request.num_prompt_tokens
+            self.stats.cached_prompt_tokens -= min(request.num_computed_tokens, request.num_prompt_tokens)
+        if request.cache_node is not None:
+            self.cache.unlock(request.cache_node)
+        request.cache_node = None
+        request.slots = []
+        request.num_cached_tokens = request.num_computed_tokens = 0
+
+    def _entry(self, request: Request, count: int, new_slots: list[int]) -> BatchEntry:
+        start = request.num_computed_tokens
+        request.slots.extend(new_slots)
+        table_start = request.num_slots_in_table
+        self.stats.computed_tokens += count
+        return BatchEntry(
+            request=request,
+            table_row=request.table_row,
+            start=start,
+            token_ids=request.all_token_ids[start : start + count],
+            table_start=table_start,
+            table_slots=request.slots[table_start : start + count],
+            sample=start + count == request.num_tokens,
+        )
+
+    # ---- after the forward -------------------------------------------------
+
+    def postprocess(self, out: ScheduleOutput, tokens: list[int], logprobs: list[float]) -> list[Request]:
+        """Advance each request by its step; `tokens`/`logprobs` hold one entry per sampling request."""
+        finished = []
+        sampled = iter(zip(tokens, logprobs))
+        for entry in out.entries:
+            request = entry.request
+            prompt_was_computed = request.prompt_computed
+            request.num_computed_tokens += entry.num_new_tokens
+            request.num_slots_in_table = request.num_computed_tokens
+            if entry.sample:
+                token, logprob = next(sampled)
+                request.append_token(token, logprob)
+            if request.finish_reason is not None:
+                self._finish(request)
+                finished.append(request)
+            elif request.prompt_computed and not prompt_was_computed:
+                # Publish the prompt now so the other samples of this prompt hit the cache.
+                self._cache_computed(request, request.num_prompt_tokens)
+        return finished
+
+    def _cache_computed(self, request: Request, upto: int) -> None:
+        """Move the request's first `upto` computed tokens into the radix cache."""
+        if self.cache is None:
+            return
+        tokens = request.all_token_ids[:upto]
+        already = self.cache.insert(tokens, request.slots[:upto])
+        tree_slots, node = self.cache.match_prefix(tokens)
+        duplicates = [
+            mine for mine, theirs in zip(request.slots[request.num_cached_tokens:already],
+                                          tree_slots[request.num_cached_tokens:already]) if mine != theirs
+        ]
+        if duplicates:
+            self.allocator.free(duplicates)
+            first_changed = next(
+                i for i in range(request.num_cached_tokens, already) if request.slots[i] != tree_slots[i]
+            )
+            request.num_slots_in_table = min(request.num_slots_in_table, first_changed)
+        request.slots[:upto] = tree_slots
+        self.cache.lock(node)
+        if request.cache_node is not None:
+            self.cache.unlock(request.cache_node)
+        request.cache_node = node
+        request.num_cached_tokens = upto
+
+    def _release(self, request: Request) -> None:
+        """Give back the request's slots (into the cache when enabled) and its table row."""
+        computed = request.num_computed_tokens
+        if self.cache is not None:
+            self._cache_computed(request, computed)
+            self.cache.unlock(request.cache_node)
+            self.allocator.free(request.slots[computed:])
+        else:
+            self.allocator.free(request.slots)
+        request.cache_node = None
+        request.slots = []
+        request.num_cached_tokens = 0
+        self._free_rows.append(request.table_row)
+        request.table_row = -1
+        request.num_slots_in_table = 0
+        self.running.remove(request)
+
+    def _finish(self, request: Request) -> None:
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+
+    def preempt(self, request: Request) -> None:
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.stats.preemptions += 1
+        self.waiting.appendleft(request)

@@ -1,0 +1,11 @@
+"""The one exception type users see.
+
+Every problem caused by the user's input (a bad flag, a bad file, a bad
+checkpoint) raises `RolloutError` with one line that says what is wrong and
+how to fix it. The CLI prints that line and exits non-zero; anything else is a
+bug and keeps its traceback.
+"""
+
+
+class RolloutError(Exception):
+    """A user-facing error: `str(err)` is one line with the problem and the fix."""

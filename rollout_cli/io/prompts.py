@@ -1,0 +1,308 @@
+"""Streaming prompt input from one Parquet file.
+
+The prompt file may hold a million rows, so nothing here loads it whole: a
+`PromptSource` walks it with `ParquetFile.iter_batches`, one batch of
+`batch_rows` rows in memory at a time. `validate()` is a pre-pass over the
+prompt column alone, so a bad row fails the run before any GPU work or output;
+iteration then reads all columns and tokenizes again, batch by batch. Keeping
+the ids from the pre-pass instead would cost memory that grows with the file
+(1M prompts x 1k tokens is gigabytes of Python ints), and tokenizing is cheap
+next to generating.
+
+A prompt cell may be
+  - a string                     -> `tokenizer.encode(s)` (special tokens on),
+  - a list of chat messages      -> the tokenizer's chat template with the
+    (dicts with role, content;      generation prompt appended (verl's and HF
+    pyarrow gives list<struct>)     datasets' RL layout),
+  - a list of token ids          -> used as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rollout_cli.errors import RolloutError
+
+# How many column names an error message lists before it elides the rest.
+_MAX_LISTED_COLUMNS = 20
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One valid prompt, ready to become `n` requests."""
+
+    prompt_index: int
+    """0-based row number in the input file; it keys the output rows and resume."""
+    prompt_token_ids: list[int]
+    """The tokenized prompt, exactly what the model sees."""
+    passthrough: dict[str, Any]
+    """Every column except the prompt column, as Python values, copied to the output."""
+
+
+@dataclass(frozen=True)
+class SkippedRow:
+    """A row that `--skip-invalid` left out, and why."""
+
+    prompt_index: int
+    reason: str
+
+
+class InvalidPrompt(ValueError):
+    """A prompt cell that cannot be tokenized; the message is the reason."""
+
+
+def encode_prompt(tokenizer: Any, value: Any) -> list[int]:
+    """Token ids of one prompt cell (string, chat messages or token ids).
+
+    Raises InvalidPrompt for a cell no model can take (null, number, mixed
+    list, malformed messages, empty), and RolloutError when the cell is chat
+    messages but the tokenizer has no chat template, since that is wrong for
+    every row alike and skipping rows would not fix it.
+    """
+    value = _to_python(value)
+    if isinstance(value, str):
+        if not value:
+            raise InvalidPrompt("empty prompt")
+        return [int(t) for t in tokenizer.encode(value)]
+    return _encode_non_string(tokenizer, value)
+
+
+def _to_python(value: Any) -> Any:
+    """numpy arrays (pandas-written cells, array columns) become lists; the rest is left as is."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1:
+            raise InvalidPrompt(f"prompt is a {value.ndim}-d array; expected a 1-d list of token ids")
+        return value.tolist()
+    return value
+
+
+def _encode_non_string(tokenizer: Any, value: Any) -> list[int]:
+    if value is None:
+        raise InvalidPrompt("prompt is null")
+    if not isinstance(value, (list, tuple)):
+        raise InvalidPrompt(
+            f"prompt is a {type(value).__name__}; expected a string, a list of chat messages "
+            "or a list of token ids"
+        )
+    if not value:
+        raise InvalidPrompt("empty prompt")
+    if all(_is_int(v) for v in value):
+        ids = [int(v) for v in value]
+        if min(ids) < 0:
+            raise InvalidPrompt(f"prompt holds the negative token id {min(ids)}")
+        return ids
+    if all(isinstance(v, Mapping) for v in value):
+        return _encode_chat(tokenizer, value)
+    raise InvalidPrompt(
+        "prompt list mixes types; expected only token ids (ints) or only chat messages "
+        "(dicts with 'role' and 'content')"
+    )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RolloutError(
+            "the prompts are chat messages but the tokenizer has no chat template; add "
+            "chat_template to the checkpoint's tokenizer_config.json or pass plain-string prompts"
+        )
+    clean = []
+    for k, m in enumerate(messages):
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise InvalidPrompt(f"chat message {k} has no 'role' string")
+        if not isinstance(m.get("content"), str):
+            raise InvalidPrompt(f"chat message {k} has no 'content' string")
+        # A list<struct> column holds the union of all messages' keys, so a message
+        # gets e.g. name=None it never had; templates test `is defined`, so drop those.
+        clean.append({key: val for key, val in m.items() if val is not None})
+    try:
+        out = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError) as err:
+        # Templates reject rows with raise_exception (TemplateError) or trip on odd values.
+        raise InvalidPrompt(f"chat template failed: {_one_line(err)}") from err
+    # transformers 5 returns a BatchEncoding ({'input_ids': [...], ...}); 4.x a plain list.
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], (list, tuple)):
+        out = out[0]
+    if not out:
+        raise InvalidPrompt("empty prompt")
+    return [int(t) for t in out]
+
+
+def _encode_batch(tokenizer: Any, values: list[Any]) -> list[list[int] | InvalidPrompt]:
+    """encode_prompt over a batch: ids, or the InvalidPrompt, per value in order.
+
+    Non-empty strings go to the tokenizer in one call, which the fast (Rust)
+    tokenizers run in parallel; the rest go one by one.
+    """
+    results: list[list[int] | InvalidPrompt | None] = [None] * len(values)
+    string_pos: list[int] = []
+    for pos, raw in enumerate(values):
+        if isinstance(raw, str) and raw:
+            string_pos.append(pos)
+            continue
+        try:
+            results[pos] = encode_prompt(tokenizer, raw)
+        except InvalidPrompt as err:
+            results[pos] = err
+    if string_pos:
+        strings = [values[p] for p in string_pos]
+        if callable(tokenizer):
+            # verbose=False: long prompts are judged against max_prompt_len below,
+            # not against the tokenizer's model_max_length warning.
+            encoded = tokenizer(strings, add_special_tokens=True, verbose=False)["input_ids"]
+        else:
+            encoded = [tokenizer.encode(s) for s in strings]
+        for p, ids in zip(string_pos, encoded):
+            results[p] = [int(t) for t in ids]
+    return results  # type: ignore[return-value]
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+class PromptSource:
+    """The valid prompts of one Parquet file, streamed in file order.
+
+    Attributes:
+        num_rows: rows considered, min(file rows, limit).
+        num_valid: rows that iteration yields; None until validate() ran.
+        passthrough_schema: the input schema minus the prompt column (no metadata),
+            what the trajectory writer appends to its fixed columns.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer: Any,
+        prompt_key: str = "prompt",
+        limit: int | None = None,
+        max_prompt_len: int | None = None,
+        skip_invalid: bool = False,
+        batch_rows: int = 1024,
+    ) -> None:
+        if limit is not None and limit < 1:
+            raise RolloutError(f"--limit must be at least 1, got {limit}; pass a positive row count")
+        if batch_rows < 1:
+            raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
+        self.path = Path(path)
+        self.tokenizer = tokenizer
+        self.prompt_key = prompt_key
+        self.limit = limit
+        self.max_prompt_len = max_prompt_len
+        self.skip_invalid = skip_invalid
+        self.batch_rows = batch_rows
+
+        if not self.path.exists():
+            raise RolloutError(f"prompt file {self.path} does not exist; check the --data path")
+        if self.path.is_dir():
+            raise RolloutError(f"{self.path} is a directory; pass one Parquet file to --data")
+        try:
+            self._file = pq.ParquetFile(self.path)
+        except (pa.ArrowException, OSError) as err:
+            raise RolloutError(
+                f"{self.path} is not a readable Parquet file ({_one_line(err)}); "
+                "pass a Parquet file to --data"
+            ) from err
+        schema = self._file.schema_arrow
+        if prompt_key not in schema.names:
+            listed = ", ".join(schema.names[:_MAX_LISTED_COLUMNS])
+            if len(schema.names) > _MAX_LISTED_COLUMNS:
+                listed += f", ... ({len(schema.names)} in all)"
+            raise RolloutError(
+                f"{self.path} has no column {prompt_key!r} (columns: {listed}); "
+                "pass --prompt-key NAME to pick the prompt column"
+            )
+        # Schema metadata (pandas index info) describes the input table, not ours: drop it.
+        self.passthrough_schema = pa.schema([f for f in schema if f.name != prompt_key])
+        file_rows = self._file.metadata.num_rows
+        self.num_rows = file_rows if limit is None else min(file_rows, limit)
+        self.num_valid: int | None = None
+        self._skipped_rows: list[SkippedRow] | None = None
+        self._skipped_index: set[int] = set()
+
+    def validate(self) -> list[SkippedRow]:
+        """Tokenize every considered row once; fail on the first bad row unless skip_invalid.
+
+        Returns the skipped rows (empty without skip_invalid). Reads only the
+        prompt column. Idempotent: a second call returns the first result.
+        """
+        if self._skipped_rows is not None:
+            return list(self._skipped_rows)
+        skipped: list[SkippedRow] = []
+        for start, batch in self._batches(columns=[self.prompt_key]):
+            values = batch.column(0).to_pylist()
+            for offset, result in enumerate(_encode_batch(self.tokenizer, values)):
+                index = start + offset
+                problem = self._problem(result)
+                if problem is None:
+                    continue
+                reason, fix = problem
+                if not self.skip_invalid:
+                    raise RolloutError(
+                        f"row {index} of {self.path}: {reason}; {fix}, or pass --skip-invalid "
+                        "to leave invalid rows out"
+                    )
+                skipped.append(SkippedRow(index, reason))
+        self._skipped_rows = skipped
+        self._skipped_index = {s.prompt_index for s in skipped}
+        self.num_valid = self.num_rows - len(skipped)
+        return list(skipped)
+
+    def _problem(self, result: list[int] | InvalidPrompt) -> tuple[str, str] | None:
+        """(reason, fix) when a row cannot be used, else None."""
+        if isinstance(result, InvalidPrompt):
+            return str(result), "fix or drop that row"
+        limit = self.max_prompt_len
+        if limit is not None and len(result) > limit:
+            return (
+                f"prompt of {len(result)} tokens exceeds the limit of {limit} "
+                f"(--max-model-len {limit + 1} minus one generated token)",
+                "raise --max-model-len",
+            )
+        return None
+
+    def __iter__(self) -> Iterator[PromptRow]:
+        """Valid rows in file order, one batch of all columns in memory at a time."""
+        if self._skipped_rows is None:
+            self.validate()
+        names = self.passthrough_schema.names
+        for start, batch in self._batches(columns=None):
+            prompts = batch.column(self.prompt_key).to_pylist()
+            keep = [o for o in range(len(prompts)) if start + o not in self._skipped_index]
+            encoded = _encode_batch(self.tokenizer, [prompts[o] for o in keep])
+            passthrough = batch.select(names).to_pylist()  # [batch rows] of {column: value}
+            for offset, ids in zip(keep, encoded):
+                if isinstance(ids, InvalidPrompt):
+                    # validate() saw this row pass; only a non-deterministic tokenizer gets here.
+                    raise RuntimeError(f"row {start + offset} passed validation but now fails: {ids}")
+                yield PromptRow(start + offset, ids, passthrough[offset])
+
+    def _batches(self, columns: list[str] | None) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """(index of the batch's first row, batch) over the first num_rows rows."""
+        start = 0
+        if self.num_rows == 0:
+            return
+        for batch in self._file.iter_batches(batch_size=self.batch_rows, columns=columns):
+            if start + batch.num_rows > self.num_rows:
+                batch = batch.slice(0, self.num_rows - start)
+            yield start, batch
+            start += batch.num_rows
+            if start >= self.num_rows:
+                return

@@ -1,0 +1,283 @@
+"""Sharded, atomic Parquet output and the output directory around it.
+
+Layout of one run:
+
+    OUT/manifest.json                     run settings and counters (write_manifest)
+    OUT/trajectories/part-00000.parquet   one shard per flush, numbered upward
+    OUT/trajectories/.part-00001.parquet.tmp   a shard being written (hidden)
+
+A shard is written under a dot-name, fsynced, then renamed with os.replace, so
+a crash leaves whole shards plus at most one hidden temp file. Readers never
+see the temp file: pyarrow's dataset discovery (`pq.read_table(dir)`) skips
+names starting with '.' or '_'. Resume reads the (prompt_index, sample_index)
+pairs of the whole shards and generates only the rest; new shards continue the
+numbering, so nothing written is ever overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rollout_cli.errors import RolloutError
+
+MANIFEST_NAME = "manifest.json"
+TRAJECTORIES_SUBDIR = "trajectories"
+
+# One row per (prompt, sample). Token ids fit int32 (vocabularies < 2**31);
+# logprobs are float32 like the sampler's output.
+FIXED_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("prompt_index", pa.int64()),
+    pa.field("sample_index", pa.int32()),
+    pa.field("prompt_token_ids", pa.list_(pa.int32())),
+    pa.field("response_token_ids", pa.list_(pa.int32())),
+    pa.field("response_logprobs", pa.list_(pa.float32())),
+    pa.field("response_text", pa.string()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("weight_version", pa.string()),
+)
+FIXED_NAMES: tuple[str, ...] = tuple(f.name for f in FIXED_FIELDS)
+
+_PART_RE = re.compile(r"^part-(\d+)\.parquet$")
+_TEMP_RE = re.compile(r"^\.part-\d+\.parquet\.tmp$")
+
+
+def trajectory_schema(passthrough_schema: pa.Schema) -> pa.Schema:
+    """The fixed columns in order, then the input's passthrough columns in input order."""
+    for name in passthrough_schema.names:
+        if name in FIXED_NAMES:
+            raise RolloutError(
+                f"input column {name!r} has the name of an output column "
+                f"({', '.join(FIXED_NAMES)}); rename it in the prompt file"
+            )
+    # pa.schema(fields) carries no schema metadata: the input's pandas metadata
+    # would describe columns the output does not have.
+    return pa.schema(list(FIXED_FIELDS) + list(passthrough_schema))
+
+
+class ShardWriter:
+    """Buffers rows of one schema and writes them as atomic numbered Parquet shards.
+
+    A shard is written when `shard_rows` rows are buffered, or when the oldest
+    buffered row has waited `flush_seconds` (bounding what a crash can lose
+    without writing a one-row shard for every quiet spell), or on flush/close.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        schema: pa.Schema,
+        shard_rows: int = 1024,
+        flush_seconds: float = 10.0,
+        subdir: str = TRAJECTORIES_SUBDIR,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if shard_rows < 1:
+            raise ValueError(f"shard_rows must be at least 1, got {shard_rows}")
+        self.dir = Path(out_dir) / subdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.schema = schema
+        self.shard_rows = shard_rows
+        self.flush_seconds = flush_seconds
+        self.clock = clock
+        self._names = frozenset(schema.names)
+        self._columns: dict[str, list[Any]] = {name: [] for name in schema.names}
+        self._buffered = 0
+        self._oldest: float = 0.0  # clock() when the first row of the buffer came
+        self._next_part = max(_part_files(self.dir), default=-1) + 1
+        self.rows_written = 0
+        self.shards_written = 0
+
+    def add(self, row: dict[str, Any]) -> None:
+        """Buffer one row holding every schema field; flush when the buffer is due."""
+        if row.keys() != self._names:
+            missing = sorted(self._names - row.keys())
+            extra = sorted(row.keys() - self._names)
+            raise ValueError(f"row fields do not match the schema: missing {missing}, unexpected {extra}")
+        if self._buffered == 0:
+            self._oldest = self.clock()
+        for name, values in self._columns.items():
+            values.append(row[name])
+        self._buffered += 1
+        if self._buffered >= self.shard_rows:
+            self.flush()
+        else:
+            self.maybe_flush()
+
+    def maybe_flush(self) -> None:
+        """Flush when the oldest buffered row has waited flush_seconds (engine loop calls this)."""
+        if self._buffered and self.clock() - self._oldest >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffer as one new shard: temp file, fsync, rename. No-op when empty."""
+        if not self._buffered:
+            return
+        # from_pydict with the schema casts Python values back to the input's
+        # types (structs, timestamps, dictionaries) instead of inferring them.
+        table = pa.Table.from_pydict(self._columns, schema=self.schema)
+        final = self.dir / f"part-{self._next_part:05d}.parquet"
+        temp = self.dir / f".{final.name}.tmp"
+        pq.write_table(table, temp, compression="zstd")
+        _fsync_file(temp)
+        os.replace(temp, final)
+        _fsync_dir(self.dir)  # make the rename itself durable
+        self.rows_written += self._buffered
+        self.shards_written += 1
+        self._next_part += 1
+        self._columns = {name: [] for name in self.schema.names}
+        self._buffered = 0
+
+    def close(self) -> None:
+        self.flush()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # Flush even on an exception: finished rows are worth keeping for --resume.
+        self.close()
+
+
+class TrajectoryWriter(ShardWriter):
+    """ShardWriter over trajectory_schema(passthrough_schema)."""
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        passthrough_schema: pa.Schema,
+        shard_rows: int = 1024,
+        flush_seconds: float = 10.0,
+        subdir: str = TRAJECTORIES_SUBDIR,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(
+            out_dir,
+            trajectory_schema(passthrough_schema),
+            shard_rows=shard_rows,
+            flush_seconds=flush_seconds,
+            subdir=subdir,
+            clock=clock,
+        )
+
+
+def completed_pairs(out_dir: str | Path, subdir: str = TRAJECTORIES_SUBDIR) -> set[tuple[int, int]]:
+    """(prompt_index, sample_index) of every row in the whole shards; deletes leftover temp shards.
+
+    Reads only those two columns. A missing directory means nothing done yet.
+    """
+    directory = Path(out_dir) / subdir
+    if not directory.is_dir():
+        return set()
+    for entry in directory.iterdir():
+        if _TEMP_RE.match(entry.name):
+            entry.unlink()  # a shard a crash interrupted; its rows are generated again
+    pairs: set[tuple[int, int]] = set()
+    for _, path in sorted(_part_files(directory).items()):
+        try:
+            table = pq.read_table(path, columns=["prompt_index", "sample_index"])
+        except (pa.ArrowException, OSError) as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise RolloutError(
+                f"shard {path} is unreadable ({reason}); delete it and run again with --resume "
+                "to regenerate its rows"
+            ) from err
+        pairs.update(zip(table.column(0).to_pylist(), table.column(1).to_pylist()))
+    return pairs
+
+
+def prepare_output_dir(out_dir: str | Path, resume: bool) -> None:
+    """Refuse an --out that would mix runs; creates nothing (see create_output_dir)."""
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise RolloutError(f"--out {path} is a file, not a directory; choose another --out")
+    if not path.exists() or not any(path.iterdir()):
+        return
+    if not resume:
+        raise RolloutError(
+            f"output directory {path} is not empty; pass --resume to continue that run, "
+            "or choose another --out"
+        )
+    if not (path / MANIFEST_NAME).exists() and not (path / TRAJECTORIES_SUBDIR).is_dir():
+        raise RolloutError(
+            f"--resume: {path} holds no rollout output (no {MANIFEST_NAME} or "
+            f"{TRAJECTORIES_SUBDIR}/); choose another --out"
+        )
+
+
+def create_output_dir(out_dir: str | Path, subdirs: Iterable[str] = (TRAJECTORIES_SUBDIR,)) -> None:
+    """Make OUT and its shard folders; call it only after every input check passed."""
+    for sub in subdirs:
+        (Path(out_dir) / sub).mkdir(parents=True, exist_ok=True)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+
+
+def write_manifest(out_dir: str | Path, manifest: dict[str, Any]) -> None:
+    """Write OUT/manifest.json atomically (temp file, fsync, rename), indent=2."""
+    directory = Path(out_dir)
+    final = directory / MANIFEST_NAME
+    temp = directory / f".{MANIFEST_NAME}.tmp"
+    with open(temp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(manifest, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, final)
+    _fsync_dir(directory)
+
+
+def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
+    """OUT/manifest.json as a dict, or None when there is none."""
+    path = Path(out_dir) / MANIFEST_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise RolloutError(
+            f"{path} is not valid JSON ({err}); restore or delete it, or choose another --out"
+        ) from err
+    if not isinstance(manifest, dict):
+        raise RolloutError(f"{path} does not hold a JSON object; restore or delete it, or choose another --out")
+    return manifest
+
+
+def _part_files(directory: Path) -> dict[int, Path]:
+    """{shard number: path} of the whole shards in directory."""
+    found = {}
+    for name in os.listdir(directory):
+        match = _PART_RE.match(name)
+        if match:
+            found[int(match.group(1))] = directory / name
+    return found
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Best effort: not every OS or filesystem lets a directory be opened and fsynced."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,176 @@
+"""Layers shared by the decoder model files.
+
+Each parameter that is fused from several checkpoint tensors (qkv, gate_up)
+carries a `weight_loader(param, tensor, shard_id)` that copies one checkpoint
+tensor into its slice; the loader never needs to know the fusion layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout_cli.errors import RolloutError
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise RolloutError(
+            f"tensor {name} has shape {tuple(src.shape)} but the model expects {tuple(dst.shape)}; "
+            "the checkpoint does not match config.json"
+        )
+    dst.copy_(src)
+
+
+def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+    _copy_checked(param.data, tensor, getattr(param, "checkpoint_name", "weight"))
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); W is [out_features, in_features] as in checkpoints."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = default_weight_loader
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
+    """Several projections of the same input stacked along the output dim.
+
+    `shard_sizes` maps a shard id (the checkpoint tensor it comes from) to its
+    number of output rows, in stacking order: qkv uses {"q", "k", "v"},
+    gate_up uses {0, 1}.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict, bias: bool = False):
+        super().__init__(in_features, sum(shard_sizes.values()), bias)
+        self.shard_offsets: dict = {}
+        offset = 0
+        for shard_id, size in shard_sizes.items():
+            self.shard_offsets[shard_id] = (offset, size)
+            offset += size
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self._load_shard
+                param.shard_offsets = self.shard_offsets  # the loader checks shard shapes from it
+
+    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard_id) -> None:
+        offset, size = self.shard_offsets[shard_id]
+        _copy_checked(param.data.narrow(0, offset, size), tensor, f"shard {shard_id}")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with float32 math inside, optionally fused with the residual add.
+
+    forward(x) -> normed; forward(x, residual) -> (normed, x + residual), where
+    the sum is also the next residual. Summing in the activation dtype before
+    normalising matches HF transformers.
+    """
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+def rope_inverse_frequencies(config) -> tuple[torch.Tensor, float]:
+    """inv_freq [rotary_dim // 2] and the cos/sin scale, computed as HF does."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head_dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv_freq, 1.0
+    if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
+        raise RolloutError(
+            f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3, yarn, longrope"
+        )
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE over the first `rotary_dim` dims of each head.
+
+    cos_sin is a float32 table [max_positions, rotary_dim] built once; it is a
+    buffer, not a parameter, so checkpoints never carry it.
+    """
+
+    def __init__(self, config, head_dim: int, max_positions: int):
+        super().__init__()
+        inv_freq, scale = rope_inverse_frequencies(config)
+        self.rotary_dim = inv_freq.numel() * 2
+        self.head_dim = head_dim
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_positions, rotary_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # Plain attributes, not buffers: model.to(bfloat16) must not round the tables.
+        self.cos = emb.cos() * scale  # [max_positions, rotary_dim]
+        self.sin = emb.sin() * scale
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [T]; q [T, heads, head_dim]; k [T, kv_heads, head_dim]."""
+        if self.cos.device != positions.device:
+            self.cos = self.cos.to(positions.device)
+            self.sin = self.sin.to(positions.device)
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, rotary_dim]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        r = self.rotary_dim
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            if r == x.shape[-1]:
+                return x * cos + self._rotate_half(x) * sin
+            x_rot, x_pass = x[..., :r], x[..., r:]
+            return torch.cat((x_rot * cos + self._rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+        return rotate(q), rotate(k)
+
+
+class SiluAndMul(nn.Module):
+    """x [T, 2 * I] -> silu(x[:, :I]) * x[:, I:]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)

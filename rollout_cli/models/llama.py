@@ -1,0 +1,151 @@
+"""Llama-family dense decoders: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
+
+They differ only in biases (Qwen2: q/k/v; Llama: `attention_bias`, `mlp_bias`)
+and Qwen3's per-head RMSNorm on q and k before RoPE. Attention itself lives
+in the engine: each layer hands q, k, v to `attn.forward(layer_idx, ...)`,
+which stores k/v in the KV pool and attends over the request's context.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rollout_cli.models.layers import (
+    FusedLinear,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    VocabEmbedding,
+)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_positions: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = RotaryEmbedding(config, self.head_dim, max_positions)
+        self.splits = [q_size, kv_size, kv_size]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn) -> torch.Tensor:
+        # hidden [T, hidden_size] -> q [T, heads, head_dim], k/v [T, kv_heads, head_dim]
+        q, k, v = self.qkv_proj(hidden).split(self.splits, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = attn.forward(self.layer_idx, q, k, v)  # [T, heads, head_dim]
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config, bias: bool):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = FusedLinear(config.hidden_size, {0: inter, 1: inter}, bias=bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, flags: dict, max_positions: int):
+        super().__init__()
+        self.self_attn = DecoderAttention(
+            config, layer_idx, flags["qkv_bias"], flags["o_bias"], flags["qk_norm"], max_positions
+        )
+        self.mlp = DecoderMLP(config, flags["mlp_bias"])
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, attn):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, flags: dict, max_positions: int):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, flags, max_positions) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, attn):
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden_size]
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, attn)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Qwen2 (qkv bias) through `flags`; Qwen3 subclasses it."""
+
+    # checkpoint tensor name part -> (our fused parameter part, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    @staticmethod
+    def flags_for(config) -> dict:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return dict(
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=False,
+        )
+
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.flags_for(config), max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden [T, hidden_size]."""
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, hidden_size] -> float32 logits [B, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def flags_for(config) -> dict:
+        return dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)

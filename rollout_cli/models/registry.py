@@ -1,0 +1,24 @@
+"""Architecture name (config.json `architectures[0]`) -> model class."""
+
+from __future__ import annotations
+
+from rollout_cli.errors import RolloutError
+from rollout_cli.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from rollout_cli.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class_for(config):
+    architectures = getattr(config, "architectures", None) or []
+    for name in architectures:
+        if name in MODEL_CLASSES:
+            return MODEL_CLASSES[name]
+    shown = ", ".join(architectures) or "none listed in config.json"
+    raise RolloutError(
+        f"unsupported architecture ({shown}); supported: {', '.join(sorted(MODEL_CLASSES))}"
+    )
