@@ -71,6 +71,7 @@ def encode_prompt(tokenizer: Any, value: Any) -> list[int]:
     if isinstance(value, str):
         if not value:
             raise InvalidPrompt("empty prompt")
+        _require_tokenizer(tokenizer)
         return [int(t) for t in tokenizer.encode(value)]
     return _encode_non_string(tokenizer, value)
 
@@ -100,6 +101,7 @@ def _encode_non_string(tokenizer: Any, value: Any) -> list[int]:
             raise InvalidPrompt(f"prompt holds the negative token id {min(ids)}")
         return ids
     if all(isinstance(v, Mapping) for v in value):
+        _require_tokenizer(tokenizer)
         return _encode_chat(tokenizer, value)
     raise InvalidPrompt(
         "prompt list mixes types; expected only token ids (ints) or only chat messages "
@@ -143,6 +145,14 @@ def _encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[
     return [int(t) for t in out]
 
 
+def _require_tokenizer(tokenizer: Any) -> None:
+    if tokenizer is None:
+        raise RolloutError(
+            "the model directory has no tokenizer files, so text and chat prompts cannot be encoded; "
+            "add the tokenizer files or give prompts as token ids"
+        )
+
+
 def _encode_batch(tokenizer: Any, values: list[Any]) -> list[list[int] | InvalidPrompt]:
     """encode_prompt over a batch: ids, or the InvalidPrompt, per value in order.
 
@@ -160,6 +170,7 @@ def _encode_batch(tokenizer: Any, values: list[Any]) -> list[list[int] | Invalid
         except InvalidPrompt as err:
             results[pos] = err
     if string_pos:
+        _require_tokenizer(tokenizer)
         strings = [values[p] for p in string_pos]
         if callable(tokenizer):
             # verbose=False: long prompts are judged against max_prompt_len below,
@@ -196,6 +207,7 @@ class PromptSource:
         max_prompt_len: int | None = None,
         skip_invalid: bool = False,
         batch_rows: int = 1024,
+        vocab_size: int | None = None,
     ) -> None:
         if limit is not None and limit < 1:
             raise RolloutError(f"--limit must be at least 1, got {limit}; pass a positive row count")
@@ -207,6 +219,7 @@ class PromptSource:
         self.limit = limit
         self.max_prompt_len = max_prompt_len
         self.skip_invalid = skip_invalid
+        self.vocab_size = vocab_size
         self.batch_rows = batch_rows
 
         if not self.path.exists():
@@ -269,6 +282,9 @@ class PromptSource:
         """(reason, fix) when a row cannot be used, else None."""
         if isinstance(result, InvalidPrompt):
             return str(result), "fix or drop that row"
+        if self.vocab_size is not None and max(result) >= self.vocab_size:
+            return (f"prompt holds token id {max(result)}, outside the model's vocabulary of {self.vocab_size}",
+                    "fix the token ids")
         limit = self.max_prompt_len
         if limit is not None and len(result) > limit:
             return (

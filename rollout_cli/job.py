@@ -1,0 +1,189 @@
+"""One generation job: prompts Parquet in, trajectory shards and a manifest out.
+
+Shared by the embedded `rollout run` and (later) the daemon's /generate.
+Order matters for "nothing written on bad input": every check that can fail
+(output dir, prompt file, every prompt row) runs before OUT is created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from rollout_cli.engine.engine import Engine
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.errors import RolloutError
+from rollout_cli.io.prompts import PromptRow, PromptSource, SkippedRow
+from rollout_cli.io.trajectories import (
+    TrajectoryWriter,
+    completed_pairs,
+    create_output_dir,
+    prepare_output_dir,
+    read_manifest,
+    write_manifest,
+)
+
+# Manifest keys that must be equal for --resume to continue a run.
+RESUME_KEYS = ("model", "data", "prompt_key", "limit", "sampling")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Where a job reads and writes, and how it treats bad rows."""
+
+    data: str
+    """Prompt Parquet file."""
+    out: str
+    """Output directory: OUT/trajectories/part-NNNNN.parquet and OUT/manifest.json."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string, a list of chat messages, or token ids."""
+    limit: int | None = None
+    """Use only the first `limit` rows of the file."""
+    resume: bool = False
+    """Continue a run in a non-empty OUT: generate only the missing (prompt, sample) pairs."""
+    skip_invalid: bool = False
+    """Skip bad rows (listed in the manifest) instead of failing."""
+    shard_rows: int = 1024
+    """Rows per output shard."""
+    flush_seconds: float = 10.0
+    """A shard is also closed when its oldest row has waited this long (bounds what a kill loses)."""
+
+
+@dataclass
+class JobProgress:
+    """Live counters, read by progress bars."""
+
+    prompts_total: int = 0
+    prompts_done: int = 0
+    trajectories: int = 0
+    output_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / max(time.monotonic() - self.started, 1e-9)
+
+
+def check_job_inputs(job: JobConfig) -> None:
+    """Cheap checks before the model loads: OUT may be used, the prompt file opens."""
+    prepare_output_dir(job.out, job.resume)
+    PromptSource(job.data, tokenizer=None, prompt_key=job.prompt_key, limit=job.limit)
+
+
+def _settings(engine: Engine, job: JobConfig, params: SamplingParams) -> dict:
+    return {
+        "model": engine.config.model,
+        "data": job.data,
+        "prompt_key": job.prompt_key,
+        "limit": job.limit,
+        "sampling": dataclasses.asdict(params),
+    }
+
+
+def _check_resume(job: JobConfig, settings: dict) -> None:
+    previous = read_manifest(job.out)
+    if previous is None:
+        return
+    for key in RESUME_KEYS:
+        if key in previous and previous[key] != settings[key]:
+            raise RolloutError(
+                f"--resume: {job.out} was made with {key}={previous[key]!r}, this run has {settings[key]!r}; "
+                "use the same settings to resume, or choose another --out"
+            )
+
+
+def run_job(
+    engine: Engine,
+    params: SamplingParams,
+    job: JobConfig,
+    on_progress: Callable[[JobProgress], None] | None = None,
+) -> dict:
+    """Generate every missing trajectory of the job; return the final manifest."""
+    check_job_inputs(job)
+    source = PromptSource(
+        job.data, engine.tokenizer, prompt_key=job.prompt_key, limit=job.limit,
+        max_prompt_len=engine.max_model_len - 1, skip_invalid=job.skip_invalid,
+        vocab_size=engine.hf_config.vocab_size,
+    )
+    skipped = source.validate()
+    settings = _settings(engine, job, params)
+    if job.resume:
+        _check_resume(job, settings)
+    done = completed_pairs(job.out) if job.resume else set()
+
+    create_output_dir(job.out)
+    manifest = dict(settings, status="running", weight_version=engine.weight_version,
+                    engine=_engine_settings(engine))
+    write_manifest(job.out, manifest)
+
+    progress = JobProgress(prompts_total=source.num_valid, trajectories=len(done))
+    remaining: dict[int, int] = {}  # prompt_index -> samples still to finish
+
+    def pending_prompts() -> Iterator[PromptRow]:
+        for row in source:
+            missing = sum((row.prompt_index, s) not in done for s in range(params.n))
+            if missing == 0:
+                progress.prompts_done += 1
+                continue
+            remaining[row.prompt_index] = missing
+            yield row
+
+    writer = TrajectoryWriter(job.out, source.passthrough_schema, job.shard_rows, job.flush_seconds)
+    finish_reasons: Counter[str] = Counter()
+    stats_before = dataclasses.replace(engine.scheduler.stats)
+    status = "interrupted"
+    try:
+        for trajectory in engine.stream(pending_prompts(), params, skip=done, on_step=writer.maybe_flush):
+            writer.add(trajectory.to_row())
+            finish_reasons[trajectory.finish_reason] += 1
+            progress.trajectories += 1
+            progress.output_tokens += len(trajectory.response_token_ids)
+            remaining[trajectory.prompt_index] -= 1
+            if remaining[trajectory.prompt_index] == 0:
+                del remaining[trajectory.prompt_index]
+                progress.prompts_done += 1
+            if on_progress is not None:
+                on_progress(progress)
+        status = "complete"
+    finally:
+        writer.close()  # finished rows survive any exception, Ctrl-C and SIGTERM included
+        manifest.update(_summary(engine, progress, writer, finish_reasons, skipped, stats_before, status))
+        write_manifest(job.out, manifest)
+    return manifest
+
+
+def _engine_settings(engine: Engine) -> dict:
+    cfg = engine.config
+    return {
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "max_model_len": engine.max_model_len,
+        "max_batch_tokens": cfg.max_batch_tokens,
+        "max_running": cfg.max_running,
+        "kv_cache_tokens": engine.num_kv_slots - 1,
+        "enable_prefix_cache": cfg.enable_prefix_cache,
+    }
+
+
+def _summary(engine, progress: JobProgress, writer, finish_reasons, skipped: list[SkippedRow], before, status) -> dict:
+    stats = engine.scheduler.stats
+    prompt_tokens = stats.prompt_tokens - before.prompt_tokens
+    cached = stats.cached_prompt_tokens - before.cached_prompt_tokens
+    wall = time.monotonic() - progress.started
+    return {
+        "status": status,
+        "prompts": progress.prompts_total,
+        "prompts_done": progress.prompts_done,
+        "trajectories": progress.trajectories,
+        "trajectories_this_run": writer.rows_written,
+        "output_tokens_this_run": progress.output_tokens,
+        "finish_reasons_this_run": dict(finish_reasons),
+        "prefix_hit_rate": round(cached / prompt_tokens, 4) if prompt_tokens else 0.0,
+        "preemptions": stats.preemptions - before.preemptions,
+        "wall_seconds": round(wall, 3),
+        "output_tokens_per_s": round(progress.output_tokens / max(wall, 1e-9), 1),
+        "skipped_rows": [dataclasses.asdict(s) for s in skipped],
+    }

@@ -1,0 +1,162 @@
+"""Shared fixtures: tiny random HF checkpoints, the HF reference, the example model; the gpu marker."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Tiny checkpoints, one per supported architecture (and the variants that take other code paths).
+_COMMON = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA
+    intermediate_size=128,
+    max_position_embeddings=512,
+    initializer_range=0.4,  # large weights: greedy outputs vary instead of repeating one token
+    rms_norm_eps=1e-6,
+    bos_token_id=None,
+    eos_token_id=None,  # no eos: every greedy run goes to max_new_tokens unless a test sets one
+    pad_token_id=None,
+)
+
+TINY_ARCHS = {
+    # head_dim 32 != hidden / heads (16): q/o projections are wider than hidden.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(num_hidden_layers=2, vocab_size=384, head_dim=32, tie_word_embeddings=True)),
+    # qkv biases, tied embeddings, 3 layers
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(num_hidden_layers=3, vocab_size=448, tie_word_embeddings=True)),
+    # untied lm_head, llama3 rope scaling (original context 64, so positions past it are scaled)
+    "llama3_scaled": ("LlamaConfig", "LlamaForCausalLM",
+                      dict(num_hidden_layers=2, vocab_size=320, tie_word_embeddings=False,
+                           rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
+                                                low_freq_factor=1.0, high_freq_factor=4.0,
+                                                original_max_position_embeddings=64))),
+    # attention and mlp biases, tied embeddings, default rope
+    "llama_bias": ("LlamaConfig", "LlamaForCausalLM",
+                   dict(num_hidden_layers=2, vocab_size=352, tie_word_embeddings=True,
+                        attention_bias=True, mlp_bias=True)),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _build_checkpoint(name: str, directory: Path) -> Path:
+    import torch
+    import transformers
+
+    config_cls, model_cls, extra = TINY_ARCHS[name]
+    config = getattr(transformers, config_cls)(**_COMMON, **extra)
+    torch.manual_seed(1234 + sum(map(ord, name)))
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        # HF initialises norms to 1 and biases to 0: perturb them so loading them is tested too.
+        for pname, param in model.named_parameters():
+            if "norm" in pname:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif pname.endswith(".bias"):
+                param.copy_(0.2 * torch.randn_like(param))
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """name -> directory of a saved tiny random checkpoint (float32 safetensors, no tokenizer)."""
+    root = tmp_path_factory.mktemp("tiny_ckpts")
+    return {name: str(_build_checkpoint(name, root / name)) for name in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_ARCHS))
+def arch(request, tiny_checkpoints) -> tuple[str, str]:
+    """(name, checkpoint directory), once per architecture."""
+    return request.param, tiny_checkpoints[request.param]
+
+
+def with_eos(src: str, dst: Path, eos_token_id: int) -> str:
+    """Copy a checkpoint and set its eos token in config.json and generation_config.json."""
+    shutil.copytree(src, dst)
+    for fname in ("config.json", "generation_config.json"):
+        path = dst / fname
+        if path.is_file():
+            data = json.loads(path.read_text())
+            data["eos_token_id"] = eos_token_id
+            path.write_text(json.dumps(data))
+    return str(dst)
+
+
+class HFReference:
+    """HF transformers on the same checkpoint: greedy generate and teacher-forced logprobs (memoized)."""
+
+    def __init__(self):
+        self._models = {}
+        self._greedy = {}
+
+    def model(self, model_dir: str):
+        if model_dir not in self._models:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            self._models[model_dir] = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32, local_files_only=True).eval()
+        return self._models[model_dir]
+
+    def greedy(self, model_dir: str, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
+        key = (model_dir, tuple(prompt), max_new_tokens, eos_token_id)
+        if key not in self._greedy:
+            import torch
+
+            model = self.model(model_dir)
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                                     pad_token_id=0)
+            self._greedy[key] = out[0, len(prompt):].tolist()
+        return self._greedy[key]
+
+    def logprobs(self, model_dir: str, prompt: list[int], response: list[int], temperature: float = 1.0):
+        """log_softmax(logits / temperature) of each response token, from one full forward."""
+        import torch
+
+        model = self.model(model_dir)
+        ids = torch.tensor([prompt + response])
+        with torch.no_grad():
+            logits = model(ids).logits[0].float()
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        rows = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+        return logp[rows, torch.tensor(response)].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_ref() -> HFReference:
+    return HFReference()
+
+
+@pytest.fixture(scope="session")
+def example_model_dir() -> str:
+    path = REPO_ROOT / "recipes" / "example_model"
+    assert (path / "config.json").is_file(), f"{path} is missing; run recipes/make_example_model.py"
+    return str(path)

@@ -1,0 +1,161 @@
+"""Greedy tokens equal HF `generate` exactly and logprobs match HF's log_softmax to 1e-4 (CPU, float32)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import with_eos
+from rollout_cli import Engine, PromptInput, SamplingParams
+
+TOL = 1e-4
+
+
+def make_engine(model_dir: str, **options) -> Engine:
+    options.setdefault("max_model_len", 128)
+    options.setdefault("max_running", 16)
+    return Engine(model=model_dir, device="cpu", dtype="float32", **options)
+
+
+def prompts_of(lengths, seed=0, vocab=300):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def assert_matches_hf(hf_ref, model_dir, results, prompts, max_new_tokens, n=1):
+    assert len(results) == len(prompts) * n
+    for traj in results:
+        prompt = prompts[traj.prompt_index]
+        assert traj.prompt_token_ids == prompt
+        want = hf_ref.greedy(model_dir, prompt, max_new_tokens)
+        assert traj.response_token_ids == want, (traj.prompt_index, traj.sample_index)
+        assert traj.finish_reason == "length"
+        ref_lp = hf_ref.logprobs(model_dir, prompt, want)
+        assert traj.response_logprobs == pytest.approx(ref_lp, abs=TOL)
+
+
+GREEDY = dict(temperature=0.0)
+
+
+def test_greedy_outputs_vary(arch, hf_ref):
+    """Sanity of the fixtures: random weights give varied greedy text, or parity would be trivial."""
+    _, model_dir = arch
+    for prompt in prompts_of([5, 12], seed=1):
+        out = hf_ref.greedy(model_dir, prompt, 24)
+        assert len(out) == 24
+        assert len(set(out)) >= 6, out
+
+
+def test_batch_of_mixed_lengths_with_chunked_prefill(arch, hf_ref):
+    _, model_dir = arch
+    prompts = prompts_of([1, 3, 9, 16, 17, 50], seed=2)  # 50 > max_batch_tokens: chunked prefill
+    engine = make_engine(model_dir, max_batch_tokens=16)
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=20, **GREEDY))
+    assert_matches_hf(hf_ref, model_dir, results, prompts, 20)
+    assert engine.scheduler.stats.preemptions == 0
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_preemption_keeps_outputs_exact(arch, hf_ref, prefix_cache):
+    _, model_dir = arch
+    prompts = prompts_of([20, 14, 25, 18, 11], seed=3)
+    # each request needs ~45 slots; 64 slots cannot hold them all: the scheduler must preempt.
+    engine = make_engine(model_dir, max_model_len=64, kv_cache_tokens=65, max_batch_tokens=32,
+                         enable_prefix_cache=prefix_cache)
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=24, **GREEDY))
+    assert engine.scheduler.stats.preemptions > 0
+    assert_matches_hf(hf_ref, model_dir, results, prompts, 24)
+    sched = engine.scheduler
+    cached = sched.cache.total_size if sched.cache else 0
+    assert sched.allocator.num_free + cached == engine.num_kv_slots - 1
+
+
+def test_shared_prefixes_hit_cache_and_match(arch, hf_ref):
+    _, model_dir = arch
+    system = prompts_of([20], seed=4)[0]
+    tails = prompts_of([3, 7, 1, 12], seed=5)
+    prompts = [system + t for t in tails]
+    params = SamplingParams(n=4, max_new_tokens=12, **GREEDY)
+    cached = make_engine(model_dir, max_batch_tokens=64, enable_prefix_cache=True)
+    with_cache = cached.generate(prompts, params)
+    assert cached.scheduler.stats.prefix_hit_rate > 0.5  # 15 of 16 samples reuse >= 20 prompt tokens
+    assert_matches_hf(hf_ref, model_dir, with_cache, prompts, 12, n=4)
+    assert [t.sample_index for t in with_cache[:4]] == [0, 1, 2, 3]
+    plain = make_engine(model_dir, max_batch_tokens=64, enable_prefix_cache=False)
+    without = plain.generate(prompts, params)
+    assert plain.scheduler.stats.prefix_hit_rate == 0
+    for a, b in zip(with_cache, without):
+        assert (a.prompt_index, a.sample_index) == (b.prompt_index, b.sample_index)
+        assert a.response_token_ids == b.response_token_ids
+        assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=TOL)
+
+
+def test_prefix_cache_reused_across_generate_calls(arch, hf_ref):
+    """A second call hits what the first left in the tree (finished sequences, not just prompts)."""
+    _, model_dir = arch
+    prompt = prompts_of([15], seed=6)[0]
+    engine = make_engine(model_dir, max_batch_tokens=8)
+    first = engine.generate([prompt], SamplingParams(max_new_tokens=10, **GREEDY))[0]
+    # continue the first response: prompt + response is already cached
+    longer = prompt + first.response_token_ids
+    second = engine.generate([longer], SamplingParams(max_new_tokens=10, **GREEDY))[0]
+    stats = engine.scheduler.stats
+    assert stats.cached_prompt_tokens >= len(longer) - 2
+    assert_matches_hf(hf_ref, model_dir, [first], [prompt], 10)
+    assert_matches_hf(hf_ref, model_dir, [second], [longer], 10)
+
+
+def test_eos_stops_and_ignore_eos_continues(arch, hf_ref, tmp_path):
+    _, model_dir = arch
+    prompt = prompts_of([8], seed=7)[0]
+    full = hf_ref.greedy(model_dir, prompt, 20)
+    # an eos the greedy output hits for the first time at index k >= 2
+    k = next(i for i in range(2, len(full)) if full[i] not in full[:i])
+    eos = full[k]
+    eos_dir = with_eos(model_dir, tmp_path / "eos", eos)
+    engine = make_engine(eos_dir)
+    assert eos in engine.eos_token_ids
+    stopped = engine.generate([prompt], SamplingParams(max_new_tokens=20, **GREEDY))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.response_token_ids == full[: k + 1]
+    assert stopped.response_token_ids[-1] == eos
+    assert hf_ref.greedy(eos_dir, prompt, 20, eos_token_id=eos) == full[: k + 1]
+    assert stopped.response_logprobs == pytest.approx(hf_ref.logprobs(model_dir, prompt, full[: k + 1]), abs=TOL)
+
+    kept = engine.generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True, **GREEDY))[0]
+    assert kept.finish_reason == "length"
+    assert kept.response_token_ids == full
+    assert kept.response_logprobs == pytest.approx(hf_ref.logprobs(model_dir, prompt, full), abs=TOL)
+
+
+def test_max_model_len_stops_with_length(arch, hf_ref):
+    _, model_dir = arch
+    prompts = prompts_of([10, 3], seed=8)
+    engine = make_engine(model_dir, max_model_len=16)
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=100, **GREEDY))
+    for traj, prompt in zip(results, prompts):
+        assert traj.finish_reason == "length"
+        assert len(prompt) + len(traj.response_token_ids) == 16
+        want = hf_ref.greedy(model_dir, prompt, 16 - len(prompt))
+        assert traj.response_token_ids == want
+        assert traj.response_logprobs == pytest.approx(hf_ref.logprobs(model_dir, prompt, want), abs=TOL)
+
+
+def test_stream_keeps_prompt_index_and_passthrough(tiny_checkpoints, hf_ref):
+    model_dir = tiny_checkpoints["qwen3"]
+    prompt = prompts_of([6], seed=9)[0]
+    engine = make_engine(model_dir)
+    inputs = [PromptInput(41, prompt, {"id": "row-41"})]
+    [traj] = list(engine.stream(inputs, SamplingParams(max_new_tokens=5, **GREEDY)))
+    assert (traj.prompt_index, traj.sample_index, traj.passthrough) == (41, 0, {"id": "row-41"})
+    assert traj.response_token_ids == hf_ref.greedy(model_dir, prompt, 5)
+
+
+def test_example_model_matches_hf(example_model_dir, hf_ref):
+    prompt = [5, 17, 99, 230, 7, 64]
+    engine = make_engine(example_model_dir)
+    [traj] = engine.generate([prompt], SamplingParams(max_new_tokens=10, ignore_eos=True, **GREEDY))
+    want = hf_ref.greedy(example_model_dir, prompt, 10, eos_token_id=None)
+    assert traj.response_token_ids == want
+    assert traj.response_logprobs == pytest.approx(hf_ref.logprobs(example_model_dir, prompt, want), abs=TOL)
