@@ -1,0 +1,256 @@
+"""Scheduler without a model: a fake runner checks every step's KV bookkeeping against a content oracle."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rollout_cli.engine.request import Request, RequestStatus
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.scheduler import Scheduler
+from rollout_cli.errors import RolloutError
+
+
+def next_token(request: Request) -> int:
+    """The fake model's choice: fixed by (prompt, sample, position), so recomputation reproduces it."""
+    return 100 + (request.prompt_index * 31 + request.sample_index * 7 + request.num_tokens * 3) % 50
+
+
+def expected_output(request: Request, eos=frozenset(), max_model_len=1 << 30) -> list[int]:
+    probe = Request(-1, request.prompt_index, request.sample_index, list(request.prompt_token_ids),
+                    request.params, eos_token_ids=eos, max_model_len=max_model_len)
+    while probe.finish_reason is None:
+        probe.append_token(next_token(probe), -0.5)
+    return probe.output_token_ids
+
+
+class FakeRunner:
+    """Mimics ModelRunner's req_to_token table; the "KV" of a slot is the token prefix it was computed for.
+
+    Every context position a step attends to must hold the KV of exactly that prefix, so a wrong
+    cached prefix, a stale table row or a slot reused while live fails here.
+    """
+
+    def __init__(self, max_running: int):
+        self.table: dict[tuple[int, int], int] = {}
+        self.kv: dict[int, tuple] = {}
+        self.steps = []  # per step: [(request_id, start, num_new_tokens, sample)]
+
+    def run(self, out):
+        new = [s for e in out.entries for s in e.new_slots]
+        assert len(new) == len(set(new)), "two tokens written to one slot in a step"
+        assert 0 not in new, "slot 0 is padding"
+        rows = [e.table_row for e in out.entries]
+        assert len(rows) == len(set(rows)) and all(r >= 0 for r in rows)
+        for e in out.entries:
+            assert len(e.new_slots) == e.num_new_tokens
+            assert e.table_start + len(e.table_slots) == e.start + e.num_new_tokens
+            for i, s in enumerate(e.table_slots):
+                self.table[e.table_row, e.table_start + i] = s
+        for e in out.entries:
+            seq = e.request.all_token_ids
+            assert e.token_ids == seq[e.start : e.start + e.num_new_tokens]
+            assert e.sample == (e.start + e.num_new_tokens == len(seq))
+            for i, s in enumerate(e.new_slots):
+                self.kv[s] = tuple(seq[: e.start + i + 1])
+        for e in out.entries:
+            seq = e.request.all_token_ids
+            for pos in range(e.start + e.num_new_tokens):
+                slot = self.table.get((e.table_row, pos))
+                assert self.kv.get(slot) == tuple(seq[: pos + 1]), (e.request.request_id, pos, slot)
+        self.steps.append([(e.request.request_id, e.start, e.num_new_tokens, e.sample) for e in out.entries])
+        tokens = [next_token(e.request) for e in out.entries if e.sample]
+        return tokens, [-0.5] * len(tokens)
+
+
+def check_accounting(s: Scheduler) -> None:
+    cached = s.cache.total_size if s.cache else 0
+    owned = sum(len(r.slots) - r.num_cached_tokens for r in s.running)
+    assert s.allocator.num_free + cached + owned == s.allocator.num_slots - 1
+    assert len(s.running) <= s.max_running
+    assert all(r.status is RequestStatus.RUNNING for r in s.running)
+    assert all(r.status is RequestStatus.WAITING and not r.slots for r in s.waiting)
+    if s.cache:
+        assert s.cache.evictable_size >= 0 and s.cache.protected_size >= 0
+
+
+def drive(s: Scheduler, runner: FakeRunner | None = None, max_steps: int = 10_000) -> list[Request]:
+    runner = runner or FakeRunner(s.max_running)
+    finished = []
+    for _ in range(max_steps):
+        if not s.has_work():
+            break
+        out = s.schedule()
+        assert out, "empty step with work pending"
+        assert out.num_tokens <= s.max_batch_tokens
+        check_accounting(s)
+        tokens, logprobs = runner.run(out)
+        finished += s.postprocess(out, tokens, logprobs)
+        check_accounting(s)
+    else:
+        raise AssertionError("scheduler did not finish")
+    # nothing leaks once every request is done
+    cached = s.cache.total_size if s.cache else 0
+    assert s.allocator.num_free + cached == s.allocator.num_slots - 1
+    if s.cache:
+        assert s.cache.protected_size == 0
+    assert sorted(s._free_rows) == list(range(s.max_running))
+    return finished
+
+
+def make_request(rid, prompt, max_new_tokens=4, prompt_index=None, sample_index=0, leader=None, **kw):
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    return Request(rid, rid if prompt_index is None else prompt_index, sample_index, list(prompt), params,
+                   group_leader=leader, **kw)
+
+
+def test_chunked_prefill_splits_budget():
+    s = Scheduler(num_kv_slots=256, max_running=4, max_batch_tokens=16)
+    r = make_request(0, range(1, 51), max_new_tokens=3)
+    s.add(r)
+    runner = FakeRunner(4)
+    [done] = drive(s, runner)
+    assert [step[0][1:] for step in runner.steps] == [
+        (0, 16, False), (16, 16, False), (32, 16, False), (48, 2, True), (50, 1, True), (51, 1, True)]
+    assert done.output_token_ids == expected_output(r)
+    assert done.finish_reason == "length"
+
+
+def test_decodes_go_first_and_new_prompts_take_the_rest():
+    s = Scheduler(num_kv_slots=256, max_running=8, max_batch_tokens=8)
+    a, b = make_request(0, [1, 2, 3], max_new_tokens=10), make_request(1, [4, 5, 6], max_new_tokens=10)
+    s.add(a)
+    s.add(b)
+    runner = FakeRunner(8)
+    out = s.schedule()
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.entries] == [(0, 3), (1, 3)]
+    s.postprocess(out, *runner.run(out))
+    c, d = make_request(2, range(10, 40), max_new_tokens=2), make_request(3, [7, 8], max_new_tokens=2)
+    s.add(c)
+    s.add(d)
+    out = s.schedule()
+    # the two decodes first, then the waiting prompt gets the remaining 6 tokens of budget
+    assert [(e.request.request_id, e.start, e.num_new_tokens) for e in out.entries] == [
+        (0, 3, 1), (1, 3, 1), (2, 0, 6)]
+    s.postprocess(out, *runner.run(out))
+    out = s.schedule()
+    # c's unfinished prefill is running now: it continues before d is admitted
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.entries] == [(0, 1), (1, 1), (2, 6)]
+    s.postprocess(out, *runner.run(out))
+    finished = drive(s, runner)
+    assert {r.request_id for r in finished} == {0, 1, 2, 3}
+    for r in (a, b, c, d):
+        assert r.output_token_ids == expected_output(r)
+
+
+def test_group_followers_wait_for_leader_then_hit_cache():
+    s = Scheduler(num_kv_slots=256, max_running=8, max_batch_tokens=8)
+    prompt = list(range(1, 21))
+    leader = make_request(0, prompt, prompt_index=0, sample_index=0)
+    followers = [make_request(i, prompt, prompt_index=0, sample_index=i, leader=leader) for i in (1, 2, 3)]
+    for r in [leader, *followers]:
+        s.add(r)
+    runner = FakeRunner(8)
+    finished = drive(s, runner)
+    first_step_of = {}
+    for n, step in enumerate(runner.steps):
+        for rid, start, count, _ in step:
+            first_step_of.setdefault(rid, (n, start, count))
+    leader_prompt_done = next(n for n, step in enumerate(runner.steps)
+                              if any(rid == 0 and start + count == 20 for rid, start, count, _ in step))
+    for f in followers:
+        n, start, count = first_step_of[f.request_id]
+        assert n > leader_prompt_done  # waited for the leader's prompt
+        assert (start, count) == (19, 1)  # then only the last prompt token runs
+    assert s.stats.cached_prompt_tokens == 3 * 19
+    assert s.stats.prefix_hit_rate == pytest.approx(57 / 80)
+    assert s.stats.computed_tokens == 20 + 3 * 1 + 4 * 3  # prefills + 3 decodes each (4 new tokens)
+    assert len(finished) == 4
+    for r in [leader, *followers]:
+        assert r.output_token_ids == expected_output(r)
+
+
+def test_followers_without_cache_compute_their_own_prompt():
+    s = Scheduler(num_kv_slots=256, max_running=8, max_batch_tokens=64, enable_prefix_cache=False)
+    prompt = list(range(1, 11))
+    leader = make_request(0, prompt, prompt_index=0)
+    followers = [make_request(i, prompt, prompt_index=0, sample_index=i, leader=leader) for i in (1, 2)]
+    for r in [leader, *followers]:
+        s.add(r)
+    drive(s)
+    assert s.stats.cached_prompt_tokens == 0
+    assert s.stats.computed_tokens == 3 * 10 + 3 * 3
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_preemption_when_pool_is_exhausted_and_all_complete(prefix_cache):
+    # 40 usable slots; 6 requests that each grow to ~30 tokens: they cannot all stay resident
+    s = Scheduler(num_kv_slots=41, max_running=6, max_batch_tokens=32, enable_prefix_cache=prefix_cache)
+    rng = random.Random(0)
+    requests = [make_request(i, [rng.randrange(50) for _ in range(rng.randrange(8, 14))], max_new_tokens=16)
+                for i in range(6)]
+    for r in requests:
+        s.add(r)
+    finished = drive(s)
+    assert s.stats.preemptions > 0
+    assert sorted(r.request_id for r in finished) == list(range(6))
+    for r in requests:
+        assert r.status is RequestStatus.FINISHED
+        assert r.output_token_ids == expected_output(r)
+        assert r.finish_reason == "length"
+    assert s.stats.prompt_tokens == sum(r.num_prompt_tokens for r in requests)  # counted once, not per admission
+    assert any(r.num_preemptions for r in requests)
+
+
+def test_stop_tokens_and_max_model_len():
+    eos = frozenset({next_token(make_request(0, [5, 6, 7])) + 0})  # the very first token of request 0
+    s = Scheduler(num_kv_slots=128, max_running=4, max_batch_tokens=64)
+    r0 = make_request(0, [5, 6, 7], max_new_tokens=10, eos_token_ids=eos)
+    r1 = make_request(1, [9, 9, 9, 9], max_new_tokens=10, max_model_len=7)
+    for r in (r0, r1):
+        s.add(r)
+    drive(s)
+    assert r0.finish_reason == "stop" and len(r0.output_token_ids) == 1
+    assert r1.finish_reason == "length" and r1.num_tokens == 7
+    assert r1.output_token_ids == expected_output(r1, max_model_len=7)
+
+
+def test_request_larger_than_pool_is_an_error_not_a_hang():
+    s = Scheduler(num_kv_slots=16, max_running=2, max_batch_tokens=64)
+    s.add(make_request(0, range(1, 11), max_new_tokens=20))
+    with pytest.raises(RolloutError, match="cannot hold one request"):
+        drive(s, max_steps=200)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workloads(seed):
+    """Shared prefixes, sample groups, eos, small pools, chunking: KV oracle and accounting every step."""
+    rng = random.Random(seed)
+    prefix_cache = seed % 2 == 0
+    max_running = rng.choice([1, 2, 3, 8])
+    max_model_len = rng.choice([40, 64])
+    num_slots = rng.choice([max_model_len + 1, max_model_len + 20, 200])
+    s = Scheduler(num_kv_slots=num_slots, max_running=max_running,
+                  max_batch_tokens=rng.choice([1, 3, 8, 64]), enable_prefix_cache=prefix_cache)
+    eos = frozenset(rng.sample(range(100, 150), 2))
+    system = [rng.randrange(20) for _ in range(12)]
+    requests, rid = [], 0
+    for p in range(8):
+        prompt = (system if rng.random() < 0.6 else []) + [rng.randrange(20) for _ in range(rng.randrange(1, 15))]
+        leader = None
+        for sample in range(rng.choice([1, 1, 3])):
+            r = make_request(rid, prompt, max_new_tokens=rng.randrange(1, 20), prompt_index=p,
+                             sample_index=sample, leader=leader, eos_token_ids=eos, max_model_len=max_model_len)
+            leader = leader or r
+            requests.append(r)
+            rid += 1
+    for r in requests:
+        s.add(r)
+    finished = drive(s)
+    assert len(finished) == len(requests)
+    for r in requests:
+        assert r.output_token_ids == expected_output(r, eos, max_model_len)
+        assert r.finish_reason in ("stop", "length")
+    if prefix_cache and num_slots == 200:
+        assert s.stats.cached_prompt_tokens > 0
