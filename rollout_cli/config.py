@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class EngineConfig:
     """Share computed prompt prefixes between requests through the radix cache."""
     weight_version: str = "0"
     """Version recorded on every trajectory produced by the weights loaded at start."""
+    attention_backend: str = "auto"
+    """auto (triton on CUDA, torch on CPU), torch (SDPA over gathered KV), or triton (kernels/)."""
+    cuda_graphs: bool = True
+    """On CUDA with the triton backend, replay captured graphs for decode steps."""
 
     def __post_init__(self) -> None:
         from rollout_cli.errors import RolloutError
@@ -45,6 +50,10 @@ class EngineConfig:
             raise RolloutError(f"unknown --device {self.device!r}; choose one of {', '.join(DEVICES)} (or cuda:N)")
         if self.load_format not in LOAD_FORMATS:
             raise RolloutError(f"unknown --load-format {self.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise RolloutError(
+                f"unknown --attention-backend {self.attention_backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
+            )
         if self.max_batch_tokens < 1:
             raise RolloutError("--max-batch-tokens must be at least 1")
         if self.max_running < 1:

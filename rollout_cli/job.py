@@ -120,6 +120,8 @@ def run_job(
     write_manifest(job.out, manifest)
 
     progress = JobProgress(prompts_total=source.num_valid, trajectories=len(done))
+    if on_progress is not None:
+        on_progress(progress)  # every row is valid: the bar may start
     remaining: dict[int, int] = {}  # prompt_index -> samples still to finish
 
     def pending_prompts() -> Iterator[PromptRow]:

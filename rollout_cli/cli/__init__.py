@@ -1,0 +1,1 @@
+"""Typer CLI: one module per command group."""

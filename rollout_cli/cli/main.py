@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from rollout_cli.cli.bench import bench_command
 from rollout_cli.cli.run import run_command
 
 app = typer.Typer(
@@ -14,6 +15,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("run")(run_command)
+app.command("bench")(bench_command)
 
 
 @app.callback()

@@ -1,0 +1,1 @@
+"""Engine: requests, scheduler, KV pool, prefix cache, model runner, sampler."""

@@ -24,6 +24,7 @@ from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduler import BatchEntry, ScheduleOutput, Scheduler
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import build_model, load_model_config, resolve_device, resolve_dtype
+from rollout_cli.models.layers import enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
 
 
@@ -40,9 +41,10 @@ class Trajectory:
     finish_reason: str
     weight_version: str
     passthrough: dict[str, Any] = field(default_factory=dict)
+    ttft_seconds: float = 0.0  # queueing to first token; a metric, not a Parquet column
 
     def to_row(self) -> dict[str, Any]:
-        row = {k: v for k, v in self.__dict__.items() if k != "passthrough"}
+        row = {k: v for k, v in self.__dict__.items() if k not in ("passthrough", "ttft_seconds")}
         row.update(self.passthrough)
         return row
 
@@ -54,6 +56,7 @@ class PromptInput:
     prompt_index: int
     prompt_token_ids: list[int]
     passthrough: dict[str, Any] = field(default_factory=dict)
+    params: SamplingParams | None = None  # overrides the job's settings for this prompt (bench: mixed lengths)
 
 
 def _load_tokenizer(model_dir: str):
@@ -84,6 +87,14 @@ def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _attention_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type != "cuda":
+        raise RolloutError("--attention-backend triton needs a CUDA device; use torch on the CPU")
+    return name
+
+
 class Engine:
     """Python API under the CLI.
 
@@ -100,10 +111,13 @@ class Engine:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         self.max_model_len = cfg.max_model_len or limit
+        self.attention_backend = _attention_backend(cfg.attention_backend, self.device)
         self.tokenizer = _load_tokenizer(cfg.model)
         self.eos_token_ids = _eos_token_ids(cfg.model, self.hf_config, self.tokenizer)
         self.model = build_model(cfg.model, self.hf_config, self.device, self.dtype,
                                  max_positions=self.max_model_len, load_format=cfg.load_format)
+        if self.attention_backend == "triton":
+            enable_triton_kernels(self.model)
         self.weight_version = cfg.weight_version
         self._build_cache()
         self._request_ids = itertools.count()
@@ -121,15 +135,19 @@ class Engine:
             kv_cache_tokens=cfg.kv_cache_tokens, activation_bytes=activation,
         )
         self.kv = KVCache(num_layers, num_slots, num_kv_heads, head_dim, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.kv, cfg.max_running, self.max_model_len, self.device)
+        self.runner = ModelRunner(self.model, self.kv, cfg.max_running, self.max_model_len, self.device,
+                                  self.attention_backend)
         self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache)
+        self.cuda_graph_capture_seconds = None
+        if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs:
+            self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256))
 
     def _profile_step(self) -> None:
         """One prefill chunk of max_batch_tokens over a throwaway KV pool, to measure activations."""
         hf = self.hf_config
         tokens = min(self.config.max_batch_tokens, self.max_model_len)
         kv = KVCache(hf.num_hidden_layers, tokens + 1, hf.num_key_value_heads, head_dim_of(hf), self.dtype, self.device)
-        runner = ModelRunner(self.model, kv, 1, tokens, self.device)
+        runner = ModelRunner(self.model, kv, 1, tokens, self.device, self.attention_backend)
         request = Request(-1, 0, 0, [0] * tokens, SamplingParams(max_new_tokens=1))
         slots = list(range(1, tokens + 1))
         entry = BatchEntry(request, 0, 0, request.prompt_token_ids, 0, slots, sample=True)
@@ -176,6 +194,13 @@ class Engine:
         on_step: Callable[[], None] | None = None,
     ) -> Iterator[Trajectory]:
         """Yield trajectories as they finish; (prompt_index, sample_index) pairs in `skip` are not run."""
+        try:
+            yield from self._stream(prompts, params, skip, on_step)
+        finally:
+            # A job that failed or was abandoned mid-way must not leak its requests into the next one.
+            self.scheduler.abort_all()
+
+    def _stream(self, prompts, params, skip, on_step) -> Iterator[Trajectory]:
         source = iter(prompts)
         exhausted = False
         queue_target = 2 * self.config.max_running  # requests kept waiting: enough to fill the batch
@@ -199,11 +224,19 @@ class Engine:
                 on_step()
 
     def _add_prompt(self, prompt: PromptInput, params: SamplingParams, skip) -> None:
+        ids = prompt.prompt_token_ids
+        vocab = self.hf_config.vocab_size
+        # An empty prompt never gets admitted (stalls the queue); an id past the vocabulary crashes
+        # the embedding (on CUDA a device assert that kills the whole engine).
+        if not ids or min(ids) < 0 or max(ids) >= vocab:
+            what = "is empty" if not ids else f"holds token ids outside [0, {vocab})"
+            raise RolloutError(f"prompt {prompt.prompt_index} {what}; pass 1-d token ids of this model's tokenizer")
         if len(prompt.prompt_token_ids) >= self.max_model_len:
             raise RolloutError(
                 f"prompt {prompt.prompt_index} has {len(prompt.prompt_token_ids)} tokens, leaving no room to "
                 f"generate under --max-model-len {self.max_model_len}; raise it or filter long prompts"
             )
+        params = getattr(prompt, "params", None) or params
         leader = None
         for sample_index in range(params.n):
             if (prompt.prompt_index, sample_index) in skip:
@@ -233,4 +266,5 @@ class Engine:
             finish_reason=request.finish_reason,
             weight_version=self.weight_version,
             passthrough=request.payload or {},
+            ttft_seconds=(request.first_token_time or request.arrival_time) - request.arrival_time,
         )

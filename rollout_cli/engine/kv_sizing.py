@@ -40,8 +40,8 @@ def kv_pool_tokens(
         free, _ = torch.cuda.mem_get_info(device)
         budget = (free - activation_bytes) * kv_memory_fraction
         tokens = min(int(budget // bytes_per_token), most_useful)
-    else:
-        tokens = min(CPU_KV_BUDGET_BYTES // bytes_per_token, most_useful)
+    else:  # at least one full-length request, even past the budget (the pages are only touched when used)
+        tokens = min(max(CPU_KV_BUDGET_BYTES // bytes_per_token, max_model_len + 1), most_useful)
     if tokens - 1 < max_model_len:
         raise RolloutError(
             f"the KV cache holds {max(tokens - 1, 0)} tokens, fewer than one request of --max-model-len "

@@ -1,11 +1,14 @@
 """Runs one scheduled step: build input tensors, forward, sample.
 
-Owns the device side of the engine: the model, the KV pool and the
-req_to_token table ([max_running, max_model_len] slot ids; row r holds the
-KV slot of every position of the request in row r).
+Owns the device side of the engine: the model, the KV pool, the
+req_to_token table ([max_running + 1, max_model_len] slot ids; row r holds
+the KV slot of every position of the request in row r; the last row is the
+padding row of CUDA-graph batches) and, on CUDA, the decode graphs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -14,14 +17,42 @@ from rollout_cli.engine.sampler import SamplingBatch, sample
 from rollout_cli.engine.scheduler import ScheduleOutput
 
 
+@dataclass
+class DecodeTraffic:
+    """What decode steps had to read, for the bandwidth-limit report of `rollout bench`."""
+
+    steps: int = 0  # forward steps that decoded at least one request
+    tokens: int = 0  # decode tokens produced
+    context_tokens: int = 0  # sum over decode steps of the KV positions attended
+
+
 class ModelRunner:
-    def __init__(self, model, kv: KVCache, max_running: int, max_model_len: int, device: torch.device):
+    def __init__(self, model, kv: KVCache, max_running: int, max_model_len: int, device: torch.device,
+                 attention_backend: str = "torch"):
         self.model = model
         self.kv = kv
         self.device = device
-        self.req_to_token = torch.zeros((max_running, max_model_len), dtype=torch.int32, device=device)
-        attention = model.model.layers[0].self_attn
-        self.scale = attention.head_dim ** -0.5
+        self.pad_row = max_running
+        self.req_to_token = torch.zeros((max_running + 1, max_model_len), dtype=torch.int32, device=device)
+        self.scale = model.model.layers[0].self_attn.head_dim ** -0.5
+        self.attention_backend = attention_backend
+        if attention_backend == "triton":
+            from rollout_cli.engine.triton_attention import prepare_triton_attention
+
+            self._prepare = prepare_triton_attention
+        else:
+            self._prepare = prepare_attention
+        self.graphs = None
+        self.traffic = DecodeTraffic()
+
+    def capture_cuda_graphs(self, max_batch: int) -> float:
+        """Capture decode graphs for batches up to max_batch; returns the capture time in seconds."""
+        from rollout_cli.engine.cuda_graphs import DecodeGraphs
+
+        assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
+        self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.pad_row, self.scale, max_batch)
+        self.graphs.capture()
+        return self.graphs.capture_seconds
 
     def _write_table(self, out: ScheduleOutput) -> None:
         rows, cols, slots = [], [], []
@@ -34,24 +65,45 @@ class ModelRunner:
             index = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
             self.req_to_token.index_put_(index, torch.tensor(slots, dtype=torch.int32, device=self.device))
 
+    def _count_traffic(self, out: ScheduleOutput) -> None:
+        decodes = [e for e in out.entries if e.num_new_tokens == 1]
+        if decodes:
+            self.traffic.steps += 1
+            self.traffic.tokens += len(decodes)
+            self.traffic.context_tokens += sum(e.start + 1 for e in decodes)
+
     @torch.inference_mode()
     def run(self, out: ScheduleOutput) -> tuple[list[int], list[float]]:
-        """One forward over all entries; returns the sampled token and its logprob per sampling entry."""
+        """One forward over all entries; returns the sampled token and its logprob per sampling entry.
+
+        Reorders `out.entries` decodes first (the attention kernels want them
+        so); results follow that order, which postprocess then walks.
+        """
+        out.entries.sort(key=lambda e: e.num_new_tokens > 1)
         self._write_table(out)
+        self._count_traffic(out)
+        to_sample = [(e.request, e.start + e.num_new_tokens) for e in out.entries if e.sample]
+        if self.graphs is not None and self.graphs.can_run(out.entries):
+            logits = self.graphs.run(out.entries)
+        else:
+            logits = self._eager_logits(out)
+        if not to_sample:
+            return [], []
+        tokens, logprobs = sample(logits, SamplingBatch.build(to_sample, self.device))
+        return tokens.tolist(), logprobs.tolist()
+
+    def _eager_logits(self, out: ScheduleOutput) -> torch.Tensor | None:
         input_ids = torch.tensor([t for e in out.entries for t in e.token_ids], device=self.device)
         positions = torch.tensor(
             [p for e in out.entries for p in range(e.start, e.start + e.num_new_tokens)], device=self.device
         )
-        attn = prepare_attention(out.entries, self.req_to_token, self.kv, self.scale)
+        attn = self._prepare(out.entries, self.req_to_token, self.kv, self.scale)
         hidden = self.model(input_ids, positions, attn)  # [T, hidden]
-        last_rows, to_sample, offset = [], [], 0
+        last_rows, offset = [], 0
         for e in out.entries:
             offset += e.num_new_tokens
             if e.sample:
                 last_rows.append(offset - 1)
-                to_sample.append((e.request, e.start + e.num_new_tokens))
-        if not to_sample:
-            return [], []
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])  # [B, V]
-        tokens, logprobs = sample(logits, SamplingBatch.build(to_sample, self.device))
-        return tokens.tolist(), logprobs.tolist()
+        if not last_rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])  # [B, V]

@@ -45,6 +45,8 @@ class Request:
     num_preemptions: int = 0
     group_leader: "Request | None" = None  # the sample that computes a shared prompt first
     payload: object = None  # caller data carried to the result (passthrough columns)
+    arrival_time: float = 0.0  # time.monotonic() when queued; with first_token_time gives TTFT
+    first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -65,6 +67,15 @@ class Request:
     @property
     def prompt_computed(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) without concatenating prompt and output."""
+        split = len(self.prompt_token_ids)
+        if end <= split:
+            return self.prompt_token_ids[start:end]
+        if start >= split:
+            return self.output_token_ids[start - split : end - split]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - split]
 
     def append_token(self, token_id: int, logprob: float) -> None:
         """Record one sampled token and set finish_reason if it ends the sample."""

@@ -11,6 +11,7 @@ its slots, and it waits again at the front of the queue. Nothing is dropped.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -86,6 +87,7 @@ class Scheduler:
     # ---- queue -------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        request.arrival_time = time.monotonic()
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -113,6 +115,7 @@ class Scheduler:
         out = ScheduleOutput()
         budget = self.max_batch_tokens
         scheduled: set[int] = set()
+        preemptions_before = self.stats.preemptions
         for request in list(self.running):
             if budget == 0:
                 break
@@ -125,7 +128,8 @@ class Scheduler:
             out.entries.append(self._entry(request, count, slots))
             scheduled.add(request.request_id)
             budget -= count
-        self._admit(out, budget)
+        if self.stats.preemptions == preemptions_before:  # else the victim, now first in line, is re-admitted at once
+            self._admit(out, budget)
         return out
 
     def _allocate_or_preempt(self, request: Request, count: int, scheduled: set[int]) -> list[int] | None:
@@ -201,7 +205,7 @@ class Scheduler:
             request=request,
             table_row=request.table_row,
             start=start,
-            token_ids=request.all_token_ids[start : start + count],
+            token_ids=request.tokens_between(start, start + count),
             table_start=table_start,
             table_slots=request.slots[table_start : start + count],
             sample=start + count == request.num_tokens,
@@ -220,6 +224,8 @@ class Scheduler:
             request.num_slots_in_table = request.num_computed_tokens
             if entry.sample:
                 token, logprob = next(sampled)
+                if request.first_token_time is None:
+                    request.first_token_time = time.monotonic()
                 request.append_token(token, logprob)
             if request.finish_reason is not None:
                 self._finish(request)
@@ -281,3 +287,11 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.stats.preemptions += 1
         self.waiting.appendleft(request)
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request, giving back its slots and table row (waiting ones hold none)."""
+        for request in list(self.running):
+            self._release(request)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = request.finish_reason or "abort"
+        self.waiting.clear()

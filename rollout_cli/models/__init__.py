@@ -1,0 +1,1 @@
+"""Model files per architecture family on shared layers, and the safetensors loader."""

@@ -82,6 +82,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
         self.eps = eps
+        self.use_triton = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -90,6 +91,12 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.use_triton:
+            from rollout_kernels.rmsnorm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)  # in place: x, residual are temporaries
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -134,6 +141,7 @@ class RotaryEmbedding(nn.Module):
         # Plain attributes, not buffers: model.to(bfloat16) must not round the tables.
         self.cos = emb.cos() * scale  # [max_positions, rotary_dim]
         self.sin = emb.sin() * scale
+        self.use_triton = False
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -145,6 +153,10 @@ class RotaryEmbedding(nn.Module):
         if self.cos.device != positions.device:
             self.cos = self.cos.to(positions.device)
             self.sin = self.sin.to(positions.device)
+        if self.use_triton:
+            from rollout_kernels.rotary import apply_rotary
+
+            return apply_rotary(q, k, positions, self.cos, self.sin)  # in place on the qkv views
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, rotary_dim]
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         r = self.rotary_dim
@@ -161,7 +173,13 @@ class RotaryEmbedding(nn.Module):
 class SiluAndMul(nn.Module):
     """x [T, 2 * I] -> silu(x[:, :I]) * x[:, I:]."""
 
+    use_triton = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from rollout_kernels.silu_mul import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -174,3 +192,10 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
+
+
+def enable_triton_kernels(model: nn.Module) -> None:
+    """Route RMSNorm, RoPE and SiLU-and-mul through the Triton kernels (CUDA only)."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+            module.use_triton = True

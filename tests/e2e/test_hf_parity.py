@@ -159,3 +159,76 @@ def test_example_model_matches_hf(example_model_dir, hf_ref):
     want = hf_ref.greedy(example_model_dir, prompt, 10, eos_token_id=None)
     assert traj.response_token_ids == want
     assert traj.response_logprobs == pytest.approx(hf_ref.logprobs(example_model_dir, prompt, want), abs=TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3", "llama3_scaled"])
+def test_cuda_float32_matches_hf(tiny_checkpoints, hf_ref, name):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_checkpoints[name]
+    prompts = prompts_of([1, 9, 50], seed=2)
+    engine = Engine(model=model_dir, device="cuda", dtype="float32", max_model_len=128, max_running=16,
+                    max_batch_tokens=16, kv_cache_tokens=1024)
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=20, **GREEDY))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).cuda().eval()
+    for traj, prompt in zip(results, prompts):
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,
+                              eos_token_id=None, pad_token_id=0)
+            want = out[0, len(prompt):].tolist()
+            logits = hf(out).logits[0].float()
+        assert traj.response_token_ids == want
+        logp = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1].gather(-1, out[0, len(prompt):, None])
+        assert traj.response_logprobs == pytest.approx(logp.squeeze(-1).tolist(), abs=1e-3)
+
+
+@pytest.mark.parametrize("bad", [[], [1, 2, 10_000], [3, -1]], ids=["empty", "past-vocab", "negative"])
+def test_bad_prompt_ids_are_one_line_errors(tiny_checkpoints, bad):
+    from rollout_cli.errors import RolloutError
+
+    engine = make_engine(tiny_checkpoints["qwen3"])
+    with pytest.raises(RolloutError, match="prompt 3 "):
+        list(engine.stream([PromptInput(3, bad)], SamplingParams(max_new_tokens=2, **GREEDY)))
+    # the engine is still usable afterwards
+    ok = list(engine.stream([PromptInput(0, [1, 2, 3])], SamplingParams(max_new_tokens=2, **GREEDY)))
+    assert len(ok) == 1 and len(ok[0].response_token_ids) == 2
+
+
+def test_interrupted_stream_leaks_nothing_into_the_next_job(tiny_checkpoints, hf_ref):
+    model_dir = tiny_checkpoints["qwen2"]
+    engine = make_engine(model_dir, max_running=4, max_batch_tokens=8)
+    params = SamplingParams(max_new_tokens=6, **GREEDY)
+    jobs = [PromptInput(i, p) for i, p in enumerate(prompts_of([5, 9, 13, 4, 7, 11], seed=12))]
+    # 1. the consumer stops after the first trajectory
+    stream = engine.stream(jobs, params)
+    next(stream)
+    stream.close()
+    # 2. a bad prompt part-way through the job
+    from rollout_cli.errors import RolloutError
+
+    with pytest.raises(RolloutError):
+        list(engine.stream(jobs[:3] + [PromptInput(3, [])], params))
+    # 3. the forward itself fails mid-step
+    real_run, calls = engine.runner.run, []
+
+    def failing_run(out):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated device failure")
+        return real_run(out)
+
+    engine.runner.run = failing_run
+    with pytest.raises(RuntimeError, match="simulated"):
+        list(engine.stream(jobs, params))
+    engine.runner.run = real_run
+    sched = engine.scheduler
+    assert not sched.has_work()
+    assert sched.allocator.num_free + sched.cache.total_size == engine.num_kv_slots - 1
+    assert sched.cache.protected_size == 0
+    prompt = prompts_of([6], seed=13)[0]
+    results = engine.generate([prompt], params)
+    assert [(t.prompt_index, t.prompt_token_ids) for t in results] == [(0, prompt)]
+    assert results[0].response_token_ids == hf_ref.greedy(model_dir, prompt, 6)

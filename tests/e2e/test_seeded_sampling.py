@@ -140,3 +140,21 @@ def test_different_seed_different_tokens(baseline, model_dir):
     other = _run(model_dir, inputs, replace(params, seed=params.seed + 1))
     differing = sum(other[k].response_token_ids != want[k].response_token_ids for k in want)
     assert differing >= len(want) - 1
+
+
+def test_logprobs_modes_at_temperature(model_dir, hf_ref):
+    """processed = log_softmax(logits / T), raw = log_softmax(logits); the mode never changes the tokens."""
+    from dataclasses import replace
+
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=0.7, seed=3)
+    inputs = [PromptInput(i, p) for i, p in enumerate(PROMPTS[:2])]
+    processed = _run(model_dir, inputs, params)
+    raw = _run(model_dir, inputs, replace(params, logprobs_mode="raw"))
+    for key, traj in processed.items():
+        prompt = PROMPTS[key[0]]
+        assert raw[key].response_token_ids == traj.response_token_ids
+        want_p = hf_ref.logprobs(model_dir, prompt, traj.response_token_ids, temperature=0.7)
+        want_r = hf_ref.logprobs(model_dir, prompt, traj.response_token_ids)
+        assert traj.response_logprobs == pytest.approx(want_p, abs=1e-4)
+        assert raw[key].response_logprobs == pytest.approx(want_r, abs=1e-4)
+        assert max(abs(a - b) for a, b in zip(want_p, want_r)) > 1e-2  # the two modes differ here

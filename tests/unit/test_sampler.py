@@ -204,3 +204,13 @@ def test_sampling_never_picks_filtered_or_zero_mass_tokens():
     tokens, logprobs = sample(logits, batch)
     assert set(tokens.tolist()) <= {0, 1, 3}
     assert torch.isfinite(logprobs).all()
+
+
+def test_inverse_cdf_edges():
+    """u = 0 picks the first token with mass; u just below 1 the last one; zero-mass tokens never."""
+    logits = torch.tensor([[-math.inf, 1.0, -math.inf, 2.0, 0.5, -math.inf]]).expand(3, -1).clone()
+    batch = build([(SamplingParams(seed=0), 0, s, 0) for s in range(3)])
+    batch.uniform = torch.tensor([0.0, 1.0 - 2.0**-24, 0.5])
+    tokens, _ = sample(logits, batch)
+    assert tokens[:2].tolist() == [1, 4]
+    assert int(tokens[2]) in (1, 3, 4)

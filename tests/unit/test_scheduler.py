@@ -254,3 +254,66 @@ def test_random_workloads(seed):
         assert r.finish_reason in ("stop", "length")
     if prefix_cache and num_slots == 200:
         assert s.stats.cached_prompt_tokens > 0
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_preempts_newest_running_request_and_requeues_it_first(prefix_cache):
+    s = Scheduler(num_kv_slots=128, max_running=4, max_batch_tokens=64, enable_prefix_cache=prefix_cache)
+    a, b = make_request(0, range(1, 11), max_new_tokens=8), make_request(1, range(20, 30), max_new_tokens=8)
+    c = make_request(2, [7, 7, 7], max_new_tokens=2)
+    runner = FakeRunner(4)
+    for r in (a, b):
+        s.add(r)
+    for _ in range(2):  # both prefilled and decoding
+        out = s.schedule()
+        s.postprocess(out, *runner.run(out))
+    s.add(c)
+    # exhaust the pool: a's decode finds no slot and must take b's (b is the newest)
+    if s.cache is not None:
+        s.cache.evict(1 << 30)
+    stolen = s.allocator.allocate(s.allocator.num_free)
+    out = s.schedule()
+    assert [e.request.request_id for e in out.entries] == [0]  # no admissions in a step that preempted
+    assert (a.num_preemptions, b.num_preemptions) == (0, 1)
+    assert s.stats.preemptions == 1
+    assert list(s.waiting)[:2] == [b, c]  # b goes back to the front, outputs kept
+    assert b.status is RequestStatus.WAITING and len(b.output_token_ids) == 2 and b.num_computed_tokens == 0
+    s.postprocess(out, *runner.run(out))
+    if prefix_cache:  # b's computed tokens went into the tree
+        assert s.cache.match_prefix(b.all_token_ids)[0] != []
+    s.allocator.free(stolen)
+    drive(s, runner)
+    for r in (a, b, c):
+        assert r.output_token_ids == expected_output(r)
+    # a: 10 + 7 decodes; c: 3 + 1; b: 10 + 1 + 5 decodes, plus its recompute of 12 tokens, of which the
+    # cache still holds 10 (making room for a's slot evicted b's freshest cached token)
+    assert s.stats.computed_tokens == 17 + 4 + 16 + (2 if prefix_cache else 12)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+@pytest.mark.parametrize("after_schedule", [True, False])
+def test_abort_all_returns_every_slot_and_row(prefix_cache, after_schedule):
+    """An abandoned job (or a forward that raised between schedule and postprocess) leaks nothing."""
+    s = Scheduler(num_kv_slots=60, max_running=3, max_batch_tokens=8, enable_prefix_cache=prefix_cache)
+    rng = random.Random(1)
+    for i in range(6):
+        s.add(make_request(i, [rng.randrange(9) for _ in range(rng.randrange(5, 15))], max_new_tokens=20))
+    runner = FakeRunner(3)
+    for _ in range(7):
+        out = s.schedule()
+        s.postprocess(out, *runner.run(out))
+    assert s.running and s.waiting
+    if after_schedule:
+        s.schedule()  # slots handed out for tokens that will never be computed
+    running = list(s.running)
+    s.abort_all()
+    assert not s.has_work()
+    assert all(r.status is RequestStatus.FINISHED and not r.slots and r.table_row == -1 for r in running)
+    cached = s.cache.total_size if s.cache else 0
+    assert s.allocator.num_free + cached == s.allocator.num_slots - 1
+    assert s.cache is None or s.cache.protected_size == 0
+    assert sorted(s._free_rows) == [0, 1, 2]
+    fresh = make_request(99, [1, 2, 3], max_new_tokens=5)
+    s.add(fresh)
+    drive(s, runner)
+    assert fresh.output_token_ids == expected_output(fresh)

@@ -1,0 +1,137 @@
+"""RMSNorm, optionally fused with the residual add, in one launch.
+
+Matches `rollout_cli.models.layers.RMSNorm` rounding step for step:
+    s      = (x + residual)                      # in the activation dtype (fused variant)
+    normed = weight * (s32 * rsqrt(mean(s32^2) + eps)).to(dtype)
+where the last product is rounded once to promote(weight.dtype, dtype), as torch does.
+
+One program per row. Rows may be strided (a slice of a wider tensor) and the
+input may be 3-D [T, H, D] (per-head q/k norm on a strided view of a fused qkv
+output): the last dim must be contiguous, the leading two dims take any strides.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_N = 65536  # one row is one block
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    H, N,
+    sx0, sx1, sr0, sr1, so0, so1, sro0, sro1,
+    eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # rows are (t, h) pairs of a [T, H, N] view; 2-D inputs have H == 1
+    row = tl.program_id(0).to(tl.int64)
+    t = row // H
+    h = row % H
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + t * sx0 + h * sx1 + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + t * sr0 + h * sr1 + cols, mask=mask, other=0.0)
+        # the add is rounded to the activation dtype, as `x + residual` is in torch
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + t * sro0 + h * sro1 + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    # (x32 * rstd) is rounded to the activation dtype before the weight multiply, as in torch
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = normed * w
+    tl.store(out_ptr + t * so0 + h * so1 + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as3d(x: torch.Tensor) -> torch.Tensor:
+    return x.unsqueeze(1) if x.dim() == 2 else x
+
+
+def _check_rows(name: str, t: torch.Tensor, shape, dtype=None) -> None:
+    assert t.dim() in (2, 3), f"{name} must be [T, N] or [T, H, N], got {tuple(t.shape)}"
+    assert tuple(t.shape) == tuple(shape), f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}"
+    assert t.stride(-1) == 1 or t.shape[-1] == 1, f"{name} must be contiguous in its last dim"
+    if dtype is not None:
+        assert t.dtype == dtype, f"{name} has dtype {t.dtype}, expected {dtype}"
+
+
+def _launch(x, residual, weight, eps, out, residual_out) -> None:
+    n = x.shape[-1]
+    assert 1 <= n <= MAX_N, f"rms_norm supports 1 <= N <= {MAX_N}, got {n}"
+    assert weight.dim() == 1 and weight.shape[0] == n and weight.stride(0) == 1, "weight must be contiguous [N]"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {x.dtype}"
+    assert x.device == weight.device == out.device
+    x3, o3 = _as3d(x), _as3d(out)
+    r3 = _as3d(residual) if residual is not None else x3
+    ro3 = _as3d(residual_out) if residual_out is not None else o3
+    rows = x3.shape[0] * x3.shape[1]
+    if rows == 0:
+        return
+    _rms_norm_kernel[(rows,)](
+        x3, r3, weight, o3, ro3,
+        x3.shape[1], n,
+        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+        o3.stride(0), o3.stride(1), ro3.stride(0), ro3.stride(1),
+        float(eps),
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_N=triton.next_power_of_2(n),
+        num_warps=4 if n <= 2048 else 8 if n <= 8192 else 16,
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, N] or [T, H, N] (strided rows allowed) -> normed, same shape.
+
+    dtype of the result: promote(weight.dtype, x.dtype), as `weight * x` gives in torch.
+    `out` may be given (any row strides, e.g. `out=x` for in place); else a new tensor.
+    """
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    _check_rows("x", x, x.shape)
+    _check_rows("out", out, x.shape, out_dtype)
+    _launch(x, None, weight, eps, out, None)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual) then RMSNorm; returns (normed, new_residual). IN PLACE by default:
+
+    new_residual = x + residual (rounded to x.dtype) is written into `residual`,
+    normed is written into `x` (needs weight.dtype == x.dtype); pass `out` /
+    `residual_out` to write elsewhere. x, residual: [T, N] or [T, H, N], same dtype.
+    """
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    if out is None:
+        assert out_dtype == x.dtype, (
+            f"in-place fused_add_rms_norm needs weight dtype {weight.dtype} == x dtype {x.dtype}; pass out=")
+        out = x
+    if residual_out is None:
+        residual_out = residual
+    _check_rows("x", x, x.shape)
+    _check_rows("residual", residual, x.shape, x.dtype)
+    _check_rows("out", out, x.shape, out_dtype)
+    _check_rows("residual_out", residual_out, x.shape, x.dtype)
+    _launch(x, residual, weight, eps, out, residual_out)
+    return out, residual_out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm._norm in plain torch."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def fused_add_rms_norm_ref(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm.forward(x, residual) in plain torch: (normed, x + residual)."""
+    s = x + residual
+    return rms_norm_ref(s, weight, eps), s

@@ -1,0 +1,378 @@
+"""Fused sampler: temperature / top-k / top-p / min-p, inverse-CDF draw and the chosen logprob.
+
+Same semantics as `rollout_cli.engine.sampler.sample`, one program per row (so
+each row's result depends on nothing else in the batch), one launch, no host
+syncs and no value-dependent allocation (CUDA-graph capturable).
+
+Per row, with x = logits / T (T = 1 for greedy rows) and e_i = exp(x_i - max x)
+(the unnormalised probabilities, max e = 1):
+  1. one pass: max, first argmax, sum exp(l - max l), sum exp(x - max x) (online);
+  2. filtering without a sort: the kept set is always {e >= t} for a threshold t,
+     found by a multi-way search over float32 bit patterns of t (NT thresholds
+     per pass over the row, each pass counting and summing e >= each threshold):
+       - min-p keeps e >= min_p; top-k: the largest t >= min_p with count(e >= t) >= k;
+       - top-p on what is left (mass S): the largest t with mass(e >= t) >= top_p * S,
+         i.e. the smallest prefix of the sorted kept tokens whose mass reaches top_p * S;
+     a search stops as soon as its bracket holds one token (usually a few passes);
+  3. one pass in vocab order: the first token whose running kept mass exceeds u * total
+     (falling back to the last kept token if rounding runs past the end).
+Ties at the top-k boundary keep every tied token (the reference keeps exactly k, in
+unspecified order). logprob = log_softmax(x)[token] ("processed") or
+log_softmax(logits)[token] when raw_logprobs.
+
+The uniform u is either given ([B] float32) or computed in the kernel from int64
+keys (seed, prompt_index, sample_index, position) with the same splitmix64 hash as
+`rollout_cli.engine.sampler.sample_uniform`, bit for bit. Keys are the Python ints
+reduced mod 2^64 and reinterpreted as int64 (`as_int64_key`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_MASK64 = (1 << 64) - 1
+
+
+def as_int64_key(value: int) -> int:
+    """A Python int (any sign or size) as the int64 whose bits are value mod 2^64."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+@triton.jit
+def _mix64(x):
+    # splitmix64 finaliser on uint64 (wrapping arithmetic, logical shifts)
+    x = x + 0x9E3779B97F4A7C15
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _uniform_from_keys(seed, prompt_index, sample_index, position):
+    """int64 keys (tensors of one shape) -> float32 uniforms in [0, 1), 24 bits."""
+    h = _mix64(seed.to(tl.uint64, bitcast=True))
+    h = _mix64(h ^ prompt_index.to(tl.uint64, bitcast=True))
+    h = _mix64(h ^ sample_index.to(tl.uint64, bitcast=True))
+    h = _mix64(h ^ position.to(tl.uint64, bitcast=True))
+    return (h >> 40).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _sample_uniform_kernel(seed_ptr, pidx_ptr, sidx_ptr, pos_ptr, out_ptr, B, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < B
+    u = _uniform_from_keys(tl.load(seed_ptr + i, mask=m, other=0), tl.load(pidx_ptr + i, mask=m, other=0),
+                           tl.load(sidx_ptr + i, mask=m, other=0), tl.load(pos_ptr + i, mask=m, other=0))
+    tl.store(out_ptr + i, u, mask=m)
+
+
+@triton.jit
+def _threshold_search(base, V, m, scale, scratch, lo, hi, c_lo, m_lo, c_hi, m_hi, k_target, mass_target,
+                      BY_MASS: tl.constexpr, BLOCK_S: tl.constexpr, NT: tl.constexpr, CAP: tl.constexpr):
+    """Largest threshold bit pattern t in [lo, hi) with pred(t), where pred(t) is
+    count(e >= t) >= k_target (BY_MASS False) or mass(e >= t) >= mass_target (BY_MASS True);
+    pred is true at and below the answer, false above (if false at lo, the answer is lo).
+    (c_hi, m_hi) = count / mass at hi; (c_lo, m_lo) at lo, c_lo < 0 when not yet known.
+    Returns (t, count(e >= t), mass(e >= t)); only the set {e >= t} matters, so the search
+    stops once [lo, hi) holds a single token.
+
+    Each step evaluates NT thresholds spread over [lo, hi) in bit-pattern space (log-spaced
+    in value) and keeps the sub-bracket where pred flips. While [lo, hi) holds more than CAP
+    tokens a step is a pass over the row; then one pass copies those tokens' e into this row's
+    scratch (in vocab order: deterministic) and the remaining steps run on them in registers."""
+    j = tl.arange(0, NT)
+    cols = tl.arange(0, BLOCK_S)
+    slots = tl.arange(0, CAP)
+    done = tl.zeros((), tl.int32)
+    in_regs = tl.zeros((), tl.int32)
+    vals = tl.full((CAP,), -1.0, tl.float32)  # the bracket's e once compacted; -1 is below every threshold
+    c_base = c_hi
+    m_base = m_hi
+    while done == 0:
+        if (in_regs == 0) & (c_lo >= 0) & (c_lo - c_hi <= CAP):
+            lo_f = lo.to(tl.float32, bitcast=True)
+            hi_f = hi.to(tl.float32, bitcast=True)
+            n = tl.zeros((), tl.int32)
+            for start in range(0, V, BLOCK_S):
+                idx = start + cols
+                mask = idx < V
+                # e = exp((l - max) / T) as exp2((l - m) * log2(e) / T), clamped to <= 1, 0 where
+                # masked; written out identically in every pass so that all passes agree bit for bit
+                lg = tl.load(base + idx, mask=mask, other=float("-inf"))
+                e = tl.minimum(tl.math.exp2((lg - m) * scale), 1.0)
+                take = mask & (e >= lo_f) & (e < hi_f)
+                pos = n + tl.cumsum(take.to(tl.int32), axis=0) - 1
+                tl.store(scratch + pos, e, mask=take)
+                n += tl.sum(take.to(tl.int32), axis=0)
+            tl.debug_barrier()  # the whole program reads back what its threads wrote
+            vals = tl.load(scratch + slots, mask=slots < n, other=-1.0)
+            c_base = c_hi
+            m_base = m_hi
+            in_regs = tl.full((), 1, tl.int32)
+        span = (hi - lo).to(tl.int64)
+        cand = lo + ((span * j) // NT).to(tl.int32)  # [NT] increasing; cand[0] = lo
+        cand_f = cand.to(tl.float32, bitcast=True)
+        if in_regs != 0:
+            ge = vals[:, None] >= cand_f[None, :]  # [CAP, NT]
+            cnt_j = c_base + tl.sum(ge.to(tl.int32), axis=0)
+            mass_j = m_base + tl.sum(tl.where(ge, vals[:, None], 0.0), axis=0)
+        else:
+            # per-lane accumulators [BLOCK_S, NT], reduced once after the row
+            cnt = tl.zeros((BLOCK_S, NT), tl.int32)
+            mass = tl.zeros((BLOCK_S, NT), tl.float32)
+            for start in range(0, V, BLOCK_S):
+                idx = start + cols
+                mask = idx < V
+                lg = tl.load(base + idx, mask=mask, other=float("-inf"))
+                e = tl.minimum(tl.math.exp2((lg - m) * scale), 1.0)
+                ge = (e[:, None] >= cand_f[None, :]) & mask[:, None]
+                cnt += ge.to(tl.int32)
+                mass += tl.where(ge, e[:, None], 0.0)
+            cnt_j = tl.sum(cnt, axis=0)
+            mass_j = tl.sum(mass, axis=0)
+        # cnt_j and mass_j are non-increasing in j (float rounding is monotone), so ok is a prefix
+        if BY_MASS:
+            ok = mass_j >= mass_target
+        else:
+            ok = cnt_j >= k_target
+        n_ok = tl.sum(ok.to(tl.int32), axis=0)
+        best = tl.maximum(n_ok - 1, 0)
+        c_lo = tl.sum(tl.where(j == best, cnt_j, 0), axis=0)
+        m_lo = tl.sum(tl.where(j == best, mass_j, 0.0), axis=0)
+        # the first failing candidate, if any, is the new upper end
+        has_next = (n_ok > 0) & (best + 1 < NT)
+        nxt = j == best + 1
+        c_hi = tl.where(has_next, tl.sum(tl.where(nxt, cnt_j, 0), axis=0), c_hi)
+        m_hi = tl.where(has_next, tl.sum(tl.where(nxt, mass_j, 0.0), axis=0), m_hi)
+        hi = tl.where(has_next, lo + ((span * (best + 1)) // NT).to(tl.int32), hi)
+        lo = lo + ((span * best) // NT).to(tl.int32)
+        # {e >= lo} is final once pred(lo) fails (n_ok == 0: lo stays), lo and hi are adjacent
+        # bit patterns, or [lo, hi) holds a single token
+        done = ((n_ok == 0) | (hi - lo <= 1) | (c_lo - c_hi <= 1)).to(tl.int32)
+    return lo, c_lo, m_lo
+
+
+@triton.jit
+def _sampling_kernel(
+    logits_ptr, stride_row, V,
+    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, raw_ptr,
+    u_ptr, seed_ptr, pidx_ptr, sidx_ptr, pos_ptr,
+    tok_ptr, logprob_ptr, scratch_ptr,
+    KEYED: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr, NT: tl.constexpr, CAP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    temperature = tl.load(temp_ptr + row)
+    T = tl.where(temperature == 0.0, 1.0, temperature)
+    scale = tl.math.div_rn(1.4426950408889634, T)  # log2(e) / T
+    cols = tl.arange(0, BLOCK_V)
+    NEG_INF: tl.constexpr = float("-inf")
+
+    # ---- pass 1: per-lane online max / first argmax / both softmax sums -------------
+    m_acc = tl.full((BLOCK_V,), NEG_INF, tl.float32)
+    i_acc = tl.zeros((BLOCK_V,), tl.int32)
+    z1_acc = tl.zeros((BLOCK_V,), tl.float32)  # sum exp(l - m_acc)
+    zt_acc = tl.zeros((BLOCK_V,), tl.float32)  # sum exp((l - m_acc) / T)
+    for start in range(0, V, BLOCK_V):
+        idx = start + cols
+        lg = tl.load(base + idx, mask=idx < V, other=NEG_INF)
+        i_acc = tl.where(lg > m_acc, idx, i_acc)  # strict: each lane keeps its first max
+        new_m = tl.maximum(m_acc, lg)
+        live = new_m > NEG_INF
+        new_m = tl.where(live, new_m, 0.0)  # lanes that saw only -inf: keep -inf - (-inf) out
+        z1_acc = tl.where(live, z1_acc * tl.math.exp2((m_acc - new_m) * 1.4426950408889634)
+                          + tl.math.exp2((lg - new_m) * 1.4426950408889634), 0.0)
+        zt_acc = tl.where(live, zt_acc * tl.math.exp2((m_acc - new_m) * scale)
+                          + tl.math.exp2((lg - new_m) * scale), 0.0)
+        m_acc = tl.where(live, new_m, NEG_INF)
+    m = tl.max(m_acc, axis=0)
+    argmax = tl.min(tl.where(m_acc == m, i_acc, V), axis=0)
+    z1 = tl.sum(tl.where(m_acc > NEG_INF, z1_acc * tl.math.exp2((m_acc - m) * 1.4426950408889634), 0.0), axis=0)
+    zt = tl.sum(tl.where(m_acc > NEG_INF, zt_acc * tl.math.exp2((m_acc - m) * scale), 0.0), axis=0)
+
+    token = argmax
+    if temperature != 0.0:
+        top_k = tl.load(top_k_ptr + row)
+        top_p = tl.load(top_p_ptr + row)
+        min_p = tl.load(min_p_ptr + row)
+        use_k = (top_k > 0) & (top_k < V)
+        HI: tl.constexpr = 0x3F800001  # just above 1.0 = max e
+        thresh = tl.zeros((), tl.int32)  # bit pattern of the threshold; 0 keeps every token
+        count = tl.zeros((), tl.int32) + V
+        total = zt
+        scratch = scratch_ptr + row * CAP
+        if use_k | (min_p > 0.0):
+            # min-p, then top-k: the largest t >= min_p with count(e >= t) >= k
+            lo = tl.where(min_p > 0.0, min_p, 0.0).to(tl.int32, bitcast=True)
+            k_target = tl.where(use_k, top_k, V + 1).to(tl.int32)
+            thresh, count, total = _threshold_search(
+                base, V, m, scale, scratch, lo, tl.full((), HI, tl.int32), tl.full((), -1, tl.int32),
+                tl.zeros((), tl.float32), tl.zeros((), tl.int32), tl.zeros((), tl.float32), k_target, 0.0,
+                False, BLOCK_S, NT, CAP)
+        if top_p < 1.0:
+            # top-p on what is left (mass S): the largest t with mass(e >= t) >= top_p * S
+            thresh, count, total = _threshold_search(
+                base, V, m, scale, scratch, thresh, tl.full((), HI, tl.int32), count, total,
+                tl.zeros((), tl.int32), tl.zeros((), tl.float32), 0, top_p * total, True, BLOCK_S, NT, CAP)
+        thresh_f = thresh.to(tl.float32, bitcast=True)
+        if KEYED:
+            u = _uniform_from_keys(tl.load(seed_ptr + row), tl.load(pidx_ptr + row),
+                                   tl.load(sidx_ptr + row), tl.load(pos_ptr + row))
+        else:
+            u = tl.load(u_ptr + row)
+        target = u * total
+        # ---- inverse CDF in vocab order over the kept (unnormalised) probabilities ----
+        running = tl.zeros((), tl.float32)
+        found = tl.zeros((), tl.int32) + V
+        last = tl.zeros((), tl.int32)
+        start = tl.zeros((), tl.int32)
+        while (start < V) & (found == V):
+            idx = start + cols
+            mask = idx < V
+            lg = tl.load(base + idx, mask=mask, other=float("-inf"))
+            e = tl.minimum(tl.math.exp2((lg - m) * scale), 1.0)
+            w = tl.where(mask & (e >= thresh_f), e, 0.0)
+            cdf = running + tl.cumsum(w, axis=0)
+            found = tl.min(tl.where(cdf > target, idx, V), axis=0)
+            last = tl.maximum(last, tl.max(tl.where(w > 0.0, idx, 0), axis=0))
+            running += tl.sum(w, axis=0)
+            start += BLOCK_V
+        # rounding can leave u * total past the end: the last kept token, as the reference does
+        token = tl.where(found < V, found, last)
+
+    # ---- logprob of the chosen token, computed as torch's log_softmax does ----------------
+    l_tok = tl.load(base + token)
+    raw = tl.load(raw_ptr + row) != 0
+    raw_lp = (l_tok - m) - tl.log(z1)
+    processed_lp = (tl.math.div_rn(l_tok, T) - tl.math.div_rn(m, T)) - tl.log(zt)
+    tl.store(tok_ptr + row, token.to(tl.int64))
+    tl.store(logprob_ptr + row, tl.where(raw, raw_lp, processed_lp))
+
+
+def _check_row_param(name, x, batch, dtype, device):
+    assert x.shape == (batch,), f"{name} must be [{batch}], got {tuple(x.shape)}"
+    assert x.dtype == dtype, f"{name} must be {dtype}, got {x.dtype}"
+    assert x.device == device, f"{name} is on {x.device}, logits on {device}"
+    assert x.stride(0) == 1 or batch <= 1, f"{name} must be contiguous"
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    raw_logprobs: torch.Tensor,
+    uniform: torch.Tensor | None = None,
+    keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    workspace: torch.Tensor | None = None,
+    block_v: int = 2048,
+    block_s: int = 512,
+    num_thresholds: int = 16,
+    cap: int = 1024,
+    num_warps: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] float32 (row stride free) -> (tokens [B] int64, logprobs [B] float32).
+
+    Per row: temperature [B] float32 (0 = greedy), top_k [B] int64 (0 = off),
+    top_p [B] float32 (1 = off), min_p [B] float32 (0 = off), raw_logprobs [B] bool.
+    Randomness: exactly one of `uniform` [B] float32 in [0, 1), or
+    `keys` = (seed, prompt_index, sample_index, position), each [B] int64.
+    `out` = (tokens, logprobs) and `workspace` [>= B, cap] float32 may be preallocated
+    (otherwise allocated here; sizes depend on shapes only, so CUDA-graph capture works either way).
+    The tuning knobs (block_v, block_s, num_thresholds, cap, num_warps) change speed, not results
+    beyond float rounding.
+    """
+    assert logits.dim() == 2 and logits.dtype == torch.float32, "logits must be [B, V] float32"
+    assert logits.stride(1) == 1 or logits.shape[1] == 1, "logits must be contiguous in V"
+    batch, vocab = logits.shape
+    assert 1 <= vocab < 2**31 - 2**16
+    dev = logits.device
+    _check_row_param("temperature", temperature, batch, torch.float32, dev)
+    _check_row_param("top_k", top_k, batch, torch.int64, dev)
+    _check_row_param("top_p", top_p, batch, torch.float32, dev)
+    _check_row_param("min_p", min_p, batch, torch.float32, dev)
+    _check_row_param("raw_logprobs", raw_logprobs, batch, torch.bool, dev)
+    assert (uniform is None) != (keys is None), "pass exactly one of uniform= or keys="
+    if keys is not None:
+        assert len(keys) == 4
+        for name, key in zip(("seed", "prompt_index", "sample_index", "position"), keys):
+            _check_row_param(name, key, batch, torch.int64, dev)
+        u_arg, key_args = temperature, tuple(keys)  # u_arg is unused when keyed
+    else:
+        _check_row_param("uniform", uniform, batch, torch.float32, dev)
+        u_arg, key_args = uniform, (top_k,) * 4  # key args unused
+    if out is None:
+        tokens = torch.empty(batch, dtype=torch.int64, device=dev)
+        logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
+    else:
+        tokens, logprobs = out
+        _check_row_param("out tokens", tokens, batch, torch.int64, dev)
+        _check_row_param("out logprobs", logprobs, batch, torch.float32, dev)
+    for name, n in (("block_v", block_v), ("block_s", block_s), ("num_thresholds", num_thresholds), ("cap", cap)):
+        assert n >= 2 and n & (n - 1) == 0, f"{name} must be a power of two >= 2"
+    if workspace is None:
+        workspace = torch.empty((batch, cap), dtype=torch.float32, device=dev)
+    assert workspace.dtype == torch.float32 and workspace.is_contiguous() and workspace.device == dev
+    assert workspace.dim() == 2 and workspace.shape[0] >= batch and workspace.shape[1] == cap, "workspace [>= B, cap]"
+    if batch == 0:
+        return tokens, logprobs
+    _sampling_kernel[(batch,)](
+        logits, logits.stride(0), vocab,
+        temperature, top_k, top_p, min_p, raw_logprobs,
+        u_arg, *key_args,
+        tokens, logprobs, workspace,
+        KEYED=keys is not None, BLOCK_V=min(block_v, triton.next_power_of_2(vocab)),
+        BLOCK_S=min(block_s, triton.next_power_of_2(vocab)), NT=num_thresholds, CAP=cap,
+        num_warps=num_warps,
+    )
+    return tokens, logprobs
+
+
+def sample_batch(logits: torch.Tensor, batch, keys=None, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` with the settings of a `rollout_cli.engine.sampler.SamplingBatch` (its `uniform`
+    unless `keys` are given)."""
+    return sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.raw_logprobs,
+                  uniform=None if keys is not None else batch.uniform, keys=keys, out=out)
+
+
+def sample_uniform(seed: torch.Tensor, prompt_index: torch.Tensor, sample_index: torch.Tensor,
+                   position: torch.Tensor) -> torch.Tensor:
+    """Device version of `rollout_cli.engine.sampler.sample_uniform`: int64 [B] keys -> [B] float32."""
+    n = seed.shape[0]
+    for name, key in (("seed", seed), ("prompt_index", prompt_index), ("sample_index", sample_index),
+                      ("position", position)):
+        _check_row_param(name, key, n, torch.int64, seed.device)
+    out = torch.empty(n, dtype=torch.float32, device=seed.device)
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _sample_uniform_kernel[(triton.cdiv(n, block),)](seed, prompt_index, sample_index, position, out, n,
+                                                         BLOCK=block)
+    return out
+
+
+def sample_ref(logits, temperature, top_k, top_p, min_p, raw_logprobs, uniform):
+    """`rollout_cli.engine.sampler.sample` on the same per-row settings (plain torch)."""
+    from rollout_cli.engine.sampler import SamplingBatch
+    from rollout_cli.engine.sampler import sample as torch_sample
+
+    batch = SamplingBatch(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, uniform=uniform,
+        raw_logprobs=raw_logprobs,
+        needs_filter=bool(((top_p < 1.0) | (top_k > 0) | (min_p > 0.0)).any()),
+        all_greedy=bool((temperature == 0.0).all()),
+    )
+    return torch_sample(logits, batch)
+
+
+def sample_uniform_ref(seed, prompt_index, sample_index, position) -> torch.Tensor:
+    """The Python hash over int64 key tensors."""
+    from rollout_cli.engine.sampler import sample_uniform as py_uniform
+
+    values = [py_uniform(*k) for k in zip(seed.tolist(), prompt_index.tolist(), sample_index.tolist(),
+                                          position.tolist())]
+    return torch.tensor(values, dtype=torch.float32)

@@ -1,0 +1,208 @@
+"""`rollout bench`: throughput of the engine on a synthetic or given workload.
+
+Reports output and total tokens/s, time to first token, peak memory, and how
+close decode came to the limit set by memory bandwidth:
+
+    decode bytes  = sum over decode steps of (weight bytes + KV bytes per token x context tokens attended)
+    limit tok/s   = decode tokens / (decode bytes / measured HBM bandwidth)
+    fraction      = measured output tok/s / limit tok/s
+
+`--baseline hf` runs HF transformers `generate` on the same model and prompts
+in the same process first (so its memory is gone before the engine sizes its
+KV cache) and reports the ratio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rollout_cli.engine.engine import Engine, PromptInput
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.errors import RolloutError
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """The workload of one benchmark."""
+
+    num_prompts: int = 256
+    """Prompts to generate for (each with n samples)."""
+    input_len: int = 256
+    """Prompt length in tokens (random ids) when no range is given."""
+    output_len: int = 512
+    """Response length in tokens (eos ignored) when no range is given."""
+    input_len_range: tuple[int, int] | None = None
+    """Uniform prompt lengths in [LO, HI], seeded."""
+    output_len_range: tuple[int, int] | None = None
+    """Uniform response lengths in [LO, HI], seeded."""
+    n: int = 1
+    """Samples per prompt (a GRPO group shares its prompt through the prefix cache)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    seed: int = 0
+    """Seeds the workload and the sampler."""
+    baseline: str = "none"
+    """none or hf (transformers generate on the same model and prompts)."""
+    baseline_batch: int = 256
+    """Batch size of the HF baseline."""
+
+    def __post_init__(self):
+        if self.baseline not in ("none", "hf"):
+            raise RolloutError(f"unknown --baseline {self.baseline!r}; choose none or hf")
+        for name in ("input_len_range", "output_len_range"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= value[0] <= value[1]:
+                raise RolloutError(f"--{name.replace('_', '-')} needs 1 <= LO <= HI")
+        if min(self.num_prompts, self.input_len, self.output_len, self.n) < 1:
+            raise RolloutError("--num-prompts, --input-len, --output-len and --n must be at least 1")
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def make_workload(cfg: BenchConfig, vocab_size: int, data_prompts: list[list[int]] | None = None) -> Workload:
+    rng = random.Random(cfg.seed)
+
+    def length(fixed: int, span: tuple[int, int] | None) -> int:
+        return rng.randint(*span) if span else fixed
+
+    if data_prompts is not None:
+        prompts = data_prompts[: cfg.num_prompts]
+    else:
+        prompts = [[rng.randrange(vocab_size) for _ in range(length(cfg.input_len, cfg.input_len_range))]
+                   for _ in range(cfg.num_prompts)]
+    output_lens = [length(cfg.output_len, cfg.output_len_range) for _ in prompts]
+    return Workload(prompts, output_lens)
+
+
+def measure_hbm_bandwidth(device: torch.device, gib: float = 2.0) -> float | None:
+    """Bytes/s of a large device-to-device copy (read + write), median of 10; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    numel = int(gib * (1 << 30)) // 4
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * numel * 4 / statistics.median(times[2:])
+
+
+def run_hf_baseline(model_dir: str, load_format: str, device: torch.device, dtype: torch.dtype,
+                    workload: Workload, cfg: BenchConfig) -> dict:
+    """transformers `generate` over the same prompts, left-padded batches, eos ignored."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if load_format == "dummy":
+        with torch.device(device):  # random init on the GPU: minutes faster for 8B shapes
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = model.to(device).eval()
+    requests = [(p, o) for p, o in zip(workload.prompts, workload.output_lens) for _ in range(cfg.n)]
+    useful_tokens = sum(o for _, o in requests)
+
+    def generate(batch):
+        width = max(len(p) for p, _ in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
+        new = max(o for _, o in batch)
+        sampling = dict(do_sample=True, temperature=cfg.temperature, top_p=1.0, top_k=0) if cfg.temperature > 0 \
+            else dict(do_sample=False)
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, pad_token_id=0, **sampling)
+
+    generate(requests[:2])  # warm-up
+    _sync(device)
+    start = time.monotonic()
+    for i in range(0, len(requests), cfg.baseline_batch):
+        generate(requests[i : i + cfg.baseline_batch])
+    _sync(device)
+    seconds = time.monotonic() - start
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"output_tokens_per_s": useful_tokens / seconds, "seconds": seconds, "batch": cfg.baseline_batch}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
+    def inputs():
+        for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
+            params = SamplingParams(n=cfg.n, max_new_tokens=out_len, temperature=cfg.temperature,
+                                    seed=cfg.seed, ignore_eos=True)
+            yield PromptInput(i, prompt, params=params)
+
+    warm = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    list(engine.stream([PromptInput(0, workload.prompts[0][:16])], warm))
+    if engine.scheduler.cache is not None:  # the warm-up prompt must not count as a prefix hit
+        engine.scheduler.cache.reset()
+    stats_before = dataclasses.replace(engine.scheduler.stats)
+    engine.runner.traffic = type(engine.runner.traffic)()
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    _sync(engine.device)
+    start = time.monotonic()
+    results = list(engine.stream(inputs(), SamplingParams()))
+    _sync(engine.device)
+    seconds = time.monotonic() - start
+    stats = engine.scheduler.stats
+    out_tokens = sum(len(r.response_token_ids) for r in results)
+    in_tokens = sum(len(r.prompt_token_ids) for r in results)
+    ttfts = sorted(r.ttft_seconds for r in results)
+    prompt_tokens = stats.prompt_tokens - stats_before.prompt_tokens
+    return {
+        "seconds": seconds,
+        "requests": len(results),
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / seconds,
+        "total_tokens_per_s": (out_tokens + in_tokens) / seconds,
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_p50_s": ttfts[len(ttfts) // 2],
+        "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))],
+        "prefix_hit_rate": (stats.cached_prompt_tokens - stats_before.cached_prompt_tokens) / max(prompt_tokens, 1),
+        "preemptions": stats.preemptions - stats_before.preemptions,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(engine.device) / (1 << 30)
+        if engine.device.type == "cuda" else None,
+    }
+
+
+def bandwidth_limit(engine: Engine, measured_tok_s: float, hbm_bytes_per_s: float | None) -> dict:
+    traffic = engine.runner.traffic
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kv_bytes_per_token = engine.kv.bytes_per_token_of_pool
+    decode_bytes = traffic.steps * weight_bytes + traffic.context_tokens * kv_bytes_per_token
+    report = {
+        "formula": "limit tok/s = decode tokens / ((steps x weight bytes + context tokens x KV bytes/token) / HBM B/s)",
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "decode_steps": traffic.steps,
+        "decode_tokens": traffic.tokens,
+        "decode_context_tokens": traffic.context_tokens,
+        "decode_bytes": decode_bytes,
+        "hbm_bytes_per_s": hbm_bytes_per_s,
+    }
+    if hbm_bytes_per_s and decode_bytes:
+        limit = traffic.tokens / (decode_bytes / hbm_bytes_per_s)
+        report["limit_output_tokens_per_s"] = limit
+        report["fraction_of_limit"] = measured_tok_s / limit
+    return report

@@ -1,0 +1,143 @@
+"""`rollout bench`: measure throughput on a synthetic workload, optionally against HF transformers."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from rollout_cli.cli import options as opt
+from rollout_cli.cli.errors import user_errors
+
+WORKLOAD = "Workload"
+
+
+def bench_command(
+    model: opt.Model,
+    num_prompts: Annotated[int, typer.Option(help="Prompts in the workload.", rich_help_panel=WORKLOAD)] = 256,
+    input_len: Annotated[int, typer.Option(help="Prompt length (random token ids).", rich_help_panel=WORKLOAD)] = 256,
+    output_len: Annotated[int, typer.Option(help="Response length; eos is ignored.", rich_help_panel=WORKLOAD)] = 512,
+    input_len_range: Annotated[Optional[tuple[int, int]], typer.Option(help="Uniform prompt lengths in [LO, HI] (seeded).", rich_help_panel=WORKLOAD)] = None,
+    output_len_range: Annotated[Optional[tuple[int, int]], typer.Option(help="Uniform response lengths in [LO, HI] (seeded).", rich_help_panel=WORKLOAD)] = None,
+    data: Annotated[Optional[str], typer.Option(help="Take prompts from this Parquet file instead of random ids.", rich_help_panel=WORKLOAD)] = None,
+    prompt_key: Annotated[str, typer.Option(help="Prompt column of --data.", rich_help_panel=WORKLOAD)] = "prompt",
+    n: opt.N = 1,
+    temperature: opt.Temperature = 1.0,
+    seed: opt.Seed = 0,
+    baseline: Annotated[str, typer.Option(help="none, or hf: also time transformers generate on the same prompts.")] = "none",
+    baseline_batch: Annotated[int, typer.Option(help="Batch size of the HF baseline.")] = 256,
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Write the full report to this JSON file.")] = None,
+    device: opt.Device = "auto",
+    dtype: opt.Dtype = "auto",
+    max_model_len: opt.MaxModelLen = None,
+    max_batch_tokens: opt.MaxBatchTokens = 8192,
+    max_running: opt.MaxRunning = 256,
+    kv_memory_fraction: opt.KvMemoryFraction = 0.85,
+    kv_cache_tokens: opt.KvCacheTokens = None,
+    load_format: opt.LoadFormat = "auto",
+    no_prefix_cache: opt.NoPrefixCache = False,
+    attention_backend: opt.AttentionBackend = "auto",
+    no_cuda_graphs: opt.NoCudaGraphs = False,
+) -> None:
+    """Measure output tokens/s, TTFT, memory and the bandwidth-limit fraction.
+
+    Example:
+
+        rollout bench --model ckpt/ --load-format dummy --num-prompts 256 --input-len 256 --output-len 512 --baseline hf
+    """
+    from rollout_cli.bench import (
+        BenchConfig, bandwidth_limit, make_workload, measure_hbm_bandwidth, run_engine, run_hf_baseline,
+    )
+    from rollout_cli.engine.engine import Engine
+    from rollout_cli.models.build import load_model_config, resolve_device, resolve_dtype
+
+    console = Console()
+    with user_errors():
+        cfg = BenchConfig(num_prompts=num_prompts, input_len=input_len, output_len=output_len,
+                          input_len_range=input_len_range, output_len_range=output_len_range, n=n,
+                          temperature=temperature, seed=seed, baseline=baseline, baseline_batch=baseline_batch)
+        engine_config = opt.engine_config(
+            model=model, device=device, dtype=dtype, max_model_len=max_model_len,
+            max_batch_tokens=max_batch_tokens, max_running=max_running, kv_memory_fraction=kv_memory_fraction,
+            kv_cache_tokens=kv_cache_tokens, load_format=load_format, no_prefix_cache=no_prefix_cache,
+            attention_backend=attention_backend, no_cuda_graphs=no_cuda_graphs,
+        )
+        hf_config = load_model_config(model)
+        torch_device = resolve_device(device)
+        data_prompts = _read_prompts(data, prompt_key, model) if data else None
+        workload = make_workload(cfg, hf_config.vocab_size, data_prompts)
+        hbm = measure_hbm_bandwidth(torch_device)
+        report: dict = {"workload": {**cfg.__dict__, "prompts": len(workload.prompts)}}
+        if baseline == "hf":
+            with console.status("HF transformers baseline"):
+                report["hf"] = run_hf_baseline(model, load_format, torch_device,
+                                               resolve_dtype(dtype, torch_device), workload, cfg)
+        with console.status("loading engine"):
+            engine = Engine(engine_config)
+        report["engine_settings"] = {"device": str(engine.device), "dtype": str(engine.dtype),
+                                     "kv_cache_tokens": engine.num_kv_slots - 1}
+        with console.status("engine"):
+            report["rollout"] = run_engine(engine, workload, cfg)
+        report["bandwidth"] = bandwidth_limit(engine, report["rollout"]["output_tokens_per_s"], hbm)
+        if "hf" in report:
+            report["speedup_vs_hf"] = report["rollout"]["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"]
+        report["versions"] = _versions(engine.device)
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(report, f, indent=2, default=str)
+        console.print(_table(report))
+        console.print(f"[dim]{report['bandwidth']['formula']}[/dim]")
+
+
+def _read_prompts(path: str, prompt_key: str, model: str) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from rollout_cli.io.prompts import PromptSource
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except Exception:
+        tokenizer = None
+    return [row.prompt_token_ids for row in PromptSource(path, tokenizer, prompt_key=prompt_key)]
+
+
+def _versions(device) -> dict:
+    import torch
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        versions["gpu"] = torch.cuda.get_device_name(device)
+    return versions
+
+
+def _table(report: dict) -> Table:
+    r, bw = report["rollout"], report["bandwidth"]
+    table = Table(title="rollout bench", show_header=False)
+    table.add_row("output tok/s", f"{r['output_tokens_per_s']:,.1f}")
+    table.add_row("total tok/s", f"{r['total_tokens_per_s']:,.1f}")
+    table.add_row("requests / output tokens", f"{r['requests']} / {r['output_tokens']:,}")
+    table.add_row("TTFT mean / p50 / p99", f"{r['ttft_mean_s']:.3f} / {r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f} s")
+    table.add_row("prefix hit rate", f"{r['prefix_hit_rate']:.1%}")
+    table.add_row("preemptions", str(r["preemptions"]))
+    if r["peak_memory_gib"] is not None:
+        table.add_row("peak memory", f"{r['peak_memory_gib']:.1f} GiB")
+    if bw.get("limit_output_tokens_per_s"):
+        table.add_row("bandwidth limit", f"{bw['limit_output_tokens_per_s']:,.0f} tok/s "
+                      f"(HBM {bw['hbm_bytes_per_s'] / 1e12:.2f} TB/s)")
+        table.add_row("fraction of limit", f"{bw['fraction_of_limit']:.1%}")
+    if "hf" in report:
+        table.add_row("HF generate", f"{report['hf']['output_tokens_per_s']:,.1f} tok/s "
+                      f"(batch {report['hf']['batch']})")
+        table.add_row("speedup vs HF", f"{report['speedup_vs_hf']:.2f}x")
+    table.add_row("wall time", f"{r['seconds']:.1f} s")
+    return table

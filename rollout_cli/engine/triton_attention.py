@@ -1,0 +1,89 @@
+"""Attention over the token-slot KV pool with the Triton kernels (CUDA).
+
+The runner orders a step's entries decodes first, so the flat batch is
+[decode tokens | prefill-chunk tokens]: decodes go to the split-KV decode
+kernel, prefill chunks to the extend kernel; both read keys from the pool
+through req_to_token, after this step's k/v were stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout_cli.engine.attention import KVCache
+from rollout_kernels.decode_attention import decode_attention
+from rollout_kernels.extend_attention import extend_attention
+from rollout_kernels.kv_store import store_kv
+
+
+@dataclass
+class ExtendMetadata:
+    rows: torch.Tensor  # [P] int64: table rows of the prefill requests
+    q_starts: torch.Tensor  # [P + 1] int32: offsets of each request's tokens in the prefill part
+    prefix_lens: torch.Tensor  # [P] int32: positions already in the pool before this step
+    seq_lens: torch.Tensor  # [P] int32: prefix + new tokens
+    max_q_len: int
+
+
+class TritonAttentionBatch:
+    """Passed through the model as `attn`; also what CUDA graphs capture (decode only)."""
+
+    def __init__(self, kv: KVCache, req_to_token: torch.Tensor, store_slots: torch.Tensor,
+                 decode_rows: torch.Tensor, decode_seq_lens: torch.Tensor, extend: ExtendMetadata | None,
+                 scale: float):
+        self.kv = kv
+        self.req_to_token = req_to_token
+        self.store_slots = store_slots  # [T] int64
+        self.decode_rows = decode_rows  # [Bd] int64
+        self.decode_seq_lens = decode_seq_lens  # [Bd] int32
+        self.num_decode = decode_rows.shape[0]
+        self.extend = extend
+        self.scale = scale
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]."""
+        k_pool, v_pool = self.kv.k[layer_idx], self.kv.v[layer_idx]
+        store_kv(k_pool, v_pool, self.store_slots, k, v)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd = self.num_decode
+        if nd:
+            decode_attention(q[:nd], k_pool, v_pool, self.req_to_token, self.decode_rows, self.decode_seq_lens,
+                             self.scale, out=out[:nd])
+        if self.extend is not None:
+            e = self.extend
+            extend_attention(q[nd:], k_pool, v_pool, self.req_to_token, e.rows, e.q_starts, e.prefix_lens,
+                             e.seq_lens, self.scale, e.max_q_len, out=out[nd:])
+        return out
+
+
+def prepare_triton_attention(entries, req_to_token: torch.Tensor, kv: KVCache, scale: float) -> TritonAttentionBatch:
+    """Entries must be ordered decodes (one new token) first, then prefill chunks."""
+    device = req_to_token.device
+    decodes = [e for e in entries if e.num_new_tokens == 1]
+    prefills = entries[len(decodes):]
+    assert all(e.num_new_tokens > 1 for e in prefills), "entries must be ordered decodes first"
+    store_slots = torch.tensor([s for e in entries for s in e.new_slots], dtype=torch.int64, device=device)
+
+    def ints(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    extend = None
+    if prefills:
+        starts = [0]
+        for e in prefills:
+            starts.append(starts[-1] + e.num_new_tokens)
+        extend = ExtendMetadata(
+            rows=ints([e.table_row for e in prefills], torch.int64),
+            q_starts=ints(starts, torch.int32),
+            prefix_lens=ints([e.start for e in prefills], torch.int32),
+            seq_lens=ints([e.start + e.num_new_tokens for e in prefills], torch.int32),
+            max_q_len=max(e.num_new_tokens for e in prefills),
+        )
+    return TritonAttentionBatch(
+        kv, req_to_token, store_slots,
+        decode_rows=ints([e.table_row for e in decodes], torch.int64),
+        decode_seq_lens=ints([e.start + 1 for e in decodes], torch.int32),
+        extend=extend, scale=scale,
+    )

@@ -1,0 +1,12 @@
+"""Kernel tests run compiled on a GPU, and under Triton's interpreter on the CPU.
+
+TRITON_INTERPRET must be set before any @triton.jit function is defined, so
+it is set here, before the test modules import the kernels.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
