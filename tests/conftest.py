@@ -103,16 +103,22 @@ def arch(request, tiny_checkpoints) -> tuple[str, str]:
     return request.param, tiny_checkpoints[request.param]
 
 
-def with_eos(src: str, dst: Path, eos_token_id: int) -> str:
-    """Copy a checkpoint and set its eos token in config.json and generation_config.json."""
-    shutil.copytree(src, dst)
-    for fname in ("config.json", "generation_config.json"):
-        path = dst / fname
-        if path.is_file():
-            data = json.loads(path.read_text())
-            data["eos_token_id"] = eos_token_id
-            path.write_text(json.dumps(data))
-    return str(dst)
+@pytest.fixture
+def with_eos(tmp_path):
+    """with_eos(model_dir, eos_id) -> a copy of the checkpoint whose config and generation config name that eos."""
+
+    def make(src: str, eos_token_id: int) -> str:
+        dst = tmp_path / f"eos_{eos_token_id}"
+        shutil.copytree(src, dst)
+        for fname in ("config.json", "generation_config.json"):
+            path = dst / fname
+            if path.is_file():
+                data = json.loads(path.read_text())
+                data["eos_token_id"] = eos_token_id
+                path.write_text(json.dumps(data))
+        return str(dst)
+
+    return make
 
 
 class HFReference:
@@ -132,16 +138,17 @@ class HFReference:
         return self._models[model_dir]
 
     def greedy(self, model_dir: str, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
-        key = (model_dir, tuple(prompt), max_new_tokens, eos_token_id)
+        key = (model_dir, tuple(prompt), max_new_tokens, str(eos_token_id))
         if key not in self._greedy:
             import torch
 
             model = self.model(model_dir)
             ids = torch.tensor([prompt])
+            # None means no eos at all, not the checkpoint's default: an id argmax never picks
+            eos = model.config.vocab_size if eos_token_id is None else eos_token_id
             with torch.no_grad():
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                     max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                                     pad_token_id=0)
+                                     max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0)
             self._greedy[key] = out[0, len(prompt):].tolist()
         return self._greedy[key]
 

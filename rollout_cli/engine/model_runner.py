@@ -89,7 +89,13 @@ class ModelRunner:
             logits = self._eager_logits(out)
         if not to_sample:
             return [], []
-        tokens, logprobs = sample(logits, SamplingBatch.build(to_sample, self.device))
+        if self.attention_backend == "triton":
+            from rollout_kernels.sampling import sample_batch
+
+            batch = SamplingBatch.build(to_sample, self.device, device_rng=True)
+            tokens, logprobs = sample_batch(logits, batch, keys=tuple(batch.keys))
+        else:
+            tokens, logprobs = sample(logits, SamplingBatch.build(to_sample, self.device))
         return tokens.tolist(), logprobs.tolist()
 
     def _eager_logits(self, out: ScheduleOutput) -> torch.Tensor | None:

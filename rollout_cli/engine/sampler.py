@@ -25,6 +25,12 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _as_int64(value: int) -> int:
+    """The int64 whose bits are value mod 2^64 (seeds may be any Python int)."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def sample_uniform(seed: int, prompt_index: int, sample_index: int, position: int) -> float:
     """A uniform number in [0, 1) fixed by its four keys."""
     h = _mix64(seed & _MASK64)
@@ -41,28 +47,35 @@ class SamplingBatch:
     top_p: torch.Tensor  # [B] float32
     top_k: torch.Tensor  # [B] int64, 0 = off
     min_p: torch.Tensor  # [B] float32
-    uniform: torch.Tensor  # [B] float32 in [0, 1)
+    uniform: torch.Tensor | None  # [B] float32 in [0, 1), drawn on the host (torch path)
     raw_logprobs: torch.Tensor  # [B] bool: report log_softmax(logits) instead of after temperature
     needs_filter: bool  # any row uses top-p, top-k or min-p
     all_greedy: bool
+    keys: torch.Tensor | None = None  # [4, B] int64 (seed, prompt_index, sample_index, position): device RNG
 
     @classmethod
-    def build(cls, requests_and_positions, device) -> "SamplingBatch":
+    def build(cls, requests_and_positions, device, device_rng: bool = False) -> "SamplingBatch":
+        """device_rng: pass the RNG keys to the Triton sampler instead of drawing uniforms here."""
         rows = list(requests_and_positions)
         params = [r.params for r, _ in rows]
-        uniform = [
-            sample_uniform(p.seed, r.prompt_index, r.sample_index, pos) for (r, pos), p in zip(rows, params)
-        ]
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
+        uniform = keys = None
+        if device_rng:
+            keys = tensor([[_as_int64(p.seed) for p in params], [r.prompt_index for r, _ in rows],
+                           [r.sample_index for r, _ in rows], [pos for _, pos in rows]], torch.int64)
+        else:
+            uniform = tensor([sample_uniform(p.seed, r.prompt_index, r.sample_index, pos)
+                              for (r, pos), p in zip(rows, params)], torch.float32)
         return cls(
             temperature=tensor([p.temperature for p in params], torch.float32),
             top_p=tensor([p.top_p for p in params], torch.float32),
             top_k=tensor([p.top_k for p in params], torch.int64),
             min_p=tensor([p.min_p for p in params], torch.float32),
-            uniform=tensor(uniform, torch.float32),
+            uniform=uniform,
+            keys=keys,
             raw_logprobs=tensor([p.logprobs_mode == "raw" for p in params], torch.bool),
             needs_filter=any(p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0 for p in params),
             all_greedy=all(p.temperature == 0.0 for p in params),
