@@ -2,7 +2,9 @@
 # One device call: engine GPU tests, rollout bench (with the HF baseline), the decode kernel alone,
 # then the kernel GPU tests. Logs and JSON reports go to $OUT.
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# kernels/ installs as rollout_kernels; without installing, a link on PYTHONPATH gives the same name.
+mkdir -p /tmp/rollout_path && ln -sfn "$PWD/kernels" /tmp/rollout_path/rollout_kernels
+export PYTHONPATH=$PWD:/tmp/rollout_path PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

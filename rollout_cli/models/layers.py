@@ -119,7 +119,8 @@ def rope_inverse_frequencies(config) -> tuple[torch.Tensor, float]:
         raise RolloutError(
             f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3, yarn, longrope"
         )
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    with torch.device("cpu"):  # the model may be built under `with torch.device("cuda")`
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     return inv_freq.float(), float(scale)
 
 
