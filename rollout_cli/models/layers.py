@@ -127,8 +127,8 @@ def rope_inverse_frequencies(config) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE over the first `rotary_dim` dims of each head.
 
-    cos_sin is a float32 table [max_positions, rotary_dim] built once; it is a
-    buffer, not a parameter, so checkpoints never carry it.
+    cos and sin are float32 tables [max_positions, rotary_dim], built once on
+    the CPU and moved to the device at the first forward.
     """
 
     def __init__(self, config, head_dim: int, max_positions: int):
@@ -136,7 +136,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq, scale = rope_inverse_frequencies(config)
         self.rotary_dim = inv_freq.numel() * 2
         self.head_dim = head_dim
-        t = torch.arange(max_positions, dtype=torch.float32)
+        t = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)  # built on the CPU
         freqs = torch.outer(t, inv_freq)  # [max_positions, rotary_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         # Plain attributes, not buffers: model.to(bfloat16) must not round the tables.
