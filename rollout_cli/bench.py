@@ -152,12 +152,16 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
                                     seed=cfg.seed, ignore_eos=True)
             yield PromptInput(i, prompt, params=params)
 
-    warm = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    list(engine.stream([PromptInput(0, workload.prompts[0][:16])], warm))
+    # Warm-up on the workload's own prompts (two tokens each): Triton compiles for the prefill
+    # shapes here, not inside the timed run; the prefix cache is emptied afterwards.
+    warm = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    count = min(len(workload.prompts), engine.config.max_running)
+    list(engine.stream([PromptInput(i, p) for i, p in enumerate(workload.prompts[:count])], warm))
     if engine.scheduler.cache is not None:  # the warm-up prompt must not count as a prefix hit
         engine.scheduler.cache.reset()
     stats_before = dataclasses.replace(engine.scheduler.stats)
     engine.runner.traffic = type(engine.runner.traffic)()
+    engine.runner.time_decode_steps = engine.device.type == "cuda"
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
     _sync(engine.device)
@@ -165,6 +169,8 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
     results = list(engine.stream(inputs(), SamplingParams()))
     _sync(engine.device)
     seconds = time.monotonic() - start
+    engine.runner.time_decode_steps = False
+    traffic = engine.runner.traffic
     stats = engine.scheduler.stats
     out_tokens = sum(len(r.response_token_ids) for r in results)
     in_tokens = sum(len(r.prompt_token_ids) for r in results)
@@ -183,6 +189,10 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
         "preemptions": stats.preemptions - stats_before.preemptions,
         "peak_memory_gib": torch.cuda.max_memory_allocated(engine.device) / (1 << 30)
         if engine.device.type == "cuda" else None,
+        # share of a graph-replayed decode step's wall time (schedule -> postprocess) the GPU sat idle
+        "decode_gpu_idle_share": 1 - traffic.gpu_seconds / traffic.wall_seconds if traffic.wall_seconds else None,
+        "decode_step_ms": 1e3 * traffic.wall_seconds / traffic.timed_steps if traffic.timed_steps else None,
+        "cuda_graph_capture_s": engine.cuda_graph_capture_seconds,
     }
 
 

@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
-# One device call: engine GPU tests, rollout bench (with the HF baseline), the decode kernel alone,
-# then the kernel GPU tests. Logs and JSON reports go to $OUT.
+# One device call: engine GPU tests, the sampler's GPU tests, the decode-attention kernel alone,
+# then `rollout bench` lines (Qwen3-0.6B shape: fixed workload with the HF baseline, mixed
+# lengths, GRPO shape). Logs and JSON reports go to $OUT.
 set -uo pipefail
 # kernels/ installs as rollout_kernels; without installing, a link on PYTHONPATH gives the same name.
 mkdir -p /tmp/rollout_path && ln -sfn "$PWD/kernels" /tmp/rollout_path/rollout_kernels
 export PYTHONPATH=$PWD:/tmp/rollout_path PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+Q06=recipes/configs/qwen3-0.6b
+bench() { python3 -m rollout_cli.cli.main bench --model $Q06 --load-format dummy "$@" 2>&1 | tail -20; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-timeout 150 python3 -m pytest -q -m gpu tests/e2e/test_gpu_engine.py -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_engine_tests.log" | tail -15
-timeout 200 python3 -m rollout_cli.cli.main bench --model recipes/configs/qwen3-0.6b --load-format dummy \
-    --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --json "$OUT/bench_qwen3_0.6b.json" 2>&1 | tail -22
-timeout 60 python3 - <<'PY' 2>&1 | tee "$OUT/decode_kernel.log"
+timeout 60 python3 -m pytest -q -m gpu tests/e2e/test_gpu_engine.py tests/kernels/test_sampling.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -6
+timeout 20 python3 - <<'PY' 2>&1 | tee "$OUT/decode_kernel.log"
 import json, torch
 from rollout_cli.bench import measure_hbm_bandwidth
 from rollout_kernels.decode_attention import benchmark_decode_attention
 bw = measure_hbm_bandwidth(torch.device("cuda"))
-print("hbm copy bandwidth TB/s", round(bw / 1e12, 3))
 print(json.dumps(benchmark_decode_attention(batch=64, context=4096, hbm_bytes_per_s=bw)))
 PY
-timeout 90 python3 -m rollout_cli.cli.main bench --model recipes/configs/qwen3-0.6b --load-format dummy \
-    --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --temperature 0.6 \
-    --json "$OUT/bench_qwen3_0.6b_mixed.json" 2>&1 | tail -16
+echo "== fixed 256x256x512 with HF baseline"
+timeout 150 bash -c "$(declare -f bench); Q06=$Q06; bench --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --json $OUT/bench_fixed.json"
+echo "== GRPO 64 x n16, 512 in, 1024 out"
+timeout 60 bash -c "$(declare -f bench); Q06=$Q06; bench --num-prompts 64 --n 16 --input-len 512 --output-len 1024 --json $OUT/bench_grpo.json"
+echo "== mixed lengths [100, 1024], temperature 0.6"
+timeout 60 bash -c "$(declare -f bench); Q06=$Q06; bench --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --temperature 0.6 --json $OUT/bench_mixed.json"

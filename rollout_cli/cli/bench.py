@@ -128,6 +128,10 @@ def _table(report: dict) -> Table:
     table.add_row("requests / output tokens", f"{r['requests']} / {r['output_tokens']:,}")
     table.add_row("TTFT mean / p50 / p99", f"{r['ttft_mean_s']:.3f} / {r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f} s")
     table.add_row("prefix hit rate", f"{r['prefix_hit_rate']:.1%}")
+    if r["decode_gpu_idle_share"] is not None:
+        table.add_row("decode step / GPU idle", f"{r['decode_step_ms']:.2f} ms / {r['decode_gpu_idle_share']:.1%}")
+    if r["cuda_graph_capture_s"] is not None:
+        table.add_row("CUDA graph capture", f"{r['cuda_graph_capture_s']:.1f} s")
     table.add_row("preemptions", str(r["preemptions"]))
     if r["peak_memory_gib"] is not None:
         table.add_row("peak memory", f"{r['peak_memory_gib']:.1f} GiB")

@@ -2,9 +2,10 @@
 
 A decode step of B requests replays the graph of the smallest bucket >= B.
 Inputs live in static device buffers, filled from one pinned host buffer per
-step; bucket slots past B are padding: they read row `pad_row` of
-req_to_token (all slot 0), attend one key, and write their k/v into slot 0,
-which the slot allocator never hands out. Prefill steps run eagerly.
+step; the graph itself records each request's new slot in req_to_token.
+Bucket entries past B are padding: they use row `pad_row` of req_to_token
+(slot 0), attend one key, and write their k/v into slot 0, which the slot
+allocator never hands out. Prefill steps run eagerly.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class DecodeGraphs:
 
     def _forward(self, batch: int) -> torch.Tensor:
         ids, positions, rows, slots = (self.inputs[i, :batch] for i in range(4))
+        self.req_to_token[rows, positions] = slots.to(torch.int32)  # this step's slots, inside the graph
         attn = TritonAttentionBatch(self.kv, self.req_to_token, slots, rows, self.seq_lens[:batch], None, self.scale)
         return self.model.compute_logits(self.model(ids, positions, attn))  # [batch, vocab] float32
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -215,11 +216,15 @@ class Engine:
                 self._add_prompt(prompt, params, skip)
             if not scheduler.has_work():
                 return
+            step_start = time.perf_counter()
             out = scheduler.schedule()
             if not out:
                 raise RuntimeError("scheduler produced an empty step with work pending")
             tokens, logprobs = self.runner.run(out)
-            for request in scheduler.postprocess(out, tokens, logprobs):
+            finished = scheduler.postprocess(out, tokens, logprobs)
+            if self.runner.last_step_timed:
+                self.runner.traffic.wall_seconds += time.perf_counter() - step_start
+            for request in finished:
                 yield self._trajectory(request)
             if on_step is not None:
                 on_step()

@@ -24,6 +24,11 @@ class DecodeTraffic:
     steps: int = 0  # forward steps that decoded at least one request
     tokens: int = 0  # decode tokens produced
     context_tokens: int = 0  # sum over decode steps of the KV positions attended
+    # With `ModelRunner.time_decode_steps` (CUDA graph steps only): GPU time between the
+    # replay and the sampled tokens (CUDA events), and the engine's wall time of those steps.
+    timed_steps: int = 0
+    gpu_seconds: float = 0.0
+    wall_seconds: float = 0.0
 
 
 class ModelRunner:
@@ -44,6 +49,8 @@ class ModelRunner:
             self._prepare = prepare_attention
         self.graphs = None
         self.traffic = DecodeTraffic()
+        self.time_decode_steps = False  # `rollout bench` turns this on to measure GPU idle time
+        self.last_step_timed = False
 
     def capture_cuda_graphs(self, max_batch: int) -> float:
         """Capture decode graphs for batches up to max_batch; returns the capture time in seconds."""
@@ -54,9 +61,9 @@ class ModelRunner:
         self.graphs.capture()
         return self.graphs.capture_seconds
 
-    def _write_table(self, out: ScheduleOutput) -> None:
+    def _write_table(self, entries) -> None:
         rows, cols, slots = [], [], []
-        for e in out.entries:
+        for e in entries:
             n = len(e.table_slots)
             rows.extend([e.table_row] * n)
             cols.extend(range(e.table_start, e.table_start + n))
@@ -80,12 +87,20 @@ class ModelRunner:
         so); results follow that order, which postprocess then walks.
         """
         out.entries.sort(key=lambda e: e.num_new_tokens > 1)
-        self._write_table(out)
         self._count_traffic(out)
         to_sample = [(e.request, e.start + e.num_new_tokens) for e in out.entries if e.sample]
+        events = None
+        self.last_step_timed = False
         if self.graphs is not None and self.graphs.can_run(out.entries):
+            # the graph writes each entry's new slot into req_to_token; older slots that a
+            # prefix-cache merge changed (table_start < start) are written here first
+            self._write_table([e for e in out.entries if e.table_start < e.start])
+            if self.time_decode_steps:
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record()
             logits = self.graphs.run(out.entries)
         else:
+            self._write_table(out.entries)
             logits = self._eager_logits(out)
         if not to_sample:
             return [], []
@@ -96,7 +111,16 @@ class ModelRunner:
             tokens, logprobs = sample_batch(logits, batch, keys=tuple(batch.keys))
         else:
             tokens, logprobs = sample(logits, SamplingBatch.build(to_sample, self.device))
-        return tokens.tolist(), logprobs.tolist()
+        # one device-to-host copy: float64 holds both the token ids and the float32 logprobs exactly
+        packed = torch.stack((tokens.double(), logprobs.double()))
+        if events is not None:
+            events[1].record()
+        token_values, logprob_values = packed.tolist()
+        if events is not None:
+            self.traffic.timed_steps += 1
+            self.traffic.gpu_seconds += events[0].elapsed_time(events[1]) / 1e3
+            self.last_step_timed = True
+        return [int(t) for t in token_values], logprob_values
 
     def _eager_logits(self, out: ScheduleOutput) -> torch.Tensor | None:
         input_ids = torch.tensor([t for e in out.entries for t in e.token_ids], device=self.device)

@@ -58,27 +58,32 @@ class SamplingBatch:
         """device_rng: pass the RNG keys to the Triton sampler instead of drawing uniforms here."""
         rows = list(requests_and_positions)
         params = [r.params for r, _ in rows]
+        shared = params[0] if all(p is params[0] for p in params) else None  # one job: one params object
+        distinct = [shared] if shared is not None else params
 
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+        def per_row(values_of, dtype):
+            if shared is not None:  # a fill kernel instead of building and copying a list
+                return torch.full((len(params),), values_of(shared), dtype=dtype, device=device)
+            return torch.tensor([values_of(p) for p in params], dtype=dtype, device=device)
 
         uniform = keys = None
         if device_rng:
-            keys = tensor([[_as_int64(p.seed) for p in params], [r.prompt_index for r, _ in rows],
-                           [r.sample_index for r, _ in rows], [pos for _, pos in rows]], torch.int64)
+            keys = torch.tensor([[_as_int64(p.seed) for p in params], [r.prompt_index for r, _ in rows],
+                                 [r.sample_index for r, _ in rows], [pos for _, pos in rows]],
+                                dtype=torch.int64, device=device)
         else:
-            uniform = tensor([sample_uniform(p.seed, r.prompt_index, r.sample_index, pos)
-                              for (r, pos), p in zip(rows, params)], torch.float32)
+            uniform = torch.tensor([sample_uniform(p.seed, r.prompt_index, r.sample_index, pos)
+                                    for (r, pos), p in zip(rows, params)], dtype=torch.float32, device=device)
         return cls(
-            temperature=tensor([p.temperature for p in params], torch.float32),
-            top_p=tensor([p.top_p for p in params], torch.float32),
-            top_k=tensor([p.top_k for p in params], torch.int64),
-            min_p=tensor([p.min_p for p in params], torch.float32),
+            temperature=per_row(lambda p: p.temperature, torch.float32),
+            top_p=per_row(lambda p: p.top_p, torch.float32),
+            top_k=per_row(lambda p: p.top_k, torch.int64),
+            min_p=per_row(lambda p: p.min_p, torch.float32),
             uniform=uniform,
+            raw_logprobs=per_row(lambda p: p.logprobs_mode == "raw", torch.bool),
+            needs_filter=any(p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0 for p in distinct),
+            all_greedy=all(p.temperature == 0.0 for p in distinct),
             keys=keys,
-            raw_logprobs=tensor([p.logprobs_mode == "raw" for p in params], torch.bool),
-            needs_filter=any(p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0 for p in params),
-            all_greedy=all(p.temperature == 0.0 for p in params),
         )
 
 

@@ -21,9 +21,9 @@ from rollout_cli.engine.request import Request, RequestStatus
 from rollout_cli.errors import RolloutError
 
 
-@dataclass
+@dataclass(slots=True)
 class BatchEntry:
-    """One request's share of a forward step."""
+    """One request's share of a forward step (slots=True: hundreds are built per step)."""
 
     request: Request
     table_row: int
@@ -32,15 +32,15 @@ class BatchEntry:
     table_start: int  # first position whose slot is (re)written into the req_to_token table
     table_slots: list[int]  # slots for positions [table_start, start + len(token_ids))
     sample: bool  # this step reaches the end of the request's tokens: sample the next one
+    num_new_tokens: int = -1  # len(token_ids), filled in by __post_init__
 
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
+    def __post_init__(self) -> None:
+        self.num_new_tokens = len(self.token_ids)
 
     @property
     def new_slots(self) -> list[int]:
         """KV slots the new tokens are stored into."""
-        return self.table_slots[len(self.table_slots) - len(self.token_ids):]
+        return self.table_slots[len(self.table_slots) - self.num_new_tokens:]
 
 
 @dataclass
@@ -114,6 +114,10 @@ class Scheduler:
     def schedule(self) -> ScheduleOutput:
         out = ScheduleOutput()
         budget = self.max_batch_tokens
+        if self._schedule_all_decodes(out):
+            budget -= len(out.entries)
+            self._admit(out, budget)
+            return out
         scheduled: set[int] = set()
         preemptions_before = self.stats.preemptions
         for request in list(self.running):
@@ -131,6 +135,27 @@ class Scheduler:
         if self.stats.preemptions == preemptions_before:  # else the victim, now first in line, is re-admitted at once
             self._admit(out, budget)
         return out
+
+    def _schedule_all_decodes(self, out: ScheduleOutput) -> bool:
+        """Fast path of the steady state: every running request decodes one token and
+        the pool has a free slot for each. Same result as the general loop, fewer calls."""
+        running = self.running
+        if not running or len(running) > self.max_batch_tokens or self.allocator.num_free < len(running):
+            return False
+        for request in running:
+            if request.num_computed_tokens + 1 != len(request.prompt_token_ids) + len(request.output_token_ids):
+                return False
+        slots = self.allocator.allocate(len(running))
+        entries = out.entries
+        for request, slot in zip(running, slots):
+            start = request.num_computed_tokens
+            request.slots.append(slot)
+            table_start = request.num_slots_in_table
+            last = request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
+            entries.append(BatchEntry(request, request.table_row, start, [last], table_start,
+                                      request.slots[table_start:], True))
+        self.stats.computed_tokens += len(running)
+        return True
 
     def _allocate_or_preempt(self, request: Request, count: int, scheduled: set[int]) -> list[int] | None:
         while True:
@@ -217,20 +242,22 @@ class Scheduler:
         """Advance each request by its step; `tokens`/`logprobs` hold one entry per sampling request."""
         finished = []
         sampled = iter(zip(tokens, logprobs))
+        now = time.monotonic()
         for entry in out.entries:
             request = entry.request
-            prompt_was_computed = request.prompt_computed
+            num_prompt = len(request.prompt_token_ids)
+            prompt_was_computed = request.num_computed_tokens >= num_prompt
             request.num_computed_tokens += entry.num_new_tokens
             request.num_slots_in_table = request.num_computed_tokens
             if entry.sample:
                 token, logprob = next(sampled)
                 if request.first_token_time is None:
-                    request.first_token_time = time.monotonic()
+                    request.first_token_time = now
                 request.append_token(token, logprob)
             if request.finish_reason is not None:
                 self._finish(request)
                 finished.append(request)
-            elif request.prompt_computed and not prompt_was_computed:
+            elif not prompt_was_computed and request.num_computed_tokens >= num_prompt:
                 # Publish the prompt now so the other samples of this prompt hit the cache.
                 self._cache_computed(request, request.num_prompt_tokens)
         return finished

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from slot_pool import make_slot_pool
 from rollout_kernels.decode_attention import decode_attention, decode_attention_ref
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -18,29 +19,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_decode_case(seq_lens, num_heads, num_kv_heads, head_dim, dtype, device=DEVICE, seed=0):
-    """Pools shaped like one layer of a [L, S, KVH, D] cache, slots a random permutation (one slot
-    holding NaN, pointed at by every unused req_to_token entry), rows out of order, q a slice of qkv."""
+    """A poisoned slot pool (see slot_pool.make_slot_pool) and q as a strided slice of qkv."""
     gen = torch.Generator().manual_seed(seed)
-    batch, total = len(seq_lens), sum(seq_lens)
-    num_slots = total + 5
-    perm = torch.randperm(num_slots, generator=gen)
-    poison_slot = int(perm[-1])
-    kv = torch.randn((2, 2, num_slots, num_kv_heads, head_dim), generator=gen)
-    kv[:, :, poison_slot] = float("nan")
-    kv = kv.to(dtype=dtype, device=device)
-    k_pool, v_pool = kv[0, 1], kv[1, 1]  # layer 1 of [L, S, KVH, D]
-    max_rows, max_len = batch + 3, max(seq_lens) + 7
-    req_to_token = torch.full((max_rows, max_len), poison_slot, dtype=torch.int32)
-    rows = torch.randperm(max_rows, generator=gen)[:batch]
-    offset = 0
-    for b, seq_len in enumerate(seq_lens):
-        req_to_token[rows[b], :seq_len] = perm[offset:offset + seq_len].to(torch.int32)
-        offset += seq_len
+    batch = len(seq_lens)
+    k_pool, v_pool, req_to_token, rows = make_slot_pool(seq_lens, num_kv_heads, head_dim, dtype, device, gen)
     # q is the first num_heads heads of a fused [B, H + 2 * KVH, D] qkv tensor: strided rows
     qkv = torch.randn((batch, num_heads + 2 * num_kv_heads, head_dim), generator=gen).to(dtype=dtype, device=device)
     q = qkv[:, :num_heads]
-    return dict(q=q, k_pool=k_pool, v_pool=v_pool, req_to_token=req_to_token.to(device),
-                rows=rows.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+    return dict(q=q, k_pool=k_pool, v_pool=v_pool, req_to_token=req_to_token,
+                rows=rows, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
                 scale=1.0 / math.sqrt(head_dim))
 
 
