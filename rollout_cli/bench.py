@@ -216,3 +216,18 @@ def bandwidth_limit(engine: Engine, measured_tok_s: float, hbm_bytes_per_s: floa
         report["limit_output_tokens_per_s"] = limit
         report["fraction_of_limit"] = measured_tok_s / limit
     return report
+
+
+def profile_decode(engine: Engine, workload: Workload, cfg: BenchConfig, steps: int = 32, rows: int = 15) -> str:
+    """torch.profiler over a short run of the workload's first prompts: where step time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    count = min(len(workload.prompts), engine.config.max_running)
+    prompts = [PromptInput(i, p) for i, p in enumerate(workload.prompts[:count])]
+    params = SamplingParams(max_new_tokens=steps, temperature=cfg.temperature, ignore_eos=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        list(engine.stream(prompts, params))
+        _sync(engine.device)
+    sort_by = "cuda_time_total" if engine.device.type == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=rows)

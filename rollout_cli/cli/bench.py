@@ -30,6 +30,7 @@ def bench_command(
     baseline: Annotated[str, typer.Option(help="none, or hf: also time transformers generate on the same prompts.")] = "none",
     baseline_batch: Annotated[int, typer.Option(help="Batch size of the HF baseline.")] = 256,
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the full report to this JSON file.")] = None,
+    profile: Annotated[bool, typer.Option("--profile", help="Afterwards, profile a short run and print the top kernels.")] = False,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
     max_model_len: opt.MaxModelLen = None,
@@ -49,7 +50,8 @@ def bench_command(
         rollout bench --model ckpt/ --load-format dummy --num-prompts 256 --input-len 256 --output-len 512 --baseline hf
     """
     from rollout_cli.bench import (
-        BenchConfig, bandwidth_limit, make_workload, measure_hbm_bandwidth, run_engine, run_hf_baseline,
+        BenchConfig, bandwidth_limit, make_workload, measure_hbm_bandwidth, profile_decode, run_engine,
+        run_hf_baseline,
     )
     from rollout_cli.engine.engine import Engine
     from rollout_cli.models.build import load_model_config, resolve_device, resolve_dtype
@@ -90,6 +92,8 @@ def bench_command(
                 json.dump(report, f, indent=2, default=str)
         console.print(_table(report))
         console.print(f"[dim]{report['bandwidth']['formula']}[/dim]")
+        if profile:
+            console.print(profile_decode(engine, workload, cfg), soft_wrap=True)
 
 
 def _read_prompts(path: str, prompt_key: str, model: str) -> list[list[int]]:
