@@ -18,6 +18,17 @@ from rollout_kernels.extend_attention import extend_attention
 from rollout_kernels.kv_store import store_kv
 
 
+# Decode programs wanted in flight: a few waves over the H100/H200's 132 SMs. Fewer KV splits
+# per request when the batch alone provides them (splits shorter than a key block waste loads).
+TARGET_DECODE_PROGRAMS = 2048
+MAX_KV_SPLITS = 16
+
+
+def decode_kv_splits(batch: int, num_kv_heads: int) -> int:
+    """KV splits of the decode kernel for a batch; fixed per batch size, so CUDA graphs can bake it in."""
+    return max(1, min(MAX_KV_SPLITS, -(-TARGET_DECODE_PROGRAMS // max(1, batch * num_kv_heads))))
+
+
 @dataclass
 class ExtendMetadata:
     rows: torch.Tensor  # [P] int64: table rows of the prefill requests
@@ -39,6 +50,7 @@ class TritonAttentionBatch:
         self.decode_rows = decode_rows  # [Bd] int64
         self.decode_seq_lens = decode_seq_lens  # [Bd] int32
         self.num_decode = decode_rows.shape[0]
+        self.num_kv_splits = decode_kv_splits(self.num_decode, kv.k.shape[2])
         self.extend = extend
         self.scale = scale
 
@@ -50,7 +62,7 @@ class TritonAttentionBatch:
         nd = self.num_decode
         if nd:
             decode_attention(q[:nd], k_pool, v_pool, self.req_to_token, self.decode_rows, self.decode_seq_lens,
-                             self.scale, out=out[:nd])
+                             self.scale, num_kv_splits=self.num_kv_splits, out=out[:nd])
         if self.extend is not None:
             e = self.extend
             extend_attention(q[nd:], k_pool, v_pool, self.req_to_token, e.rows, e.q_starts, e.prefix_lens,
