@@ -37,7 +37,7 @@ class EngineConfig:
     weight_version: str = "0"
     """Version recorded on every trajectory produced by the weights loaded at start."""
     attention_backend: str = "auto"
-    """auto (triton on CUDA, torch on CPU), torch (SDPA over gathered KV), or triton (kernels/)."""
+    """auto (torch until the Triton path is verified on a device), torch (SDPA over gathered KV), or triton."""
     cuda_graphs: bool = True
     """On CUDA with the triton backend, replay captured graphs for decode steps."""
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import typer
 
+from rollout_cli.cli import control
 from rollout_cli.cli.bench import bench_command
 from rollout_cli.cli.run import run_command
+from rollout_cli.cli.serve import serve_command
 
 app = typer.Typer(
     name="rollout",
@@ -16,6 +18,14 @@ app = typer.Typer(
 )
 app.command("run")(run_command)
 app.command("bench")(bench_command)
+app.command("serve")(serve_command)
+app.command("reload-weights")(control.reload_weights_command)
+app.command("pause")(control.pause_command)
+app.command("continue")(control.continue_command)
+app.command("abort")(control.abort_command)
+app.command("flush-cache")(control.flush_cache_command)
+app.command("status")(control.status_command)
+app.command("shutdown")(control.shutdown_command)
 
 
 @app.callback()

@@ -23,7 +23,7 @@ KvMemoryFraction = Annotated[float, typer.Option(help="CUDA: share of free GPU m
 KvCacheTokens = Annotated[Optional[int], typer.Option(help="Exact KV cache size in tokens (overrides --kv-memory-fraction).", rich_help_panel=ENGINE)]
 LoadFormat = Annotated[str, typer.Option(help="auto (safetensors) or dummy (random weights from config.json).", rich_help_panel=ENGINE)]
 NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="Disable prefix sharing through the radix cache.", rich_help_panel=ENGINE)]
-AttentionBackend = Annotated[str, typer.Option(help="auto (triton on CUDA, torch on CPU), torch or triton.", rich_help_panel=ENGINE)]
+AttentionBackend = Annotated[str, typer.Option(help="torch, or triton (kernels + CUDA graphs; CUDA, opt-in until device-verified); auto = torch.", rich_help_panel=ENGINE)]
 NoCudaGraphs = Annotated[bool, typer.Option("--no-cuda-graphs", help="Run decode steps eagerly instead of replaying CUDA graphs.", rich_help_panel=ENGINE)]
 WeightVersion = Annotated[str, typer.Option(help="Weight version recorded on every trajectory.", rich_help_panel=ENGINE)]
 
@@ -43,3 +43,11 @@ def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_
         kv_cache_tokens=kv_cache_tokens, load_format=load_format, enable_prefix_cache=not no_prefix_cache,
         attention_backend=attention_backend, cuda_graphs=not no_cuda_graphs, weight_version=weight_version,
     )
+
+CLIENT = "Engine daemon"
+
+EngineAddress = Annotated[Optional[str], typer.Option(
+    "--engine", help="Daemon address: a Unix socket path or http://HOST:PORT; default $ROLLOUT_ENGINE, "
+    "else the default socket of rollout serve.", rich_help_panel=CLIENT)]
+TokenFile = Annotated[Optional[str], typer.Option(
+    help="File holding the bearer token of an http:// engine.", rich_help_panel=CLIENT)]

@@ -17,9 +17,9 @@ DATA = "Input and output"
 
 
 def run_command(
-    model: opt.Model,
-    data: Annotated[str, typer.Option(help="Prompt Parquet file.", rich_help_panel=DATA)],
-    out: Annotated[str, typer.Option(help="Output directory (trajectories/part-NNNNN.parquet, manifest.json).", rich_help_panel=DATA)],
+    model: Annotated[Optional[str], typer.Option(help="HuggingFace checkpoint directory: run an embedded engine. Leave out to run on a daemon (--engine).", rich_help_panel=opt.ENGINE)] = None,
+    data: Annotated[str, typer.Option(help="Prompt Parquet file.", rich_help_panel=DATA)] = ...,
+    out: Annotated[str, typer.Option(help="Output directory (trajectories/part-NNNNN.parquet, manifest.json).", rich_help_panel=DATA)] = ...,
     n: opt.N = 1,
     max_new_tokens: Annotated[int, typer.Option(help="Longest response in tokens.", rich_help_panel=opt.SAMPLING)] = 256,
     temperature: opt.Temperature = 1.0,
@@ -48,13 +48,41 @@ def run_command(
     no_cuda_graphs: opt.NoCudaGraphs = False,
     weight_version: opt.WeightVersion = "0",
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary table.")] = False,
+    engine: opt.EngineAddress = None,
+    token_file: opt.TokenFile = None,
 ) -> None:
     """Generate trajectories for every prompt of a Parquet file.
 
     Example:
 
         rollout run --model recipes/example_model --data recipes/prompts.parquet --out traj/ --n 4 --max-new-tokens 64
+
+    On a daemon started with rollout serve (same options, same output; the engine reads and writes the files):
+
+        rollout run --engine /tmp/rollout-$USER.sock --data recipes/prompts.parquet --out traj/ --n 4
     """
+    import os
+
+    from rollout_cli.server.address import ENV_ENGINE
+
+    if model is None or engine is not None or os.environ.get(ENV_ENGINE):
+        from rollout_cli.cli.remote_run import remote_run
+
+        engine_flags = dict(device=(device, "auto"), dtype=(dtype, "auto"), max_model_len=(max_model_len, None),
+                            max_batch_tokens=(max_batch_tokens, 8192), max_running=(max_running, 256),
+                            kv_memory_fraction=(kv_memory_fraction, 0.85), kv_cache_tokens=(kv_cache_tokens, None),
+                            load_format=(load_format, "auto"), no_prefix_cache=(no_prefix_cache, False),
+                            attention_backend=(attention_backend, "auto"), no_cuda_graphs=(no_cuda_graphs, False),
+                            weight_version=(weight_version, "0"))
+        remote_run(
+            model=model, engine=engine, token_file=token_file, quiet=quiet,
+            engine_flags=[name for name, (value, default) in engine_flags.items() if value != default],
+            job=dict(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume,
+                     skip_invalid=skip_invalid, shard_rows=shard_rows, flush_seconds=flush_seconds),
+            sampling=dict(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                          min_p=min_p, seed=seed, ignore_eos=ignore_eos, logprobs_mode=logprobs_mode),
+        )
+        return
     from rollout_cli.engine.engine import Engine
     from rollout_cli.engine.sampling_params import SamplingParams
     from rollout_cli.job import JobConfig, check_job_inputs, run_job

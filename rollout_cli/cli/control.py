@@ -1,0 +1,148 @@
+"""Client commands of a running daemon: reload-weights, pause, continue, abort, flush-cache, status, shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Annotated, Optional
+
+import typer
+
+from rollout_cli.cli import options as opt
+from rollout_cli.cli.errors import user_errors
+
+
+def _client(engine: str | None, token_file: str | None):
+    from rollout_cli.server.client import EngineClient, resolve_address
+
+    return EngineClient(resolve_address(engine), token_file)
+
+
+def _call(engine, token_file, method: str, path: str, body: dict | None = None) -> dict:
+    with user_errors(), _client(engine, token_file) as client:
+        return client.get(path) if method == "GET" else client.post(path, body)
+
+
+def reload_weights_command(
+    checkpoint: Annotated[str, typer.Argument(help="Checkpoint directory with *.safetensors of the served architecture.")],
+    version: Annotated[Optional[str], typer.Option(help="New weight version; default: the current one plus 1.")] = None,
+    engine: opt.EngineAddress = None,
+    token_file: opt.TokenFile = None,
+) -> None:
+    """Load new weights into the running engine after checking every tensor's name, shape and dtype.
+
+    A bad checkpoint is refused with the reason and the engine keeps its weights and version.
+    Refused while a job runs. Example:
+
+        rollout reload-weights ckpt_1/ --version 1
+    """
+    result = _call(engine, token_file, "POST", "/update_weights_from_disk",
+                   {"model_path": os.path.abspath(checkpoint), "weight_version": version})
+    typer.echo(f"weight version {result['previous_weight_version']} -> {result['weight_version']} "
+               f"({result['seconds']:.2f} s)")
+
+
+def pause_command(
+    mode: Annotated[str, typer.Option(help="wait: hold the running job between steps, its requests kept; "
+                                           "abort: end it now (unfinished samples written with finish_reason abort).")] = "wait",
+    engine: opt.EngineAddress = None,
+    token_file: opt.TokenFile = None,
+) -> None:
+    """Pause generation until rollout continue; new jobs are refused meanwhile.
+
+    Example:
+
+        rollout pause --mode abort
+    """
+    result = _call(engine, token_file, "POST", "/pause_generation", {"mode": mode})
+    typer.echo(f"paused ({mode})" + (f"; {result['aborted']} samples aborted" if result.get("aborted") else ""))
+
+
+def continue_command(engine: opt.EngineAddress = None, token_file: opt.TokenFile = None) -> None:
+    """Resume generation after rollout pause.
+
+    Example:
+
+        rollout continue
+    """
+    _call(engine, token_file, "POST", "/continue_generation")
+    typer.echo("serving")
+
+
+def abort_command(engine: opt.EngineAddress = None, token_file: opt.TokenFile = None) -> None:
+    """End the running job: its unfinished samples are written with finish_reason abort.
+
+    Example:
+
+        rollout abort
+    """
+    result = _call(engine, token_file, "POST", "/abort_request")
+    typer.echo(f"aborted {result['aborted']} samples" if result["job_aborted"] else "no job was running")
+
+
+def flush_cache_command(engine: opt.EngineAddress = None, token_file: opt.TokenFile = None) -> None:
+    """Drop the engine's prefix cache (refused while a job runs).
+
+    Example:
+
+        rollout flush-cache
+    """
+    _call(engine, token_file, "POST", "/flush_cache")
+    typer.echo("prefix cache flushed")
+
+
+def status_command(
+    engine: opt.EngineAddress = None,
+    token_file: opt.TokenFile = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the server info as JSON.")] = False,
+) -> None:
+    """Model, weight version, state (loading / serving / paused), memory held and job progress.
+
+    Example:
+
+        rollout status
+    """
+    info = _call(engine, token_file, "GET", "/get_server_info")
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    memory = info.get("memory") or {}
+    lines = [
+        f"model           {info['model']}",
+        f"weights         {info['weights_path']}",
+        f"weight version  {info['weight_version']}",
+        f"state           {info['state']}",
+    ]
+    if memory:
+        held = memory.get("cuda_reserved_bytes", memory["weights_bytes"] + memory["kv_cache_bytes"])
+        lines.append(f"memory held     {held / 2**20:.1f} MiB on {memory['device']} "
+                     f"(weights {memory['weights_bytes'] / 2**20:.1f}, KV cache {memory['kv_cache_bytes'] / 2**20:.1f})")
+    job = info.get("job")
+    if job:
+        lines.append(f"job             {job['data']} -> {job['out']}: prompts {job.get('prompts_done', 0)}/"
+                     f"{job.get('prompts_total', '?')}, {job.get('trajectories', 0)} trajectories, "
+                     f"{job.get('output_tokens_per_s', 0):.0f} out tok/s")
+    else:
+        lines.append("job             none")
+    typer.echo("\n".join(lines))
+
+
+def shutdown_command(engine: opt.EngineAddress = None, token_file: opt.TokenFile = None) -> None:
+    """Stop the engine (a running job is aborted first; its finished rows are kept).
+
+    Example:
+
+        rollout shutdown
+    """
+    from rollout_cli.server.address import is_tcp
+    from rollout_cli.server.client import resolve_address
+
+    _call(engine, token_file, "POST", "/shutdown")
+    address = resolve_address(engine)
+    if not is_tcp(address):  # return once the engine is gone: it removes its socket last
+        import time
+
+        deadline = time.monotonic() + 60
+        while os.path.exists(address) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    typer.echo("engine stopped")

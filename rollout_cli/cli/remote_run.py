@@ -1,0 +1,65 @@
+"""`rollout run` on a daemon: send the job to /generate and draw its streamed progress.
+
+The daemon reads the prompts and writes OUT itself, so both paths go as absolute paths.
+Ctrl-C detaches: the job goes on in the engine (`rollout status`, `rollout abort`).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import typer
+from rich.console import Console
+
+from rollout_cli.cli.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, user_errors
+from rollout_cli.errors import RolloutError
+
+
+def remote_run(*, model, engine, token_file, quiet, engine_flags, job, sampling) -> None:
+    from rollout_cli.cli.run import _progress_bar, _summary_table
+    from rollout_cli.engine.sampling_params import SamplingParams
+    from rollout_cli.server.address import ENV_ENGINE
+    from rollout_cli.server.client import EngineClient, resolve_address
+
+    console = Console(stderr=True, quiet=quiet)
+    outcome = None
+    with user_errors():
+        if model is not None:
+            source = "--engine" if engine is not None else f"${ENV_ENGINE}"
+            raise RolloutError(f"--model runs an embedded engine but {source} points at a daemon, which serves "
+                               f"its own model; drop --model, or {'drop --engine' if engine else f'unset {ENV_ENGINE}'}")
+        if engine_flags:
+            flags = ", ".join("--" + name.replace("_", "-") for name in engine_flags)
+            raise RolloutError(f"engine options ({flags}) belong to rollout serve, not to a run on a daemon")
+        SamplingParams(**sampling)  # same one-line errors as the embedded run, before connecting
+        if engine is None and not os.environ.get(ENV_ENGINE) and not os.path.exists(resolve_address(None)):
+            raise RolloutError(f"no engine at {resolve_address(None)}; start one with rollout serve --model DIR, "
+                               "or pass --model DIR to run without one")
+        body = dict(job, data=os.path.abspath(job["data"]), out=os.path.abspath(job["out"]), sampling_params=sampling)
+        with EngineClient(resolve_address(engine), token_file) as client, _progress_bar(console) as (_, update):
+            try:
+                for event in client.stream("/generate", body):
+                    if event["event"] == "progress":
+                        update(SimpleNamespace(**event))
+                    else:
+                        outcome = event
+            except KeyboardInterrupt:
+                typer.echo("detached: the job goes on in the engine; rollout status shows it, rollout abort stops it",
+                           err=True)
+                raise typer.Exit(EXIT_INTERRUPTED)
+    if outcome is None:
+        typer.echo("error: the engine ended the job without a result; check its log", err=True)
+        raise typer.Exit(EXIT_USER_ERROR)
+    if outcome["event"] == "error":
+        typer.echo(f"error: {outcome['message']}", err=True)
+        raise typer.Exit(EXIT_USER_ERROR)
+    if not quiet:
+        console.print(_summary_table(outcome["manifest"], job["out"]))
+    if outcome["event"] == "aborted":
+        if outcome.get("reason") == "shutdown":
+            typer.echo("interrupted: the engine shut down; finished trajectories are saved; "
+                       "re-run with --resume to complete the rest", err=True)
+        else:
+            typer.echo("aborted: unfinished samples were written with finish_reason abort", err=True)
+        raise typer.Exit(EXIT_INTERRUPTED)

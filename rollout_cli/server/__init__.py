@@ -1,0 +1,1 @@
+"""The daemon: engine thread, HTTP API (FastAPI over uvicorn) and its httpx client."""

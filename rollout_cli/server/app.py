@@ -1,0 +1,180 @@
+"""The daemon's HTTP/JSON API (FastAPI). Endpoint names follow SGLang where it has one.
+
+Errors are JSON `{"error": "<one line with the fix>"}` with 400 (bad request or refused
+checkpoint), 401 (TCP without the bearer token), 409 (valid, but not in this state) or 503
+(engine not loaded). /generate streams newline-delimited JSON events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+from typing import Callable, Literal, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.background import BackgroundTask
+
+from rollout_cli.errors import RolloutError
+from rollout_cli.server.worker import Conflict, EngineWorker
+
+log = logging.getLogger("rollout.serve")
+
+
+class SamplingRequest(BaseModel):
+    n: int = 1
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    ignore_eos: bool = False
+    logprobs_mode: str = "processed"
+
+
+class GenerateRequest(BaseModel):
+    data: str = Field(description="Prompt Parquet file, an absolute path on the engine's machine.")
+    out: str = Field(description="Output directory, an absolute path on the engine's machine.")
+    sampling_params: SamplingRequest = SamplingRequest()
+    prompt_key: str = "prompt"
+    limit: Optional[int] = None
+    resume: bool = False
+    skip_invalid: bool = False
+    shard_rows: int = 1024
+    flush_seconds: float = 10.0
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_path: str = Field(description="Checkpoint directory with *.safetensors, absolute.")
+    weight_version: Optional[str] = Field(None, description="New version; default: the current one plus 1.")
+
+
+class PauseRequest(BaseModel):
+    mode: Literal["abort", "wait"] = "wait"
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"success": False, "error": message}, status_code=status)
+
+
+def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[], None]) -> FastAPI:
+    app = FastAPI(title="rollout engine", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
+        return _error(400, f"invalid request to {request.url.path}: {problems}")
+
+    @app.middleware("http")
+    async def bearer_token(request: Request, call_next):
+        if token is not None:
+            header = request.headers.get("authorization", "")
+            given = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                client = request.client.host if request.client else "?"
+                log.warning("refused %s %s from %s: %s bearer token", request.method, request.url.path, client,
+                            "wrong" if given else "no")
+                return _error(401, "missing or wrong bearer token; pass --token-file with the engine's token")
+        return await call_next(request)
+
+    async def call(name: str, **args):
+        """Run a command on the engine thread and wait for its answer."""
+        if not worker.ready.is_set():
+            return _error(503, "the engine is still loading; retry in a moment")
+        try:
+            return await asyncio.wrap_future(worker.submit(name, **args))
+        except Conflict as err:
+            return _error(409, str(err))
+        except RolloutError as err:
+            return _error(400, str(err))
+
+    @app.get("/health")
+    async def health():
+        if worker.load_error is not None:
+            return _error(503, f"the engine failed to load: {worker.load_error}")
+        if not worker.ready.is_set():
+            return _error(503, "the engine is still loading")
+        return {"status": "ok"}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        return worker.snapshot()
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": worker.snapshot()["weight_version"]}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsRequest):
+        if not os.path.isabs(body.model_path):
+            return _error(400, f"model_path {body.model_path!r} must be absolute (the engine has its own working directory)")
+        return await call("update_weights", path=body.model_path, version=body.weight_version)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        return await call("flush_cache")
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseRequest = PauseRequest()):
+        return await call("pause", mode=body.mode)
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        return await call("continue")
+
+    @app.post("/abort_request")
+    async def abort_request():
+        return await call("abort")
+
+    @app.post("/shutdown")
+    async def shutdown():
+        if worker.ready.is_set() and worker.is_alive():
+            result = await asyncio.wrap_future(worker.submit("shutdown"))
+        else:
+            result = {"success": True, "aborted": 0}
+        # Exit after this answer went out; the job (if any) was aborted and its rows written.
+        return JSONResponse(result, background=BackgroundTask(request_exit))
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest):
+        from rollout_cli.engine.sampling_params import SamplingParams
+        from rollout_cli.job import JobConfig
+
+        for name in ("data", "out"):
+            path = getattr(body, name)
+            if not os.path.isabs(path):
+                return _error(400, f"{name} {path!r} must be absolute (the engine has its own working directory)")
+        if not worker.ready.is_set():
+            return _error(503, "the engine is still loading; retry in a moment")
+        try:
+            params = SamplingParams(**body.sampling_params.model_dump())
+            job = JobConfig(data=body.data, out=body.out, prompt_key=body.prompt_key, limit=body.limit,
+                            resume=body.resume, skip_invalid=body.skip_invalid, shard_rows=body.shard_rows,
+                            flush_seconds=body.flush_seconds)
+            handle = worker.submit_job(job, params)
+        except Conflict as err:
+            return _error(409, str(err))
+        except RolloutError as err:
+            return _error(400, str(err))
+
+        async def events():
+            seen = -1
+            while True:
+                if handle.seq != seen:
+                    seen = handle.seq
+                    if handle.done.is_set():
+                        yield json.dumps(handle.outcome) + "\n"
+                        return
+                    if handle.progress:
+                        yield json.dumps({"event": "progress", **handle.progress}) + "\n"
+                await asyncio.sleep(0.05)
+
+        return StreamingResponse(events(), media_type="application/x-ndjson")
+
+    return app

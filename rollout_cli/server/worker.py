@@ -1,0 +1,331 @@
+"""The daemon's engine thread: it alone builds, steps and changes the Engine.
+
+HTTP handlers never touch the engine. They put a Command on `commands` and wait on its
+Future; the worker takes commands while idle, and between engine steps while a job runs
+(through the job's on_step hook). Status is answered from `snapshot()`, plain values the
+worker publishes under a lock, so `rollout status` never waits behind a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_cli.errors import RolloutError
+
+log = logging.getLogger("rollout.serve")
+
+PAUSE_MODES = ("abort", "wait")
+
+
+class Conflict(RolloutError):
+    """The request is valid but cannot run in the engine's current state (HTTP 409)."""
+
+
+class JobAborted(Exception):
+    """Raised out of a job's trajectory stream after its aborted samples were written."""
+
+
+@dataclass
+class Command:
+    name: str
+    args: dict[str, Any] = field(default_factory=dict)
+    future: Future = field(default_factory=Future)
+
+
+class JobHandle:
+    """One /generate job as the HTTP side sees it: progress snapshots and the outcome."""
+
+    def __init__(self, job, params):
+        self.job = job
+        self.params = params
+        self.progress: dict[str, Any] = {}
+        self.seq = 0  # bumped on every progress change; the HTTP stream polls it
+        self.done = threading.Event()
+        self.outcome: dict[str, Any] = {}  # {"event": "done"|"aborted"|"error", ...}
+
+    def update(self, progress) -> None:
+        self.progress = {
+            "prompts_total": progress.prompts_total, "prompts_done": progress.prompts_done,
+            "trajectories": progress.trajectories, "output_tokens": progress.output_tokens,
+            "output_tokens_per_s": round(progress.output_tokens_per_s, 1),
+        }
+        self.seq += 1
+
+    def finish(self, **outcome) -> None:
+        self.outcome = outcome
+        self.done.set()  # before the bump: a reader that sees the new seq sees done
+        self.seq += 1
+
+
+class EngineWorker(threading.Thread):
+    def __init__(self, engine_config, weights_path: str):
+        super().__init__(name="engine", daemon=True)
+        self.engine_config = engine_config
+        self.commands: queue.Queue[Command] = queue.Queue()
+        self.engine = None
+        self.load_error: str | None = None
+        self.ready = threading.Event()  # set when the engine loaded, or failed to
+        self._lock = threading.Lock()
+        self._info: dict[str, Any] = {"model": engine_config.model, "weights_path": weights_path,
+                                      "weight_version": engine_config.weight_version, "state": "loading",
+                                      "memory": {}, "job": None}
+        self.job: JobHandle | None = None  # set under _lock by submit_job, cleared by the worker
+        self.paused = False
+        self._stopping = False
+        self._abort_job = False  # the running job must end after its in-flight samples are written
+        self._aborted: list = []  # trajectories finished with "abort", not yet yielded to the writer
+        self._abort_reason = "abort"  # or "shutdown": unfinished samples are dropped for --resume
+        self._accepted_dtypes: dict[str, str] = {}
+
+    # ---- HTTP side (any thread) ------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            info = dict(self._info)
+            job = self.job
+        if job is not None:
+            info["job"] = {"data": job.job.data, "out": job.job.out, **job.progress}
+        return info
+
+    def submit(self, name: str, **args) -> Future:
+        command = Command(name, args)
+        self.commands.put(command)
+        return command.future
+
+    def submit_job(self, job, params) -> JobHandle:
+        with self._lock:
+            if self.load_error is not None:
+                raise Conflict(f"the engine failed to load: {self.load_error}")
+            if self._stopping:
+                raise Conflict("the engine is shutting down")
+            if self.job is not None:
+                p = self.job.progress
+                raise Conflict(
+                    f"a job is already running (out {self.job.job.out}, prompts "
+                    f"{p.get('prompts_done', 0)}/{p.get('prompts_total', '?')}); the engine runs one job at a time: "
+                    "wait for it, or stop it with rollout abort"
+                )
+            if self.paused:
+                raise Conflict("generation is paused; resume it with rollout continue")
+            handle = self.job = JobHandle(job, params)
+        self.commands.put(Command("generate", {"handle": handle}))
+        return handle
+
+    # ---- worker thread -----------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self._load()
+        except BaseException as err:  # noqa: BLE001 - reported to the daemon, which exits
+            self.load_error = str(err) if isinstance(err, RolloutError) else f"{type(err).__name__}: {err}"
+            if not isinstance(err, RolloutError):
+                log.error("engine failed to load:\n%s", traceback.format_exc())
+            self._publish(state="failed")
+            self.ready.set()
+            self._drain_failed()
+            return
+        self.ready.set()
+        while not self._stopping:
+            self._handle(self.commands.get(), in_job=False)
+        self._drain_failed()
+
+    def _load(self) -> None:
+        from rollout_cli.engine.control import checkpoint_dtypes, memory_held
+        from rollout_cli.engine.engine import Engine
+
+        self.engine = Engine(self.engine_config)
+        if self.engine_config.load_format != "dummy":
+            self._accepted_dtypes = checkpoint_dtypes(self.engine_config.model)
+        self._publish(state="paused" if self.paused else "serving", memory=memory_held(self.engine),
+                      weight_version=self.engine.weight_version)
+
+    def _drain_failed(self) -> None:
+        """Answer whatever is still queued once the worker no longer runs commands."""
+        reason = f"the engine failed to load: {self.load_error}" if self.load_error else "the engine is shutting down"
+        while True:
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if command.name == "generate":
+                command.args["handle"].finish(event="error", message=reason)
+            elif command.name == "shutdown":
+                command.future.set_result({"success": True})
+            else:
+                command.future.set_exception(Conflict(reason))
+
+    def _publish(self, **values) -> None:
+        with self._lock:
+            self._info.update(values)
+
+    def _handle(self, command: Command, in_job: bool) -> None:
+        if command.name == "generate":
+            self._run_job(command.args["handle"])
+            return
+        try:
+            result = getattr(self, f"_do_{command.name}")(in_job=in_job, **command.args)
+        except RolloutError as err:
+            log.warning("%s refused: %s", command.name, err)
+            command.future.set_exception(err)
+        except Exception as err:  # noqa: BLE001 - the daemon keeps serving; the client gets the reason
+            log.error("%s failed:\n%s", command.name, traceback.format_exc())
+            command.future.set_exception(RolloutError(f"{command.name} failed: {type(err).__name__}: {err}"))
+        else:
+            command.future.set_result(result)
+
+    def _do_update_weights(self, in_job: bool, path: str, version: str | None) -> dict:
+        from rollout_cli.engine.control import memory_held, reload_weights
+
+        if in_job:
+            raise Conflict("a job is running; a reload would mix two weight versions in it: "
+                           "wait for the job to finish, or stop it with rollout abort, then reload")
+        started = time.perf_counter()
+        old = self.engine.weight_version
+        new = reload_weights(self.engine, path, version, self._accepted_dtypes)
+        seconds = time.perf_counter() - started
+        log.info("reloaded weights from %s: version %s -> %s in %.2f s", path, old, new, seconds)
+        self._publish(weight_version=new, weights_path=path, memory=memory_held(self.engine))
+        return {"success": True, "message": f"weights loaded from {path}", "weight_version": new,
+                "previous_weight_version": old, "seconds": round(seconds, 3)}
+
+    def _do_flush_cache(self, in_job: bool) -> dict:
+        from rollout_cli.engine.control import flush_prefix_cache
+
+        if in_job:
+            raise Conflict("a job is running and its requests hold cached prefixes; flush after it ends")
+        flush_prefix_cache(self.engine)
+        return {"success": True, "message": "prefix cache flushed"}
+
+    def _do_pause(self, in_job: bool, mode: str) -> dict:
+        if mode not in PAUSE_MODES:
+            raise RolloutError(f"unknown pause mode {mode!r}; choose abort or wait")
+        self.paused = True
+        aborted = self._abort_in_flight() if mode == "abort" and in_job else 0
+        self._publish(state="paused")
+        return {"success": True, "state": "paused", "mode": mode, "aborted": aborted}
+
+    def _do_continue(self, in_job: bool) -> dict:
+        self.paused = False
+        self._publish(state="serving")
+        return {"success": True, "state": "serving"}
+
+    def _do_abort(self, in_job: bool) -> dict:
+        return {"success": True, "aborted": self._abort_in_flight() if in_job else 0, "job_aborted": in_job}
+
+    def _do_shutdown(self, in_job: bool) -> dict:
+        # Like Ctrl-C of an embedded run: unfinished samples are dropped, not written, so
+        # `rollout run --resume` generates them later; finished rows are already in shards.
+        aborted = self._abort_in_flight(write=False) if in_job else 0
+        self._stopping = True
+        self.paused = False
+        self._publish(state="stopping")
+        return {"success": True, "aborted": aborted}
+
+    def _abort_in_flight(self, write: bool = True) -> int:
+        """End the running job: its unfinished samples finish with "abort" and are written
+        (`write`), or are dropped so a later --resume generates them (shutdown)."""
+        from rollout_cli.engine.control import abort_unfinished
+
+        if self._abort_job:
+            return 0
+        self._abort_job = True
+        self._abort_reason = "abort" if write else "shutdown"
+        aborted = abort_unfinished(self.engine)
+        if write:
+            self._aborted.extend(aborted)
+            log.info("job aborted: %d in-flight samples finish with finish_reason abort", len(aborted))
+        else:
+            log.info("job interrupted by shutdown: %d unfinished samples left for --resume", len(aborted))
+        return len(aborted)
+
+    # ---- one job -------------------------------------------------------------------
+
+    def _run_job(self, handle: JobHandle) -> None:
+        from rollout_cli.io.trajectories import read_manifest
+        from rollout_cli.job import run_job
+
+        self._abort_job = False
+        self._aborted = []
+        log.info("job started: %s -> %s", handle.job.data, handle.job.out)
+        try:
+            manifest = run_job(_ControlledEngine(self.engine, self), handle.params, handle.job,
+                               on_progress=handle.update)
+        except JobAborted:
+            manifest = read_manifest(handle.job.out) or {}
+            log.info("job aborted after %s trajectories", manifest.get("trajectories"))
+            handle.finish(event="aborted", reason=self._abort_reason, manifest=manifest)
+        except RolloutError as err:
+            handle.finish(event="error", message=str(err))
+        except Exception as err:  # noqa: BLE001 - one bad job must not take the daemon down
+            log.error("job failed:\n%s", traceback.format_exc())
+            handle.finish(event="error", message=f"internal error: {type(err).__name__}: {err}")
+        else:
+            log.info("job finished: %s trajectories in %s s", manifest.get("trajectories"), manifest.get("wall_seconds"))
+            handle.finish(event="done", manifest=manifest)
+        finally:
+            self._abort_job = False
+            with self._lock:
+                self.job = None
+
+    def between_steps(self, on_step) -> None:
+        """Run queued commands; while paused (wait mode), block here with the requests' KV kept."""
+        while not self._abort_job:
+            try:
+                command = self.commands.get(timeout=1.0) if self.paused else self.commands.get_nowait()
+            except queue.Empty:
+                if not self.paused:
+                    return
+                if on_step is not None:
+                    on_step()  # keeps closing shards on time while the job is held
+                continue
+            self._handle(command, in_job=True)
+
+
+class _ControlledEngine:
+    """The engine as run_job sees it, with the worker's control hooks between steps.
+
+    run_job calls only `stream` and reads attributes; everything else passes through.
+    After an abort the prompt source stops, the aborted samples are yielded (so run_job writes
+    them like any row), and JobAborted ends the job (manifest status `interrupted`).
+    """
+
+    def __init__(self, engine, worker: EngineWorker):
+        self._engine = engine
+        self._worker = worker
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def stream(self, prompts, params, skip=frozenset(), on_step=None):
+        worker = self._worker
+
+        def source():
+            iterator = iter(prompts)
+            while not worker._abort_job:
+                prompt = next(iterator, None)
+                if prompt is None:
+                    return
+                yield prompt
+
+        def step_hook():
+            if on_step is not None:
+                on_step()
+            worker.between_steps(on_step)
+
+        for trajectory in self._engine.stream(source(), params, skip=skip, on_step=step_hook):
+            yield trajectory
+            yield from self._drain()
+        yield from self._drain()
+        if worker._abort_job:
+            raise JobAborted
+
+    def _drain(self):
+        while self._worker._aborted:
+            yield self._worker._aborted.pop(0)
