@@ -47,6 +47,29 @@ TINY_ARCHS = {
                         attention_bias=True, mlp_bias=True)),
 }
 
+# Tiny MoE checkpoints (tests/e2e/test_moe_parity.py); kept out of TINY_ARCHS so the dense parity
+# matrix does not grow. initializer 0.3: routing and greedy text vary.
+_MOE_COMMON = dict(initializer_range=0.3, moe_intermediate_size=32, intermediate_size=96)
+TINY_MOE_ARCHS = {
+    # 8 experts, top-2 renormalised; layer 1 dense (mlp_only_layers); q/k norm, tied embeddings
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(_MOE_COMMON, num_hidden_layers=3, vocab_size=384, head_dim=32, tie_word_embeddings=True,
+                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])),
+    # top-3 not renormalised; decoder_sparse_step 2: layers 1 and 3 sparse; untied lm_head
+    "qwen3_moe_step2": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        dict(_MOE_COMMON, num_hidden_layers=4, vocab_size=320, tie_word_embeddings=False,
+                             num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2)),
+    # 4 experts top-2 plus the sigmoid-gated shared expert; qkv bias
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(_MOE_COMMON, num_hidden_layers=2, vocab_size=352, tie_word_embeddings=True,
+                       num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                       shared_expert_intermediate_size=48)),
+    # every layer sparse, 4 experts top-2 always renormalised; checkpoint names block_sparse_moe.experts.E.w1/w2/w3
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(_MOE_COMMON, num_hidden_layers=2, vocab_size=320, tie_word_embeddings=False,
+                     num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+}
+
 
 def pytest_collection_modifyitems(config, items):
     try:
@@ -67,7 +90,7 @@ def _build_checkpoint(name: str, directory: Path, **overrides) -> Path:
     import torch
     import transformers
 
-    config_cls, model_cls, extra = TINY_ARCHS[name]
+    config_cls, model_cls, extra = TINY_ARCHS[name] if name in TINY_ARCHS else TINY_MOE_ARCHS[name]
     config = getattr(transformers, config_cls)(**{**_COMMON, **extra, **overrides})
     torch.manual_seed(1234 + sum(map(ord, name)))
     model = getattr(transformers, model_cls)(config).eval()
@@ -87,6 +110,13 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     """name -> directory of a saved tiny random checkpoint (float32 safetensors, no tokenizer)."""
     root = tmp_path_factory.mktemp("tiny_ckpts")
     return {name: str(_build_checkpoint(name, root / name)) for name in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """name -> directory of a saved tiny random MoE checkpoint (per-expert tensor names, as save_pretrained writes)."""
+    root = tmp_path_factory.mktemp("tiny_moe_ckpts")
+    return {name: str(_build_checkpoint(name, root / name)) for name in TINY_MOE_ARCHS}
 
 
 @pytest.fixture(scope="session")

@@ -60,9 +60,15 @@ class PromptInput:
     params: SamplingParams | None = None  # overrides the job's settings for this prompt (bench: mixed lengths)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
+    # Without tokenizer files, transformers may still build a default tokenizer (with its own eos id).
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
+        return None
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception:  # no tokenizer files: token-id prompts still work, text is left empty
@@ -144,7 +150,9 @@ class Engine:
                                   self.attention_backend)
         self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache)
         self.cuda_graph_capture_seconds = None
-        if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs:
+        # The torch MoE expert loop reads per-expert token counts on the host: not capturable.
+        capturable = not getattr(self.model, "moe_layers", None)
+        if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs and capturable:
             self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256))
 
     def _profile_step(self) -> None:

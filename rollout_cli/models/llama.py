@@ -54,9 +54,9 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config, bias: bool):
+    def __init__(self, config, bias: bool, intermediate_size: int | None = None):
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = FusedLinear(config.hidden_size, {0: inter, 1: inter}, bias=bias)
         self.down_proj = Linear(inter, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
@@ -66,12 +66,12 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, flags: dict, max_positions: int):
+    def __init__(self, config, layer_idx: int, flags: dict, max_positions: int, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = DecoderAttention(
             config, layer_idx, flags["qkv_bias"], flags["o_bias"], flags["qk_norm"], max_positions
         )
-        self.mlp = DecoderMLP(config, flags["mlp_bias"])
+        self.mlp = DecoderMLP(config, flags["mlp_bias"]) if mlp is None else mlp  # MoE models pass theirs
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -87,11 +87,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, flags: dict, max_positions: int):
+    def __init__(self, config, flags: dict, max_positions: int, make_mlp=None):
+        """make_mlp(layer_idx) -> the layer's MLP module, or None for the dense DecoderMLP."""
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, flags, max_positions) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, flags, max_positions, make_mlp(i) if make_mlp else None)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -128,12 +130,17 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.flags_for(config), max_positions)
+        flags = self.flags_for(config)
+        self.model = DecoderModel(config, flags, max_positions, lambda i: self.make_mlp(config, i, flags))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    def make_mlp(self, config, layer_idx: int, flags: dict) -> nn.Module | None:
+        """The MLP of layer `layer_idx`; None keeps the dense DecoderMLP (MoE models override)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions [T] -> hidden [T, hidden_size]."""

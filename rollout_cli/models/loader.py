@@ -50,13 +50,68 @@ def _param_target(model, name: str) -> tuple[str, object]:
     return name, None
 
 
+def _canonical(model, name: str) -> str:
+    """The checkpoint name in the model's own naming (`checkpoint_renames`: Mixtral's block_sparse_moe -> mlp)."""
+    for old, new in getattr(model, "checkpoint_renames", ()):
+        name = name.replace(old, new)
+    return name
+
+
+def _as_checkpoint(model, name: str) -> str:
+    """Inverse of _canonical, for naming missing tensors as the checkpoint would."""
+    for old, new in getattr(model, "checkpoint_renames", ()):
+        name = name.replace(new, old)
+    return name
+
+
+def layout_names(model) -> dict[str, tuple[str, object, int]]:
+    """checkpoint name -> (param name, shard id, layout number) for parameters with `checkpoint_layouts`.
+
+    Such a parameter (MoE experts) lists alternative checkpoint layouts, each a dict of
+    names relative to its module -> shard id; a checkpoint must hold exactly one of them.
+    """
+    names = {}
+    for param_name, param in model.named_parameters():
+        prefix = param_name.rsplit(".", 1)[0] + "."
+        for number, layout in enumerate(getattr(param, "checkpoint_layouts", ())):
+            for rel, shard_id in layout.items():
+                names[prefix + rel] = (param_name, shard_id, number)
+    return names
+
+
+def _layout_problems(model, found: set[str]) -> tuple[list[str], list[str]]:
+    """(missing names, params mixing layouts) of the layout parameters, given the names found.
+
+    A parameter none of whose tensors is present is reported in the layout the rest of
+    the checkpoint uses (per-expert names if it uses none).
+    """
+    per_param = []  # (param name, full names per layout, hits per layout)
+    for param_name, param in model.named_parameters():
+        layouts = getattr(param, "checkpoint_layouts", None)
+        if layouts:
+            prefix = param_name.rsplit(".", 1)[0] + "."
+            full = [{prefix + rel for rel in layout} for layout in layouts]
+            per_param.append((param_name, full, [len(names & found) for names in full]))
+    used = [hits.index(max(hits)) for _, _, hits in per_param if max(hits)]
+    usual = max(set(used), key=used.count) if used else 0
+    missing, mixed = [], []
+    for param_name, full, hits in per_param:
+        if sum(1 for h in hits if h) > 1:
+            mixed.append(param_name)
+        chosen = hits.index(max(hits)) if max(hits) else usual
+        missing.extend(full[chosen] - found)
+    return missing, mixed
+
+
 def expected_checkpoint_names(model) -> set[str]:
-    """Every checkpoint tensor name the model needs, fused parameters expanded."""
+    """Every checkpoint tensor name the model needs, fused parameters expanded (layout parameters excluded)."""
     inverse: dict[str, list[str]] = {}
     for part, (fused, _) in model.packed_modules_mapping.items():
         inverse.setdefault(fused, []).append(part)
     names = set()
-    for param_name, _ in model.named_parameters():
+    for param_name, param in model.named_parameters():
+        if getattr(param, "checkpoint_layouts", None):
+            continue
         for fused, parts in inverse.items():
             if f".{fused}." in param_name:
                 names.update(param_name.replace(f".{fused}.", f".{p}.") for p in parts)
@@ -70,6 +125,7 @@ def plan_checkpoint(model, model_dir: str) -> list[TensorTarget]:
     """Check names and shapes of every tensor in the checkpoint; touch no weights."""
     params = dict(model.named_parameters())
     expected = expected_checkpoint_names(model)
+    by_layout = layout_names(model)
     tied = getattr(model, "tie_word_embeddings", False)
     targets, unexpected, bad_shapes = [], [], []
     for path in safetensors_files(model_dir):
@@ -81,17 +137,22 @@ def plan_checkpoint(model, model_dir: str) -> list[TensorTarget]:
             for name in handle.keys():
                 if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                param_name, shard_id = _param_target(model, name)
-                if param_name not in params or name not in expected:
-                    unexpected.append(name)
-                    continue
+                key = _canonical(model, name)
+                if key in by_layout:  # stacked experts: one of several layouts
+                    param_name, shard_id, _ = by_layout[key]
+                else:
+                    param_name, shard_id = _param_target(model, key)
+                    if param_name not in params or key not in expected:
+                        unexpected.append(name)
+                        continue
                 shape = tuple(handle.get_slice(name).get_shape())
                 want = model_shard_shape(params[param_name], shard_id)
                 if shape != want:
                     bad_shapes.append(f"{name} {shape} (model: {want})")
                 targets.append(TensorTarget(name, path, param_name, shard_id))
-    found = {t.checkpoint_name for t in targets}
-    missing = sorted(expected - found)
+    found = {_canonical(model, t.checkpoint_name) for t in targets}
+    layout_missing, mixed = _layout_problems(model, found)
+    missing = sorted(_as_checkpoint(model, n) for n in (expected - found) | set(layout_missing))
     problems = []
     if missing:
         problems.append(f"missing tensors: {_short_list(missing)}")
@@ -99,6 +160,8 @@ def plan_checkpoint(model, model_dir: str) -> list[TensorTarget]:
         problems.append(f"unexpected tensors: {_short_list(sorted(unexpected))}")
     if bad_shapes:
         problems.append(f"wrong shapes: {_short_list(bad_shapes)}")
+    if mixed:
+        problems.append(f"both per-expert and fused expert tensors for {_short_list(mixed)}")
     duplicates = len(targets) - len(found)
     if duplicates:
         problems.append(f"{duplicates} tensors appear in more than one file")
@@ -112,6 +175,8 @@ def plan_checkpoint(model, model_dir: str) -> list[TensorTarget]:
 
 def model_shard_shape(param, shard_id) -> tuple[int, ...]:
     """Shape of the checkpoint tensor that fills `shard_id` of `param`."""
+    if hasattr(param, "shard_shape"):  # parameters that compute it themselves (stacked experts)
+        return tuple(param.shard_shape(shard_id))
     if shard_id is None:
         return tuple(param.shape)
     _, size = param.shard_offsets[shard_id]

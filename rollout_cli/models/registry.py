@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from rollout_cli.models.mixtral import MixtralForCausalLM
+from rollout_cli.models.qwen2_moe import Qwen2MoeForCausalLM
 from rollout_cli.models.qwen3 import Qwen3ForCausalLM
+from rollout_cli.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

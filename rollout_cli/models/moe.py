@@ -1,0 +1,214 @@
+"""Mixture-of-experts layers shared by the MoE model files (Qwen3-MoE, Qwen2-MoE, Mixtral).
+
+A sparse block is `TopKRouter` (which experts, with which weights) followed by
+`FusedExperts` (the experts' SwiGLU MLPs, weights stacked per expert):
+
+    w13 [E, 2 * I, H]   gate rows first, then up rows (HF's `experts.gate_up_proj`)
+    w2  [E, H, I]       (HF's `experts.down_proj`)
+
+`fused_moe_ref` is the plain-torch path (CPU, and the reference a Triton fused
+MoE kernel is tested against); `FusedExperts.forward` is where that kernel
+plugs in, with the same arguments.
+
+Routing capture: every `SparseMoeBlock` knows its index among the model's MoE
+layers (`moe_index`) and, when `routing_recorder` is set (see
+`set_routing_recorder`), hands it the top-k expert ids of each step:
+`recorder.record(moe_index, topk_ids)` with topk_ids [T, top_k] int64 on the
+device, rows in the order of the flat batch. `RoutingBuffer` is a recorder that
+copies them into one preallocated device tensor (no host sync, so it can sit
+inside a CUDA graph). The torch expert loop itself syncs once per layer (it
+reads per-expert token counts), so MoE models run eager until the fused kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout_cli.models.layers import Linear, _copy_checked, default_weight_loader
+
+
+def moe_layer_ids(config, num_experts: int) -> list[int]:
+    """Decoder layers with a sparse MLP, the rule of HF's Qwen2/Qwen3-MoE decoder layers."""
+    only_dense = set(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return [i for i in range(config.num_hidden_layers)
+            if i not in only_dense and num_experts > 0 and (i + 1) % step == 0]
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """Storage dtype of captured expert ids: uint8 up to 256 experts, else int16."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
+class MoeMixin:
+    """Shared by the MoE model classes: which layers are sparse, and the facts routing capture needs.
+
+    After construction: `num_experts`, `top_k`, and `moe_layers` (decoder layer ids of
+    the sparse layers; the i-th holds the SparseMoeBlock with moe_index i).
+    """
+
+    @staticmethod
+    def experts_of(config) -> tuple[int, int]:
+        """(num_experts, top_k) from the config."""
+        return config.num_experts, config.num_experts_per_tok
+
+    def make_sparse_block(self, config, moe_index: int, flags: dict) -> nn.Module:
+        raise NotImplementedError
+
+    def make_mlp(self, config, layer_idx: int, flags: dict) -> nn.Module | None:
+        sparse = moe_layer_ids(config, self.experts_of(config)[0])
+        if layer_idx not in sparse:
+            return None  # dense DecoderMLP
+        return self.make_sparse_block(config, sparse.index(layer_idx), flags)
+
+    def _record_moe_facts(self, config) -> None:
+        self.num_experts, self.top_k = self.experts_of(config)
+        self.moe_layers = moe_layer_ids(config, self.num_experts)
+
+
+class TopKRouter(nn.Module):
+    """hidden [T, H] -> (topk_weights [T, k], topk_ids [T, k] int64), as HF's TopKRouter.
+
+    Logits in the activation dtype (HF: F.linear on the hidden states), softmax in
+    float32, top-k of the probabilities, optional renormalisation to sum 1, then
+    (`weights_in_float32` False, the Qwen routers) cast back to the activation dtype.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
+                 weights_in_float32: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weights_in_float32 = weights_in_float32
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(hidden, self.weight)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.weights_in_float32:
+            weights = weights.to(logits.dtype)
+        return weights, ids
+
+
+def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]), looping over the experts hit.
+
+    hidden [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_* [T, k] -> [T, H] in hidden's dtype.
+    Same order of operations as HF's eager experts: down projection, then the routing
+    weight, then index_add into the output.
+    """
+    out = torch.zeros_like(hidden)
+    flat_ids = topk_ids.reshape(-1)  # [T * k], slot s is token s // k, choice s % k
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # one host sync per layer (CPU path)
+    k = topk_ids.shape[1]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        slots = order[start:start + count]
+        start += count
+        tokens = slots // k
+        gate, up = F.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)  # [n, I] each
+        y = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
+        y = y * topk_weights.reshape(-1)[slots, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+class FusedExperts(nn.Module):
+    """E SwiGLU experts, weights stacked; loads both checkpoint layouts.
+
+    Per-expert tensors `experts.{e}.{gate,up,down}_proj.weight` (hub format, and what
+    transformers' save_pretrained writes) fill one expert's slice, shard id (e, part);
+    fused `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] (transformers'
+    in-memory layout) fill the whole parameter, shard id None.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 part_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        E, H, I = num_experts, hidden_size, intermediate_size
+        self.num_experts, self.intermediate_size = E, I
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
+        gate, up, down = part_names
+        # Alternative checkpoint layouts, names relative to this module (see loader.plan_checkpoint).
+        self.w13.checkpoint_layouts = [
+            {f"{e}.{name}.weight": (e, part) for e in range(E) for part, name in ((0, gate), (1, up))},
+            {"gate_up_proj": None},
+        ]
+        self.w2.checkpoint_layouts = [{f"{e}.{down}.weight": (e, 0) for e in range(E)}, {"down_proj": None}]
+        # rows of one checkpoint tensor inside param[expert]: w13 holds 2 (gate, up), w2 one (down)
+        for param, rows in ((self.w13, I), (self.w2, H)):
+            param.shard_rows = rows
+            param.weight_loader = self._load
+            param.shard_shape = lambda shard_id, p=param: (
+                tuple(p.shape) if shard_id is None else (p.shard_rows, p.shape[2]))
+
+    @staticmethod
+    def _load(param: nn.Parameter, tensor: torch.Tensor, shard_id) -> None:
+        if shard_id is None:
+            _copy_checked(param.data, tensor, "stacked experts")
+            return
+        expert, part = shard_id
+        rows = param.shard_rows
+        _copy_checked(param.data[expert].narrow(0, part * rows, rows), tensor, f"expert {expert} part {part}")
+
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], topk_weights/topk_ids [T, k] -> [T, H]."""
+        return fused_moe_ref(hidden, self.w13, self.w2, topk_weights, topk_ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ Qwen2-MoE's shared expert scaled by sigmoid(shared_expert_gate(x)))."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalize: bool, moe_index: int, shared_expert: nn.Module | None = None,
+                 weights_in_float32: bool = False,
+                 expert_part_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, weights_in_float32)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, expert_part_names)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert is not None else None
+        self.moe_index = moe_index  # position among the model's MoE layers: routing capture's layer axis
+        self.routing_recorder = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(hidden)  # [T, k] each
+        if self.routing_recorder is not None:
+            self.routing_recorder.record(self.moe_index, topk_ids)
+        out = self.experts(hidden, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return out
+
+
+def set_routing_recorder(model: nn.Module, recorder) -> int:
+    """Point every SparseMoeBlock of `model` at `recorder` (None turns capture off); returns the MoE layer count."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    for block in blocks:
+        block.routing_recorder = recorder
+    return len(blocks)
+
+
+class RoutingBuffer:
+    """A recorder writing into one device tensor ids [max_tokens, num_moe_layers, top_k].
+
+    The engine points the model at it, runs a step of T tokens, and reads
+    `ids[:T]` (rows in the flat batch order) asynchronously; nothing here syncs.
+    """
+
+    def __init__(self, max_tokens: int, num_moe_layers: int, top_k: int, num_experts: int, device):
+        self.ids = torch.zeros((max_tokens, num_moe_layers, top_k), dtype=routing_dtype(num_experts), device=device)
+
+    def record(self, moe_index: int, topk_ids: torch.Tensor) -> None:
+        self.ids[: topk_ids.shape[0], moe_index].copy_(topk_ids)
