@@ -12,30 +12,28 @@ import hmac
 import json
 import logging
 import os
-from typing import Callable, Literal, Optional
+from dataclasses import fields
+from typing import Callable, Literal, Optional, get_type_hints
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 from starlette.background import BackgroundTask
 
+from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.errors import RolloutError
 from rollout_cli.server.worker import Conflict, EngineWorker
 
 log = logging.getLogger("rollout.serve")
 
 
-class SamplingRequest(BaseModel):
-    n: int = 1
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int = 0
-    ignore_eos: bool = False
-    logprobs_mode: str = "processed"
+# The request body mirrors SamplingParams field for field (values are checked when the
+# SamplingParams is built, with its one-line errors).
+_SAMPLING_HINTS = get_type_hints(SamplingParams)
+SamplingRequest = create_model(
+    "SamplingRequest", **{f.name: (_SAMPLING_HINTS[f.name], f.default) for f in fields(SamplingParams)}
+)
 
 
 class GenerateRequest(BaseModel):
@@ -143,7 +141,6 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
 
     @app.post("/generate")
     async def generate(body: GenerateRequest):
-        from rollout_cli.engine.sampling_params import SamplingParams
         from rollout_cli.job import JobConfig
 
         for name in ("data", "out"):

@@ -3,7 +3,6 @@ and the two checkpoint layouts of stacked experts (per-expert names, fused gate_
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 
@@ -11,34 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollout_cli import Engine, SamplingParams
+from rollout_cli import SamplingParams
 from rollout_cli.errors import RolloutError
 
-TOL = 1e-4
-# ignore_eos: with no tokenizer files transformers 5.24 still builds a default Qwen2 tokenizer whose
-# eos is id 0, which the engine then stops on; these checkpoints have no eos.
+from parity import assert_matches_hf, make_engine, prompts_of
+
+# ignore_eos: these random checkpoints have no eos token; every sample runs to max_new_tokens.
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe_step2"]
-
-
-def make_engine(model_dir: str, **options) -> Engine:
-    options.setdefault("max_model_len", 128)
-    options.setdefault("max_running", 16)
-    return Engine(model=model_dir, device="cpu", dtype="float32", **options)
-
-
-def prompts_of(lengths, seed=0, vocab=300):
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-
-def assert_matches_hf(hf_ref, model_dir, results, prompts, max_new_tokens, n=1):
-    assert len(results) == len(prompts) * n
-    for traj in results:
-        prompt = prompts[traj.prompt_index]
-        want = hf_ref.greedy(model_dir, prompt, max_new_tokens)
-        assert traj.response_token_ids == want, (traj.prompt_index, traj.sample_index)
-        assert traj.response_logprobs == pytest.approx(hf_ref.logprobs(model_dir, prompt, want), abs=TOL)
 
 
 @pytest.fixture(params=MOE_ARCHS)
