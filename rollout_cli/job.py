@@ -18,6 +18,8 @@ from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.errors import RolloutError
 from rollout_cli.io.prompts import PromptRow, PromptSource, SkippedRow
 from rollout_cli.io.trajectories import (
+    ROUTING_SUBDIR,
+    TRAJECTORIES_SUBDIR,
     TrajectoryWriter,
     completed_pairs,
     create_output_dir,
@@ -27,7 +29,7 @@ from rollout_cli.io.trajectories import (
 )
 
 # Manifest keys that must be equal for --resume to continue a run.
-RESUME_KEYS = ("model", "data", "prompt_key", "limit", "sampling")
+RESUME_KEYS = ("model", "data", "prompt_key", "limit", "sampling", "capture_routing")
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class JobConfig:
     """Rows per output shard."""
     flush_seconds: float = 10.0
     """A shard is also closed when its oldest row has waited this long (bounds what a kill loses)."""
+    capture_routing: bool = False
+    """MoE models: also write every token's expert ids to OUT/routing/part-NNNNN.parquet."""
 
 
 @dataclass
@@ -80,6 +84,7 @@ def _settings(engine: Engine, job: JobConfig, params: SamplingParams) -> dict:
         "prompt_key": job.prompt_key,
         "limit": job.limit,
         "sampling": dataclasses.asdict(params),
+        "capture_routing": job.capture_routing,
     }
 
 
@@ -109,14 +114,19 @@ def run_job(
         vocab_size=engine.hf_config.vocab_size,
     )
     skipped = source.validate()
+    # before OUT is created: a dense model is refused with nothing written
+    routing_dtype = engine.enable_routing_capture() if job.capture_routing else None
     settings = _settings(engine, job, params)
     if job.resume:
         _check_resume(job, settings)
     done = completed_pairs(job.out) if job.resume else set()
 
-    create_output_dir(job.out)
+    create_output_dir(job.out, (TRAJECTORIES_SUBDIR, ROUTING_SUBDIR) if routing_dtype else (TRAJECTORIES_SUBDIR,))
     manifest = dict(settings, status="running", weight_version=engine.weight_version,
                     engine=_engine_settings(engine))
+    if routing_dtype:
+        manifest["routing"] = {"dtype": routing_dtype, "num_layers": len(engine.model.moe_layers),
+                               "top_k": engine.model.top_k, "num_experts": engine.model.num_experts}
     write_manifest(job.out, manifest)
 
     progress = JobProgress(prompts_total=source.num_valid, trajectories=len(done))
@@ -133,13 +143,15 @@ def run_job(
             remaining[row.prompt_index] = missing
             yield row
 
-    writer = TrajectoryWriter(job.out, source.passthrough_schema, job.shard_rows, job.flush_seconds)
+    writer = TrajectoryWriter(job.out, source.passthrough_schema, job.shard_rows, job.flush_seconds,
+                              routing_dtype=routing_dtype,
+                              routing_shape=(len(engine.model.moe_layers), engine.model.top_k) if routing_dtype else (0, 0))
     finish_reasons: Counter[str] = Counter()
     stats_before = dataclasses.replace(engine.scheduler.stats)
     status = "interrupted"
     try:
         for trajectory in engine.stream(pending_prompts(), params, skip=done, on_step=writer.maybe_flush):
-            writer.add(trajectory.to_row())
+            writer.add(trajectory.to_row(), trajectory.routed_experts)
             finish_reasons[trajectory.finish_reason] += 1
             progress.trajectories += 1
             progress.output_tokens += len(trajectory.response_token_ids)

@@ -35,6 +35,7 @@ def run_command(
     skip_invalid: Annotated[bool, typer.Option("--skip-invalid", help="Skip bad rows (listed in the manifest) instead of failing.", rich_help_panel=DATA)] = False,
     shard_rows: Annotated[int, typer.Option(help="Rows per output shard.", rich_help_panel=DATA)] = 1024,
     flush_seconds: Annotated[float, typer.Option(help="Close a shard when its oldest row waited this long.", rich_help_panel=DATA)] = 10.0,
+    capture_routing: Annotated[bool, typer.Option("--capture-routing", help="MoE models: write every token's expert ids to OUT/routing/ (routing replay).", rich_help_panel=DATA)] = False,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
     max_model_len: opt.MaxModelLen = None,
@@ -78,7 +79,8 @@ def run_command(
             model=model, engine=engine, token_file=token_file, quiet=quiet,
             engine_flags=[name for name, (value, default) in engine_flags.items() if value != default],
             job=dict(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume,
-                     skip_invalid=skip_invalid, shard_rows=shard_rows, flush_seconds=flush_seconds),
+                     skip_invalid=skip_invalid, shard_rows=shard_rows, flush_seconds=flush_seconds,
+                     capture_routing=capture_routing),
             sampling=dict(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           min_p=min_p, seed=seed, ignore_eos=ignore_eos, logprobs_mode=logprobs_mode),
         )
@@ -101,7 +103,8 @@ def run_command(
             weight_version=weight_version,
         )
         job = JobConfig(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume,
-                        skip_invalid=skip_invalid, shard_rows=shard_rows, flush_seconds=flush_seconds)
+                        skip_invalid=skip_invalid, shard_rows=shard_rows, flush_seconds=flush_seconds,
+                        capture_routing=capture_routing)
         check_job_inputs(job)
         with console.status("loading model"):
             engine = Engine(engine_config)

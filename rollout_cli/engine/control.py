@@ -26,10 +26,14 @@ def abort_unfinished(engine: Engine) -> list[Trajectory]:
     (partial responses, possibly empty) so the caller writes them like any other row."""
     scheduler = engine.scheduler
     requests = list(scheduler.running) + list(scheduler.waiting)
+    # routing of the computed positions, read before abort_all gives the slots back
+    routing = (engine.routing_pool.gather([r.slots[: r.num_computed_tokens] for r in requests])
+               if engine.routing_pool is not None and requests else [None] * len(requests))
     scheduler.abort_all()  # gives back slots and table rows; running ones get "abort"
     for request in requests:
         request.finish_reason = "abort"
-    return [engine._trajectory(r) for r in sorted(requests, key=lambda r: (r.prompt_index, r.sample_index))]
+    order = sorted(range(len(requests)), key=lambda i: (requests[i].prompt_index, requests[i].sample_index))
+    return [engine._trajectory(requests[i], routing[i]) for i in order]
 
 
 def flush_prefix_cache(engine: Engine) -> None:

@@ -43,9 +43,12 @@ class Trajectory:
     weight_version: str
     passthrough: dict[str, Any] = field(default_factory=dict)
     ttft_seconds: float = 0.0  # queueing to first token; a metric, not a Parquet column
+    # With routing capture: expert ids [len(prompt) + len(response) - 1, num_moe_layers, top_k]
+    # (numpy, uint8 or int16); written to OUT/routing/, not a trajectory column.
+    routed_experts: Any = None
 
     def to_row(self) -> dict[str, Any]:
-        row = {k: v for k, v in self.__dict__.items() if k not in ("passthrough", "ttft_seconds")}
+        row = {k: v for k, v in self.__dict__.items() if k not in ("passthrough", "ttft_seconds", "routed_experts")}
         row.update(self.passthrough)
         return row
 
@@ -132,6 +135,7 @@ class Engine:
         self.weight_version = cfg.weight_version
         self._build_cache()
         self._request_ids = itertools.count()
+        self.routing_pool = None  # models.moe.RoutingPool once routing capture was turned on
 
     def _build_cache(self) -> None:
         cfg, hf = self.config, self.hf_config
@@ -165,6 +169,29 @@ class Engine:
         slots = list(range(1, tokens + 1))
         entry = BatchEntry(request, 0, 0, request.prompt_token_ids, 0, slots, sample=True)
         runner.run(ScheduleOutput([entry]))
+
+    def enable_routing_capture(self) -> str:
+        """Record every token's expert ids from now on; returns the routing dtype name ("uint8"/"int16").
+
+        Allocates the routing pool next to the KV cache (one row per KV slot). Once on it stays on
+        for the engine's lifetime, so every cached prefix has its routing; prefixes cached before
+        (without routing) are dropped. A model without MoE layers is refused.
+        """
+        from rollout_cli.models.moe import RoutingPool, set_routing_recorder
+
+        moe_layers = getattr(self.model, "moe_layers", None)
+        if not moe_layers:
+            raise RolloutError(f"--capture-routing needs a mixture-of-experts model; {self.config.model} has no MoE layers")
+        if self.routing_pool is None:
+            if self.scheduler.has_work():
+                raise RolloutError("cannot turn routing capture on while requests are in flight")
+            if self.scheduler.cache is not None:
+                self.scheduler.cache.reset()
+            self.routing_pool = RoutingPool(self.kv.num_slots, len(moe_layers), self.model.top_k,
+                                            self.model.num_experts, self.device)
+            set_routing_recorder(self.model, self.routing_pool)
+            self.runner.routing_pool = self.routing_pool
+        return str(self.routing_pool.ids.dtype).removeprefix("torch.")
 
     @property
     def num_kv_slots(self) -> int:
@@ -235,8 +262,11 @@ class Engine:
             finished = scheduler.postprocess(out, tokens, logprobs)
             if self.runner.last_step_timed:
                 self.runner.traffic.wall_seconds += time.perf_counter() - step_start
-            for request in finished:
-                yield self._trajectory(request)
+            # Gather finished requests' routing before the next forward can reuse their slots.
+            routing = self.routing_pool.gather([r.final_slots for r in finished]) if (
+                finished and self.routing_pool is not None) else [None] * len(finished)
+            for request, routed in zip(finished, routing):
+                yield self._trajectory(request, routed)
             if on_step is not None:
                 on_step()
 
@@ -272,7 +302,7 @@ class Engine:
             leader = leader or request
             self.scheduler.add(request)
 
-    def _trajectory(self, request: Request) -> Trajectory:
+    def _trajectory(self, request: Request, routed_experts=None) -> Trajectory:
         return Trajectory(
             prompt_index=request.prompt_index,
             sample_index=request.sample_index,
@@ -284,4 +314,5 @@ class Engine:
             weight_version=self.weight_version,
             passthrough=request.payload or {},
             ttft_seconds=(request.first_token_time or request.arrival_time) - request.arrival_time,
+            routed_experts=routed_experts,
         )

@@ -51,6 +51,7 @@ class ModelRunner:
         self.traffic = DecodeTraffic()
         self.time_decode_steps = False  # `rollout bench` turns this on to measure GPU idle time
         self.last_step_timed = False
+        self.routing_pool = None  # a models.moe.RoutingPool while routing capture is on (Engine sets it)
 
     def capture_cuda_graphs(self, max_batch: int) -> float:
         """Capture decode graphs for batches up to max_batch; returns the capture time in seconds."""
@@ -91,7 +92,10 @@ class ModelRunner:
         to_sample = [(e.request, e.start + e.num_new_tokens) for e in out.entries if e.sample]
         events = None
         self.last_step_timed = False
-        if self.graphs is not None and self.graphs.can_run(out.entries):
+        if self.routing_pool is not None:  # the MoE blocks scatter this step's expert ids to these KV slots
+            self.routing_pool.begin_step(torch.tensor(
+                [s for e in out.entries for s in e.new_slots], dtype=torch.long, device=self.device))
+        if self.graphs is not None and self.routing_pool is None and self.graphs.can_run(out.entries):
             # the graph writes each entry's new slot into req_to_token; older slots that a
             # prefix-cache merge changed (table_start < start) are written here first
             self._write_table([e for e in out.entries if e.table_start < e.start])

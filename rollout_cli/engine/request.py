@@ -43,6 +43,7 @@ class Request:
     table_row: int = -1
     num_slots_in_table: int = 0
     num_preemptions: int = 0
+    final_slots: list[int] | None = None  # `slots` as they were when the request finished (routing capture)
     group_leader: "Request | None" = None  # the sample that computes a shared prompt first
     payload: object = None  # caller data carried to the result (passthrough columns)
     arrival_time: float = 0.0  # time.monotonic() when queued; with first_token_time gives TTFT

@@ -304,6 +304,9 @@ class Scheduler:
         self.running.remove(request)
 
     def _finish(self, request: Request) -> None:
+        # KV slots of positions 0 .. num_tokens - 2, read by routing capture right after postprocess
+        # (slots freed here are reused only by a later schedule()).
+        request.final_slots = request.slots[: request.num_computed_tokens]
         self._release(request)
         request.status = RequestStatus.FINISHED
 

@@ -5,6 +5,8 @@ Layout of one run:
     OUT/manifest.json                     run settings and counters (write_manifest)
     OUT/trajectories/part-00000.parquet   one shard per flush, numbered upward
     OUT/trajectories/.part-00001.parquet.tmp   a shard being written (hidden)
+    OUT/routing/part-00000.parquet        with routing capture: the expert ids of the trajectories
+                                          of the trajectory shard with the same number
 
 A shard is written under a dot-name, fsynced, then renamed with os.replace, so
 a crash leaves whole shards plus at most one hidden temp file. Readers never
@@ -12,6 +14,11 @@ see the temp file: pyarrow's dataset discovery (`pq.read_table(dir)`) skips
 names starting with '.' or '_'. Resume reads the (prompt_index, sample_index)
 pairs of the whole shards and generates only the rest; new shards continue the
 numbering, so nothing written is ever overwritten.
+
+Routing shards are paired with trajectory shards: written in the same flush under the
+same number, routing renamed first. Trajectories are the truth: resume deletes routing
+shards without a trajectory shard of their number, so a trajectory and its routing are
+both present or both absent.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -31,6 +39,7 @@ from rollout_cli.errors import RolloutError
 
 MANIFEST_NAME = "manifest.json"
 TRAJECTORIES_SUBDIR = "trajectories"
+ROUTING_SUBDIR = "routing"
 
 # One row per (prompt, sample). Token ids fit int32 (vocabularies < 2**31);
 # logprobs are float32 like the sampler's output.
@@ -61,6 +70,18 @@ def trajectory_schema(passthrough_schema: pa.Schema) -> pa.Schema:
     # pa.schema(fields) carries no schema metadata: the input's pandas metadata
     # would describe columns the output does not have.
     return pa.schema(list(FIXED_FIELDS) + list(passthrough_schema))
+
+
+def routing_schema(dtype: str) -> pa.Schema:
+    """One row per trajectory; routed_experts flattened row-major from [num_tokens, num_layers, top_k]."""
+    return pa.schema([
+        pa.field("prompt_index", pa.int64()),
+        pa.field("sample_index", pa.int32()),
+        pa.field("num_tokens", pa.int32()),
+        pa.field("num_layers", pa.int32()),
+        pa.field("top_k", pa.int32()),
+        pa.field("routed_experts", pa.list_(pa.from_numpy_dtype(np.dtype(dtype)))),
+    ])
 
 
 class ShardWriter:
@@ -125,9 +146,8 @@ class ShardWriter:
         # types (structs, timestamps, dictionaries) instead of inferring them.
         table = pa.Table.from_pydict(self._columns, schema=self.schema)
         final = self.dir / f"part-{self._next_part:05d}.parquet"
-        temp = self.dir / f".{final.name}.tmp"
-        pq.write_table(table, temp, compression="zstd")
-        _fsync_file(temp)
+        temp = _write_temp(table, final)
+        self._before_rename(final.name)
         os.replace(temp, final)
         _fsync_dir(self.dir)  # make the rename itself durable
         self.rows_written += self._buffered
@@ -135,6 +155,9 @@ class ShardWriter:
         self._next_part += 1
         self._columns = {name: [] for name in self.schema.names}
         self._buffered = 0
+
+    def _before_rename(self, name: str) -> None:
+        """Hook of paired writers: runs after this shard's temp file is written, before its rename."""
 
     def close(self) -> None:
         self.flush()
@@ -148,7 +171,13 @@ class ShardWriter:
 
 
 class TrajectoryWriter(ShardWriter):
-    """ShardWriter over trajectory_schema(passthrough_schema)."""
+    """ShardWriter over trajectory_schema(passthrough_schema).
+
+    With `routing_dtype` ("uint8" or "int16") every row comes with its routing (`add(row, routing)`,
+    routing a numpy array [num_tokens, num_layers, top_k]) and each flush also writes
+    OUT/routing/part-NNNNN.parquet with the same number: both temp files, then the routing rename,
+    then the trajectory rename.
+    """
 
     def __init__(
         self,
@@ -158,6 +187,8 @@ class TrajectoryWriter(ShardWriter):
         flush_seconds: float = 10.0,
         subdir: str = TRAJECTORIES_SUBDIR,
         clock: Callable[[], float] = time.monotonic,
+        routing_dtype: str | None = None,
+        routing_shape: tuple[int, int] = (0, 0),
     ) -> None:
         super().__init__(
             out_dir,
@@ -167,6 +198,52 @@ class TrajectoryWriter(ShardWriter):
             subdir=subdir,
             clock=clock,
         )
+        self.routing_dtype = routing_dtype
+        self.routing_shape = routing_shape  # (num_layers, top_k): the shape of an empty routing
+        if routing_dtype is not None:
+            self.routing_schema = routing_schema(routing_dtype)
+            self.routing_dir = Path(out_dir) / ROUTING_SUBDIR
+            self.routing_dir.mkdir(parents=True, exist_ok=True)
+            self._routing: list[tuple[int, int, np.ndarray]] = []
+
+    def add(self, row: dict[str, Any], routing: np.ndarray | None = None) -> None:
+        if self.routing_dtype is not None:
+            if routing is None:  # e.g. a sample aborted before any token was computed
+                routing = np.zeros((0, *self.routing_shape), dtype=self.routing_dtype)
+            self._routing.append((row["prompt_index"], row["sample_index"], routing))
+        super().add(row)
+
+    def _before_rename(self, name: str) -> None:
+        if self.routing_dtype is None:
+            return
+        rows, self._routing = self._routing, []
+        dtype = np.dtype(self.routing_dtype)
+        # list<> offsets are int32: split the rows into chunks of under 2**31 values each
+        chunks, current, size = [], [], 0
+        for row in rows:
+            if current and size + row[2].size >= 2**31:
+                chunks.append(current)
+                current, size = [], 0
+            current.append(row)
+            size += row[2].size
+        chunks.append(current)
+        tables = []
+        for chunk in chunks:
+            lengths = np.array([r.size for _, _, r in chunk], dtype=np.int64)
+            offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+            values = (np.concatenate([r.reshape(-1) for _, _, r in chunk]).astype(dtype, copy=False)
+                      if chunk else np.zeros(0, dtype=dtype))
+            shape = np.array([r.shape for _, _, r in chunk], dtype=np.int32).reshape(-1, 3)
+            tables.append(pa.Table.from_arrays([
+                pa.array([p for p, _, _ in chunk], pa.int64()),
+                pa.array([s for _, s, _ in chunk], pa.int32()),
+                pa.array(shape[:, 0]), pa.array(shape[:, 1]), pa.array(shape[:, 2]),
+                pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
+            ], schema=self.routing_schema))
+        table = pa.concat_tables(tables)
+        final = self.routing_dir / name
+        os.replace(_write_temp(table, final), final)
+        _fsync_dir(self.routing_dir)
 
 
 def completed_pairs(out_dir: str | Path, subdir: str = TRAJECTORIES_SUBDIR) -> set[tuple[int, int]]:
@@ -191,6 +268,15 @@ def completed_pairs(out_dir: str | Path, subdir: str = TRAJECTORIES_SUBDIR) -> s
                 "to regenerate its rows"
             ) from err
         pairs.update(zip(table.column(0).to_pylist(), table.column(1).to_pylist()))
+    routing = Path(out_dir) / ROUTING_SUBDIR
+    if routing.is_dir():  # trajectories are the truth: drop routing a crash left without its trajectories
+        whole = _part_files(directory)
+        for entry in routing.iterdir():
+            if _TEMP_RE.match(entry.name):
+                entry.unlink()
+        for number, path in _part_files(routing).items():
+            if number not in whole:
+                path.unlink()
     return pairs
 
 
@@ -259,6 +345,14 @@ def _part_files(directory: Path) -> dict[int, Path]:
         if match:
             found[int(match.group(1))] = directory / name
     return found
+
+
+def _write_temp(table: pa.Table, final: Path) -> Path:
+    """Write table to the hidden temp name of `final` and fsync it; returns the temp path."""
+    temp = final.parent / f".{final.name}.tmp"
+    pq.write_table(table, temp, compression="zstd")
+    _fsync_file(temp)
+    return temp
 
 
 def _fsync_file(path: Path) -> None:

@@ -16,7 +16,9 @@ layers (`moe_index`) and, when `routing_recorder` is set (see
 `recorder.record(moe_index, topk_ids)` with topk_ids [T, top_k] int64 on the
 device, rows in the order of the flat batch. `RoutingBuffer` is a recorder that
 copies them into one preallocated device tensor (no host sync, so it can sit
-inside a CUDA graph). The torch expert loop itself syncs once per layer (it
+inside a CUDA graph). `RoutingPool` is the recorder `rollout run --capture-routing` uses:
+ids indexed by KV slot, so a request's routing lives where its KV lives (and stays
+with prefixes kept in the radix cache). The torch expert loop itself syncs once per layer (it
 reads per-expert token counts), so MoE models run eager until the fused kernel.
 """
 
@@ -212,3 +214,36 @@ class RoutingBuffer:
 
     def record(self, moe_index: int, topk_ids: torch.Tensor) -> None:
         self.ids[: topk_ids.shape[0], moe_index].copy_(topk_ids)
+
+
+class RoutingPool:
+    """A recorder writing each step's ids into ids [num_kv_slots, num_moe_layers, top_k] at the KV slots
+    the step's tokens are stored to (`begin_step(slots)`, one slot per row of the flat batch).
+
+    Slot-indexed like the KV pool, so a prefix served from the radix cache keeps the routing
+    computed with it; `gather` reads a finished request's rows by its slots. Nothing here syncs
+    except `gather`'s one device-to-host copy.
+    """
+
+    def __init__(self, num_slots: int, num_moe_layers: int, top_k: int, num_experts: int, device):
+        self.ids = torch.zeros((num_slots, num_moe_layers, top_k), dtype=routing_dtype(num_experts), device=device)
+        self.slots: torch.Tensor | None = None
+
+    def begin_step(self, slots: torch.Tensor) -> None:
+        self.slots = slots
+
+    def record(self, moe_index: int, topk_ids: torch.Tensor) -> None:
+        if self.slots is None or self.slots.shape[0] != topk_ids.shape[0]:
+            return  # a forward outside the engine's step loop (activation profiling)
+        self.ids[self.slots, moe_index] = topk_ids.to(self.ids.dtype)
+
+    def gather(self, slot_lists: list[list[int]]) -> list:
+        """Numpy arrays [len(slots), num_moe_layers, top_k], one per list: one gather, one host copy."""
+        flat = [s for slots in slot_lists for s in slots]
+        index = torch.tensor(flat, dtype=torch.long, device=self.ids.device)
+        rows = self.ids[index].cpu().numpy()
+        out, start = [], 0
+        for slots in slot_lists:
+            out.append(rows[start:start + len(slots)])
+            start += len(slots)
+        return out

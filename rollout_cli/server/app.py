@@ -46,6 +46,7 @@ class GenerateRequest(BaseModel):
     skip_invalid: bool = False
     shard_rows: int = 1024
     flush_seconds: float = 10.0
+    capture_routing: bool = False
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -153,7 +154,7 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
             params = SamplingParams(**body.sampling_params.model_dump())
             job = JobConfig(data=body.data, out=body.out, prompt_key=body.prompt_key, limit=body.limit,
                             resume=body.resume, skip_invalid=body.skip_invalid, shard_rows=body.shard_rows,
-                            flush_seconds=body.flush_seconds)
+                            flush_seconds=body.flush_seconds, capture_routing=body.capture_routing)
             handle = worker.submit_job(job, params)
         except Conflict as err:
             return _error(409, str(err))
