@@ -15,6 +15,7 @@ from rollout_cli.cli.errors import user_errors
 WORKLOAD = "Workload"
 
 
+@opt.with_engine_options(exclude=("weight_version",))
 def bench_command(
     model: opt.Model,
     num_prompts: Annotated[int, typer.Option(help="Prompts in the workload.", rich_help_panel=WORKLOAD)] = 256,
@@ -31,17 +32,7 @@ def bench_command(
     baseline_batch: Annotated[int, typer.Option(help="Batch size of the HF baseline.")] = 256,
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the full report to this JSON file.")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Afterwards, profile a short run and print the top kernels.")] = False,
-    device: opt.Device = "auto",
-    dtype: opt.Dtype = "auto",
-    max_model_len: opt.MaxModelLen = None,
-    max_batch_tokens: opt.MaxBatchTokens = 8192,
-    max_running: opt.MaxRunning = 256,
-    kv_memory_fraction: opt.KvMemoryFraction = 0.85,
-    kv_cache_tokens: opt.KvCacheTokens = None,
-    load_format: opt.LoadFormat = "auto",
-    no_prefix_cache: opt.NoPrefixCache = False,
-    attention_backend: opt.AttentionBackend = "auto",
-    no_cuda_graphs: opt.NoCudaGraphs = False,
+    engine_options: Optional[dict] = None,  # filled by with_engine_options
 ) -> None:
     """Measure output tokens/s, TTFT, memory and the bandwidth-limit fraction.
 
@@ -61,22 +52,17 @@ def bench_command(
         cfg = BenchConfig(num_prompts=num_prompts, input_len=input_len, output_len=output_len,
                           input_len_range=input_len_range, output_len_range=output_len_range, n=n,
                           temperature=temperature, seed=seed, baseline=baseline, baseline_batch=baseline_batch)
-        engine_config = opt.engine_config(
-            model=model, device=device, dtype=dtype, max_model_len=max_model_len,
-            max_batch_tokens=max_batch_tokens, max_running=max_running, kv_memory_fraction=kv_memory_fraction,
-            kv_cache_tokens=kv_cache_tokens, load_format=load_format, no_prefix_cache=no_prefix_cache,
-            attention_backend=attention_backend, no_cuda_graphs=no_cuda_graphs,
-        )
+        engine_config = opt.engine_config(model=model, **engine_options)
         hf_config = load_model_config(model)
-        torch_device = resolve_device(device)
+        torch_device = resolve_device(engine_config.device)
         data_prompts = _read_prompts(data, prompt_key, model) if data else None
         workload = make_workload(cfg, hf_config.vocab_size, data_prompts)
         hbm = measure_hbm_bandwidth(torch_device)
         report: dict = {"workload": {**cfg.__dict__, "prompts": len(workload.prompts)}}
         if baseline == "hf":
             with console.status("HF transformers baseline"):
-                report["hf"] = run_hf_baseline(model, load_format, torch_device,
-                                               resolve_dtype(dtype, torch_device), workload, cfg)
+                report["hf"] = run_hf_baseline(model, engine_config.load_format, torch_device,
+                                               resolve_dtype(engine_config.dtype, torch_device), workload, cfg)
         with console.status("loading engine"):
             engine = Engine(engine_config)
         report["engine_settings"] = {"device": str(engine.device), "dtype": str(engine.dtype),

@@ -1,11 +1,15 @@
-"""Option types shared by the commands that start an engine (run, bench, later serve).
+"""Option types shared by the commands that start an engine (run, bench, serve).
 
-Each alias carries its help text once; `engine_config(...)` maps the flags
-one-to-one onto EngineConfig fields.
+Each alias carries its help text once. The engine flags are declared once in
+ENGINE_OPTIONS; `with_engine_options` adds them to a command, and
+`engine_config(...)` maps them one-to-one onto EngineConfig fields.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import typing
 from typing import Annotated, Optional
 
 import typer
@@ -32,6 +36,51 @@ Temperature = Annotated[float, typer.Option(help="Sampling temperature; 0 is gre
 Seed = Annotated[int, typer.Option(help="Seed; each sample's stream is keyed by (seed, prompt, sample, position).", rich_help_panel=SAMPLING)]
 
 
+# (parameter name, option type, default) of every engine flag, in --help order.
+ENGINE_OPTIONS = (
+    ("device", Device, "auto"),
+    ("dtype", Dtype, "auto"),
+    ("max_model_len", MaxModelLen, None),
+    ("max_batch_tokens", MaxBatchTokens, 8192),
+    ("max_running", MaxRunning, 256),
+    ("kv_memory_fraction", KvMemoryFraction, 0.85),
+    ("kv_cache_tokens", KvCacheTokens, None),
+    ("load_format", LoadFormat, "auto"),
+    ("no_prefix_cache", NoPrefixCache, False),
+    ("attention_backend", AttentionBackend, "auto"),
+    ("no_cuda_graphs", NoCudaGraphs, False),
+    ("weight_version", WeightVersion, "0"),
+)
+ENGINE_DEFAULTS = {name: default for name, _, default in ENGINE_OPTIONS}
+
+
+def with_engine_options(exclude: tuple[str, ...] = ()):
+    """Decorator: give a Typer command the engine flags; it receives them as `engine_options: dict`.
+
+    The wrapper's signature is the command's own (minus `engine_options`) plus one keyword
+    parameter per ENGINE_OPTIONS entry, which is what Typer reads to build the options.
+    """
+    added = [(name, kind, default) for name, kind, default in ENGINE_OPTIONS if name not in exclude]
+
+    def decorate(command):
+        hints = typing.get_type_hints(command, include_extras=True)
+        own = [p.replace(annotation=hints.get(p.name, p.annotation))
+               for p in inspect.signature(command).parameters.values() if p.name != "engine_options"]
+        extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=kind, default=default)
+                 for name, kind, default in added]
+
+        @functools.wraps(command)
+        def wrapper(**kwargs):
+            engine_options = {name: kwargs.pop(name) for name, _, _ in added}
+            return command(engine_options=engine_options, **kwargs)
+
+        wrapper.__signature__ = inspect.Signature(own + extra, return_annotation=None)
+        wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
+        return wrapper
+
+    return decorate
+
+
 def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_running, kv_memory_fraction,
                   kv_cache_tokens, load_format, no_prefix_cache, attention_backend="auto", no_cuda_graphs=False,
                   weight_version="0"):
@@ -43,6 +92,7 @@ def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_
         kv_cache_tokens=kv_cache_tokens, load_format=load_format, enable_prefix_cache=not no_prefix_cache,
         attention_backend=attention_backend, cuda_graphs=not no_cuda_graphs, weight_version=weight_version,
     )
+
 
 CLIENT = "Engine daemon"
 

@@ -16,6 +16,7 @@ from rollout_cli.cli.errors import user_errors
 DATA = "Input and output"
 
 
+@opt.with_engine_options()
 def run_command(
     model: Annotated[Optional[str], typer.Option(help="HuggingFace checkpoint directory: run an embedded engine. Leave out to run on a daemon (--engine).", rich_help_panel=opt.ENGINE)] = None,
     data: Annotated[str, typer.Option(help="Prompt Parquet file.", rich_help_panel=DATA)] = ...,
@@ -36,21 +37,10 @@ def run_command(
     shard_rows: Annotated[int, typer.Option(help="Rows per output shard.", rich_help_panel=DATA)] = 1024,
     flush_seconds: Annotated[float, typer.Option(help="Close a shard when its oldest row waited this long.", rich_help_panel=DATA)] = 10.0,
     capture_routing: Annotated[bool, typer.Option("--capture-routing", help="MoE models: write every token's expert ids to OUT/routing/ (routing replay).", rich_help_panel=DATA)] = False,
-    device: opt.Device = "auto",
-    dtype: opt.Dtype = "auto",
-    max_model_len: opt.MaxModelLen = None,
-    max_batch_tokens: opt.MaxBatchTokens = 8192,
-    max_running: opt.MaxRunning = 256,
-    kv_memory_fraction: opt.KvMemoryFraction = 0.85,
-    kv_cache_tokens: opt.KvCacheTokens = None,
-    load_format: opt.LoadFormat = "auto",
-    no_prefix_cache: opt.NoPrefixCache = False,
-    attention_backend: opt.AttentionBackend = "auto",
-    no_cuda_graphs: opt.NoCudaGraphs = False,
-    weight_version: opt.WeightVersion = "0",
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary table.")] = False,
     engine: opt.EngineAddress = None,
     token_file: opt.TokenFile = None,
+    engine_options: Optional[dict] = None,  # filled by with_engine_options
 ) -> None:
     """Generate trajectories for every prompt of a Parquet file.
 
@@ -69,15 +59,9 @@ def run_command(
     if model is None or engine is not None or os.environ.get(ENV_ENGINE):
         from rollout_cli.cli.remote_run import remote_run
 
-        engine_flags = dict(device=(device, "auto"), dtype=(dtype, "auto"), max_model_len=(max_model_len, None),
-                            max_batch_tokens=(max_batch_tokens, 8192), max_running=(max_running, 256),
-                            kv_memory_fraction=(kv_memory_fraction, 0.85), kv_cache_tokens=(kv_cache_tokens, None),
-                            load_format=(load_format, "auto"), no_prefix_cache=(no_prefix_cache, False),
-                            attention_backend=(attention_backend, "auto"), no_cuda_graphs=(no_cuda_graphs, False),
-                            weight_version=(weight_version, "0"))
         remote_run(
             model=model, engine=engine, token_file=token_file, quiet=quiet,
-            engine_flags=[name for name, (value, default) in engine_flags.items() if value != default],
+            engine_flags=[name for name, value in engine_options.items() if value != opt.ENGINE_DEFAULTS[name]],
             job=dict(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume,
                      skip_invalid=skip_invalid, shard_rows=shard_rows, flush_seconds=flush_seconds,
                      capture_routing=capture_routing),
@@ -95,13 +79,7 @@ def run_command(
             n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, seed=seed, ignore_eos=ignore_eos, logprobs_mode=logprobs_mode,
         )
-        engine_config = opt.engine_config(
-            model=model, device=device, dtype=dtype, max_model_len=max_model_len,
-            max_batch_tokens=max_batch_tokens, max_running=max_running, kv_memory_fraction=kv_memory_fraction,
-            kv_cache_tokens=kv_cache_tokens, load_format=load_format, no_prefix_cache=no_prefix_cache,
-            attention_backend=attention_backend, no_cuda_graphs=no_cuda_graphs,
-            weight_version=weight_version,
-        )
+        engine_config = opt.engine_config(model=model, **engine_options)
         job = JobConfig(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume,
                         skip_invalid=skip_invalid, shard_rows=shard_rows, flush_seconds=flush_seconds,
                         capture_routing=capture_routing)

@@ -12,24 +12,14 @@ from rollout_cli.cli.errors import fail
 LISTEN = "Listen"
 
 
+@opt.with_engine_options()
 def serve_command(
     model: opt.Model,
     socket: Annotated[Optional[str], typer.Option(help="Unix socket path (mode 0600); default $XDG_RUNTIME_DIR/rollout.sock or /tmp/rollout-$USER.sock.", rich_help_panel=LISTEN)] = None,
     host: Annotated[Optional[str], typer.Option(help="Listen on TCP at this host instead of a socket (needs --port and --token-file).", rich_help_panel=LISTEN)] = None,
     port: Annotated[Optional[int], typer.Option(help="TCP port (with --host, default 127.0.0.1).", rich_help_panel=LISTEN)] = None,
     token_file: Annotated[Optional[str], typer.Option(help="TCP: file with the bearer token every request must carry.", rich_help_panel=LISTEN)] = None,
-    device: opt.Device = "auto",
-    dtype: opt.Dtype = "auto",
-    max_model_len: opt.MaxModelLen = None,
-    max_batch_tokens: opt.MaxBatchTokens = 8192,
-    max_running: opt.MaxRunning = 256,
-    kv_memory_fraction: opt.KvMemoryFraction = 0.85,
-    kv_cache_tokens: opt.KvCacheTokens = None,
-    load_format: opt.LoadFormat = "auto",
-    no_prefix_cache: opt.NoPrefixCache = False,
-    attention_backend: opt.AttentionBackend = "auto",
-    no_cuda_graphs: opt.NoCudaGraphs = False,
-    weight_version: opt.WeightVersion = "0",
+    engine_options: Optional[dict] = None,  # filled by with_engine_options
 ) -> None:
     """Load a model once and serve generation jobs and weight reloads until rollout shutdown.
 
@@ -45,12 +35,7 @@ def serve_command(
     from rollout_cli.server.daemon import serve
 
     try:
-        engine_config = opt.engine_config(
-            model=model, device=device, dtype=dtype, max_model_len=max_model_len,
-            max_batch_tokens=max_batch_tokens, max_running=max_running, kv_memory_fraction=kv_memory_fraction,
-            kv_cache_tokens=kv_cache_tokens, load_format=load_format, no_prefix_cache=no_prefix_cache,
-            attention_backend=attention_backend, no_cuda_graphs=no_cuda_graphs, weight_version=weight_version,
-        )
+        engine_config = opt.engine_config(model=model, **engine_options)
         from rollout_cli.models.build import load_model_config
 
         load_model_config(model)  # a bad --model fails here, before the socket is claimed
