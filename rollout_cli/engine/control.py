@@ -15,7 +15,14 @@ from safetensors import safe_open
 
 from rollout_cli.engine.engine import Engine, Trajectory
 from rollout_cli.errors import RolloutError
-from rollout_cli.models.loader import TensorTarget, _short_list, plan_checkpoint, safetensors_files
+from rollout_cli.models.loader import (
+    TensorTarget,
+    _short_list,
+    copy_into_parameters,
+    plan_checkpoint,
+    read_checkpoint_tensors,
+    safetensors_files,
+)
 
 # safetensors header dtype names -> torch dtypes (the float ones a weight can hold).
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -64,14 +71,13 @@ def next_version(current: str, requested: str | None) -> str:
     raise RolloutError(f"the current weight version {current!r} is not a number, so it cannot be bumped; pass --version V")
 
 
-def _check_dtypes(engine: Engine, targets: list[TensorTarget], dtypes: dict[str, str],
-                  accepted: dict[str, str]) -> None:
+def _check_dtypes(engine: Engine, targets: list[TensorTarget], accepted: dict[str, str]) -> None:
     """A tensor may be the live parameter's dtype or the dtype it had in the checkpoint the engine
     started from; anything else (another float width, ints, fp8 without scales) is refused."""
     params = dict(engine.model.named_parameters())
     bad = []
     for target in targets:
-        found = dtypes[target.checkpoint_name]
+        found = target.dtype
         live = params[target.param_name].dtype
         if SAFETENSORS_DTYPES.get(found) == live or accepted.get(target.checkpoint_name) == found:
             continue
@@ -97,24 +103,16 @@ def reload_weights(engine: Engine, path: str, version: str | None, accepted_dtyp
     new_version = next_version(engine.weight_version, version)
     try:
         targets = plan_checkpoint(engine.model, path)
-        dtypes = checkpoint_dtypes(path)
-        _check_dtypes(engine, targets, dtypes, accepted_dtypes)
+        _check_dtypes(engine, targets, accepted_dtypes)
+    except RolloutError as err:
+        raise RolloutError(f"refused {path}: {err}; the engine keeps weight version {engine.weight_version}") from err
+    try:  # read everything before the first live weight changes
+        staged = list(read_checkpoint_tensors(targets))
     except RolloutError as err:
         raise RolloutError(f"refused {path}: {err}; the engine keeps weight version {engine.weight_version}") from err
     params = dict(engine.model.named_parameters())
-    staged: list[tuple[TensorTarget, torch.Tensor]] = []
-    for file in sorted({t.file for t in targets}):
-        try:
-            with safe_open(file, framework="pt", device="cpu") as handle:
-                for target in (t for t in targets if t.file == file):
-                    staged.append((target, handle.get_tensor(target.checkpoint_name)))
-        except Exception as err:  # safetensors raises its own error types
-            raise RolloutError(f"refused {path}: cannot read {file}: {err}; "
-                               f"the engine keeps weight version {engine.weight_version}") from err
-    with torch.no_grad():
-        for target, tensor in staged:
-            param = params[target.param_name]
-            param.weight_loader(param, tensor.to(param.device, param.dtype), target.shard_id)
+    for target, tensor in staged:
+        copy_into_parameters(params, target, tensor)
     flush_prefix_cache(engine)
     engine.weight_version = new_version
     return new_version

@@ -28,6 +28,7 @@ class TensorTarget:
     file: str
     param_name: str
     shard_id: object  # None for unfused parameters
+    dtype: str  # safetensors header dtype: "BF16", "F32", ...
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -145,11 +146,12 @@ def plan_checkpoint(model, model_dir: str) -> list[TensorTarget]:
                     if param_name not in params or key not in expected:
                         unexpected.append(name)
                         continue
-                shape = tuple(handle.get_slice(name).get_shape())
+                header = handle.get_slice(name)
+                shape = tuple(header.get_shape())
                 want = model_shard_shape(params[param_name], shard_id)
                 if shape != want:
                     bad_shapes.append(f"{name} {shape} (model: {want})")
-                targets.append(TensorTarget(name, path, param_name, shard_id))
+                targets.append(TensorTarget(name, path, param_name, shard_id, header.get_dtype()))
     found = {_canonical(model, t.checkpoint_name) for t in targets}
     layout_missing, mixed = _layout_problems(model, found)
     missing = sorted(_as_checkpoint(model, n) for n in (expected - found) | set(layout_missing))
@@ -183,20 +185,37 @@ def model_shard_shape(param, shard_id) -> tuple[int, ...]:
     return (size,) + tuple(param.shape[1:])
 
 
-def load_checkpoint(model, model_dir: str) -> None:
-    """Validate the whole checkpoint, then copy each tensor into its parameter."""
-    targets = plan_checkpoint(model, model_dir)
-    params = dict(model.named_parameters())
+def read_checkpoint_tensors(targets: list[TensorTarget]):
+    """Yield (target, CPU tensor) for every planned tensor, one file open at a time.
+
+    A file whose data cannot be read (truncated, corrupt) raises RolloutError naming it.
+    """
     by_file: dict[str, list[TensorTarget]] = {}
     for target in targets:
         by_file.setdefault(target.file, []).append(target)
-    with torch.no_grad():
-        for path, file_targets in by_file.items():
+    for path, file_targets in by_file.items():
+        try:
             with safe_open(path, framework="pt", device="cpu") as handle:
                 for target in file_targets:
                     tensor = handle.get_tensor(target.checkpoint_name)
-                    param = params[target.param_name]
-                    param.weight_loader(param, tensor.to(param.dtype), target.shard_id)
+                    yield target, tensor
+        except Exception as err:  # safetensors raises its own error types
+            raise RolloutError(f"cannot read {path}: {err}; the file is not valid safetensors") from err
+
+
+def copy_into_parameters(params: dict, target: TensorTarget, tensor: torch.Tensor) -> None:
+    """Copy one checkpoint tensor into (its shard of) the live parameter, in place."""
+    param = params[target.param_name]
+    with torch.no_grad():
+        param.weight_loader(param, tensor.to(param.dtype), target.shard_id)
+
+
+def load_checkpoint(model, model_dir: str) -> None:
+    """Validate the whole checkpoint, then stream each tensor into its parameter."""
+    targets = plan_checkpoint(model, model_dir)
+    params = dict(model.named_parameters())
+    for target, tensor in read_checkpoint_tensors(targets):
+        copy_into_parameters(params, target, tensor)
 
 
 def init_dummy_weights(model, seed: int = 0) -> None:
