@@ -14,9 +14,7 @@ Routing capture: every `SparseMoeBlock` knows its index among the model's MoE
 layers (`moe_index`) and, when `routing_recorder` is set (see
 `set_routing_recorder`), hands it the top-k expert ids of each step:
 `recorder.record(moe_index, topk_ids)` with topk_ids [T, top_k] int64 on the
-device, rows in the order of the flat batch. `RoutingBuffer` is a recorder that
-copies them into one preallocated device tensor (no host sync, so it can sit
-inside a CUDA graph). `RoutingPool` is the recorder `rollout run --capture-routing` uses:
+device, rows in the order of the flat batch. `RoutingPool` is the recorder `rollout run --capture-routing` uses:
 ids indexed by KV slot, so a request's routing lives where its KV lives (and stays
 with prefixes kept in the radix cache). The torch expert loop itself syncs once per layer (it
 reads per-expert token counts), so MoE models run eager until the fused kernel.
@@ -200,20 +198,6 @@ def set_routing_recorder(model: nn.Module, recorder) -> int:
     for block in blocks:
         block.routing_recorder = recorder
     return len(blocks)
-
-
-class RoutingBuffer:
-    """A recorder writing into one device tensor ids [max_tokens, num_moe_layers, top_k].
-
-    The engine points the model at it, runs a step of T tokens, and reads
-    `ids[:T]` (rows in the flat batch order) asynchronously; nothing here syncs.
-    """
-
-    def __init__(self, max_tokens: int, num_moe_layers: int, top_k: int, num_experts: int, device):
-        self.ids = torch.zeros((max_tokens, num_moe_layers, top_k), dtype=routing_dtype(num_experts), device=device)
-
-    def record(self, moe_index: int, topk_ids: torch.Tensor) -> None:
-        self.ids[: topk_ids.shape[0], moe_index].copy_(topk_ids)
 
 
 class RoutingPool:

@@ -55,7 +55,7 @@ def test_chunked_prefill_and_shared_prefixes_match_hf(moe_arch, hf_ref):
 
 
 class _ListRecorder:
-    """Keeps every step's top-k ids per MoE layer (tests only; the engine uses RoutingBuffer)."""
+    """Keeps every step's top-k ids per MoE layer (tests only; the engine uses RoutingPool)."""
 
     def __init__(self):
         self.steps: dict[int, list[torch.Tensor]] = {}
@@ -66,7 +66,7 @@ class _ListRecorder:
 
 def test_recorded_expert_ids_equal_hf_router_topk(moe_arch, hf_ref):
     """The routing hook hands out, per MoE layer, the top-k of HF's router logits for every position."""
-    from rollout_cli.models.moe import RoutingBuffer, set_routing_recorder
+    from rollout_cli.models.moe import RoutingPool, set_routing_recorder
 
     _, model_dir = moe_arch
     prompt = prompts_of([13], seed=7)[0]
@@ -87,9 +87,11 @@ def test_recorded_expert_ids_equal_hf_router_topk(moe_arch, hf_ref):
         want = torch.topk(logits.float().softmax(-1), top_k, dim=-1).indices
         assert torch.equal(got.sort(-1).values, want.sort(-1).values), layer
 
-    buffer = RoutingBuffer(64, num_moe, top_k, engine.model.num_experts, "cpu")  # uint8: <= 256 experts
-    buffer.record(num_moe - 1, torch.tensor([[3, 1, 2]] * 5)[:, :top_k])
-    assert buffer.ids.dtype == torch.uint8 and buffer.ids[:5, num_moe - 1, 0].tolist() == [3] * 5
+    pool = RoutingPool(64, num_moe, top_k, engine.model.num_experts, "cpu")  # uint8: <= 256 experts
+    slots = torch.tensor([9, 4, 17, 30, 2])
+    pool.begin_step(slots)
+    pool.record(num_moe - 1, torch.tensor([[3, 1, 2]] * 5)[:, :top_k])
+    assert pool.ids.dtype == torch.uint8 and pool.ids[slots, num_moe - 1, 0].tolist() == [3] * 5
 
 
 def _write(src: str, dst: Path, tensors: dict) -> str:
