@@ -1,6 +1,6 @@
 """One generation job: prompts Parquet in, trajectory shards and a manifest out.
 
-Shared by the embedded `rollout run` and (later) the daemon's /generate.
+Shared by the embedded `rollout run` and the daemon's /generate.
 Order matters for "nothing written on bad input": every check that can fail
 (output dir, prompt file, every prompt row) runs before OUT is created.
 """

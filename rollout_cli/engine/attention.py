@@ -66,10 +66,10 @@ class TorchAttentionBatch:
         return out
 
 
-def prepare_attention(entries, req_to_token: torch.Tensor, kv: KVCache, scale: float) -> TorchAttentionBatch:
-    """Build gather indices for a batch of scheduler entries (see scheduler.BatchEntry)."""
-    device = req_to_token.device
-    store_slots = torch.tensor([s for e in entries for s in e.new_slots], dtype=torch.long, device=device)
+def prepare_attention(entries, req_to_token: torch.Tensor, kv: KVCache, scale: float,
+                      store_slots: torch.Tensor) -> TorchAttentionBatch:
+    """Build gather indices for a batch of scheduler entries (see scheduler.BatchEntry);
+    store_slots [T] long holds the KV slot of every new token, in entry order."""
     offsets, offset = [], 0
     for e in entries:
         offsets.append(offset)

@@ -92,9 +92,7 @@ class ModelRunner:
         to_sample = [(e.request, e.start + e.num_new_tokens) for e in out.entries if e.sample]
         events = None
         self.last_step_timed = False
-        if self.routing_pool is not None:  # the MoE blocks scatter this step's expert ids to these KV slots
-            self.routing_pool.begin_step(torch.tensor(
-                [s for e in out.entries for s in e.new_slots], dtype=torch.long, device=self.device))
+        # routing capture runs eagerly: the pool is told each step's KV slots in _eager_logits
         if self.graphs is not None and self.routing_pool is None and self.graphs.can_run(out.entries):
             # the graph writes each entry's new slot into req_to_token; older slots that a
             # prefix-cache merge changed (table_start < start) are written here first
@@ -131,7 +129,12 @@ class ModelRunner:
         positions = torch.tensor(
             [p for e in out.entries for p in range(e.start, e.start + e.num_new_tokens)], device=self.device
         )
-        attn = self._prepare(out.entries, self.req_to_token, self.kv, self.scale)
+        # [T] KV slot of every new token: the attention stores k/v there, routing capture its expert ids
+        store_slots = torch.tensor([s for e in out.entries for s in e.new_slots], dtype=torch.long,
+                                   device=self.device)
+        if self.routing_pool is not None:
+            self.routing_pool.begin_step(store_slots)
+        attn = self._prepare(out.entries, self.req_to_token, self.kv, self.scale, store_slots)
         hidden = self.model(input_ids, positions, attn)  # [T, hidden]
         last_rows, offset = [], 0
         for e in out.entries:

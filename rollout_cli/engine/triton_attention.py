@@ -70,13 +70,14 @@ class TritonAttentionBatch:
         return out
 
 
-def prepare_triton_attention(entries, req_to_token: torch.Tensor, kv: KVCache, scale: float) -> TritonAttentionBatch:
-    """Entries must be ordered decodes (one new token) first, then prefill chunks."""
+def prepare_triton_attention(entries, req_to_token: torch.Tensor, kv: KVCache, scale: float,
+                             store_slots: torch.Tensor) -> TritonAttentionBatch:
+    """Entries must be ordered decodes (one new token) first, then prefill chunks; store_slots
+    [T] int64 holds the KV slot of every new token, in entry order."""
     device = req_to_token.device
     decodes = [e for e in entries if e.num_new_tokens == 1]
     prefills = entries[len(decodes):]
     assert all(e.num_new_tokens > 1 for e in prefills), "entries must be ordered decodes first"
-    store_slots = torch.tensor([s for e in entries for s in e.new_slots], dtype=torch.int64, device=device)
 
     def ints(values, dtype):
         return torch.tensor(values, dtype=dtype, device=device)
