@@ -12,7 +12,7 @@ Q06=recipes/configs/qwen3-0.6b
 bench() { COLUMNS=200 python3 -m rollout_cli.cli.main bench --model $Q06 --load-format dummy --attention-backend triton "$@" 2>&1; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-timeout 40 python3 -m pytest -q -m gpu tests/e2e/test_gpu_engine.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+timeout 150 python3 -m pytest -q -m gpu tests/e2e/test_gpu_engine.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
 timeout 30 python3 - <<'PY' 2>&1 | tee "$OUT/decode_splits.log"
 import torch
 from rollout_cli.bench import measure_hbm_bandwidth
