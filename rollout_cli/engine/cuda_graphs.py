@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from rollout_cli.engine.triton_attention import TritonAttentionBatch
+from rollout_cli.engine.triton_attention import TritonAttentionBatch, warm_decode_splits
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -40,6 +40,7 @@ class DecodeGraphs:
         self.staging_seq_lens = torch.ones(self.max_batch, dtype=torch.int32).pin_memory()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
+        self.replays = 0  # decode steps served by a replay (tests check graphs really ran)
 
     def _forward(self, batch: int) -> torch.Tensor:
         ids, positions, rows, slots = (self.inputs[i, :batch] for i in range(4))
@@ -56,6 +57,9 @@ class DecodeGraphs:
         with torch.cuda.stream(side):  # warm-up: compiles the kernels, settles the allocator
             for batch in self.buckets:
                 self._forward(batch)
+            attn = self.model.model.layers[0].self_attn
+            warm_decode_splits(self.kv, self.req_to_token, self.pad_row, self.scale, self.kv.k.dtype,
+                               attn.num_heads)  # eager mixed steps use split counts no bucket has
         torch.cuda.current_stream().wait_stream(side)
         pool = None
         for batch in reversed(self.buckets):  # largest first so smaller graphs reuse its pool
@@ -88,4 +92,5 @@ class DecodeGraphs:
         self.seq_lens[:bucket].copy_(self.staging_seq_lens[:bucket], non_blocking=True)
         graph, logits = self.graphs[bucket]
         graph.replay()
+        self.replays += 1
         return logits[:batch]

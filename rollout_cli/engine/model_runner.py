@@ -29,6 +29,9 @@ class DecodeTraffic:
     timed_steps: int = 0
     gpu_seconds: float = 0.0
     wall_seconds: float = 0.0
+    # Steps that run prompt tokens (prefill chunks, alone or beside decodes): their count and wall time.
+    prefill_steps: int = 0
+    prefill_wall_seconds: float = 0.0
 
 
 class ModelRunner:
@@ -48,9 +51,11 @@ class ModelRunner:
         else:
             self._prepare = prepare_attention
         self.graphs = None
+        self.graphs_dropped = False  # dropped by a memory release, to be re-captured on resume
         self.traffic = DecodeTraffic()
         self.time_decode_steps = False  # `rollout bench` turns this on to measure GPU idle time
         self.last_step_timed = False
+        self.last_step_prefilled = False  # whether the last step ran prompt tokens
         self.routing_pool = None  # a models.moe.RoutingPool while routing capture is on (Engine sets it)
 
     def capture_cuda_graphs(self, max_batch: int) -> float:
@@ -60,7 +65,18 @@ class ModelRunner:
         assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
         self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.pad_row, self.scale, max_batch)
         self.graphs.capture()
+        self._graph_max_batch = max_batch
+        self.graphs_dropped = False
         return self.graphs.capture_seconds
+
+    def drop_cuda_graphs(self) -> None:
+        """Free the graphs and their memory pool (memory release); recapture_cuda_graphs brings them back."""
+        if self.graphs is not None:
+            self.graphs = None
+            self.graphs_dropped = True
+
+    def recapture_cuda_graphs(self) -> float:
+        return self.capture_cuda_graphs(self._graph_max_batch)
 
     def _write_table(self, entries) -> None:
         rows, cols, slots = [], [], []
@@ -89,6 +105,7 @@ class ModelRunner:
         """
         out.entries.sort(key=lambda e: e.num_new_tokens > 1)
         self._count_traffic(out)
+        self.last_step_prefilled = bool(out.entries) and out.entries[-1].num_new_tokens > 1
         to_sample = [(e.request, e.start + e.num_new_tokens) for e in out.entries if e.sample]
         events = None
         self.last_step_timed = False

@@ -54,6 +54,10 @@ class UpdateWeightsRequest(BaseModel):
     weight_version: Optional[str] = Field(None, description="New version; default: the current one plus 1.")
 
 
+class MemoryRequest(BaseModel):
+    tags: Optional[list[str]] = Field(None, description="weights, kv_cache, cuda_graph; default all.")
+
+
 class PauseRequest(BaseModel):
     mode: Literal["abort", "wait"] = "wait"
 
@@ -114,6 +118,14 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
         if not os.path.isabs(body.model_path):
             return _error(400, f"model_path {body.model_path!r} must be absolute (the engine has its own working directory)")
         return await call("update_weights", path=body.model_path, version=body.weight_version)
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(body: MemoryRequest = MemoryRequest()):
+        return await call("release_memory", tags=body.tags)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(body: MemoryRequest = MemoryRequest()):
+        return await call("resume_memory", tags=body.tags)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
