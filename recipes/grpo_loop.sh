@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Offline GRPO loop with one long-lived rollout engine:
-#   serve -> for each iteration: rollout run --n G, score + train, reload-weights -> shutdown.
+#   serve -> for each iteration: rollout run --n G, release-memory, score + train, resume-memory,
+#   reload-weights -> shutdown.
 #
 # Settings (environment variables, with defaults):
 #   MODEL=recipes/example_model        starting checkpoint (HF directory with safetensors)
@@ -15,7 +16,9 @@
 #   DEVICE=auto                        engine device
 #   ROLLOUT=rollout  PYTHON=python     commands to run
 # Appends one JSON line per iteration to $WORKDIR/metrics.jsonl: iteration, weight_version,
-# mean_reward, rollout_seconds, train_seconds, reload_seconds, logprob_mismatch.
+# mean_reward, rollout_seconds, train_seconds, reload_seconds, logprob_mismatch, release_seconds,
+# resume_seconds. The engine's GPU memory is released while the trainer runs (on the CPU the same
+# state machine drops the KV pool and the weights); after resume the new checkpoint is loaded.
 # The engine is shut down at the end and on any error or signal (trap): no daemon is left behind.
 set -euo pipefail
 
@@ -69,24 +72,29 @@ for iteration in $(seq 1 "$ITERATIONS"); do
     $ROLLOUT run --engine "$SOCKET" --data "$DATA" --out "$traj" --n "$GROUP_SIZE" \
         --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --seed "$iteration" "${limit_args[@]}" --quiet
     t1=$(now)
+    $ROLLOUT release-memory --engine "$SOCKET" >/dev/null
+    t_released=$(now)
     train_json=$($PYTHON "$HERE/train_grpo.py" --trajectories "$traj" --model "$checkpoint" \
         --out "$WORKDIR/ckpt_$iteration" --reward "$REWARD" --temperature "$TEMPERATURE" --lr "$LR" \
         --steps "$TRAIN_STEPS" --seed "$iteration" 2>/dev/null | tail -1)
     t2=$(now)
+    $ROLLOUT resume-memory --engine "$SOCKET" >/dev/null
+    t_resumed=$(now)
     $ROLLOUT reload-weights "$WORKDIR/ckpt_$iteration" --engine "$SOCKET" >/dev/null
     t3=$(now)
     checkpoint="$WORKDIR/ckpt_$iteration"
-    $PYTHON - "$iteration" "$traj" "$t0" "$t1" "$t2" "$t3" "$train_json" >>"$WORKDIR/metrics.jsonl" <<'PY'
+    $PYTHON - "$iteration" "$traj" "$t0" "$t1" "$t_released" "$t2" "$t_resumed" "$t3" "$train_json" >>"$WORKDIR/metrics.jsonl" <<'PY'
 import json, sys
 import pyarrow.parquet as pq
-iteration, traj, t0, t1, t2, t3, train = sys.argv[1:]
+iteration, traj, t0, t1, t_released, t2, t_resumed, t3, train = sys.argv[1:]
 versions = set(pq.read_table(f"{traj}/trajectories", columns=["weight_version"]).column(0).to_pylist())
 assert len(versions) == 1, f"trajectories of one iteration carry several weight versions: {versions}"
 train = json.loads(train)
 print(json.dumps({
     "iteration": int(iteration), "weight_version": versions.pop(), "mean_reward": train["mean_reward"],
-    "rollout_seconds": round(float(t1) - float(t0), 3), "train_seconds": round(float(t2) - float(t1), 3),
-    "reload_seconds": round(float(t3) - float(t2), 3), "logprob_mismatch": train["logprob_mismatch"],
+    "rollout_seconds": round(float(t1) - float(t0), 3), "train_seconds": round(float(t2) - float(t_released), 3),
+    "reload_seconds": round(float(t3) - float(t_resumed), 3), "logprob_mismatch": train["logprob_mismatch"],
+    "release_seconds": round(float(t_released) - float(t1), 3), "resume_seconds": round(float(t_resumed) - float(t2), 3),
 }))
 PY
     tail -1 "$WORKDIR/metrics.jsonl"

@@ -34,7 +34,10 @@ def test_loop_learns_with_true_versions_and_on_policy_logprobs(tmp_path):
     assert [m["weight_version"] for m in metrics] == ["0", "1", "2", "3"]
     assert metrics[-1]["mean_reward"] > metrics[0]["mean_reward"]
     assert all(m["logprob_mismatch"] <= 1e-4 for m in metrics)
-    assert all(m[k] > 0 for m in metrics for k in ("rollout_seconds", "train_seconds", "reload_seconds"))
+    assert all(m[k] > 0 for m in metrics for k in ("rollout_seconds", "train_seconds", "reload_seconds",
+                                                   "release_seconds", "resume_seconds"))
+    log = (workdir / "serve.log").read_text()
+    assert log.count("released weights,kv_cache,cuda_graph") == 4 and log.count("resumed weights,kv_cache,cuda_graph") == 4
     assert not (workdir / "engine.sock").exists() and not _daemons_on(workdir / "engine.sock")
 
 
