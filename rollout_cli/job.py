@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rollout_cli.engine.engine import Engine
 from rollout_cli.engine.sampling_params import SamplingParams
@@ -27,6 +28,9 @@ from rollout_cli.io.trajectories import (
     read_manifest,
     write_manifest,
 )
+
+if TYPE_CHECKING:
+    from rollout_cli.data_parallel import ReplicaGroup
 
 # Manifest keys that must be equal for --resume to continue a run.
 RESUME_KEYS = ("model", "data", "prompt_key", "limit", "sampling", "capture_routing")
@@ -105,9 +109,16 @@ def run_job(
     params: SamplingParams,
     job: JobConfig,
     on_progress: Callable[[JobProgress], None] | None = None,
+    group: "ReplicaGroup | None" = None,
 ) -> dict:
-    """Generate every missing trajectory of the job; return the final manifest."""
-    check_job_inputs(job)
+    """Generate every missing trajectory of the job; return the final manifest.
+
+    With a data-parallel `group` (rollout_cli.data_parallel) this replica generates only the
+    prompts it owns; replica 0 prepares OUT and writes the manifest, with every replica's counts.
+    """
+    leader = group is None or group.is_leader
+    if leader:
+        check_job_inputs(job)
     source = PromptSource(
         job.data, engine.tokenizer, prompt_key=job.prompt_key, limit=job.limit,
         max_prompt_len=engine.max_model_len - 1, skip_invalid=job.skip_invalid,
@@ -117,25 +128,36 @@ def run_job(
     # before OUT is created: a dense model is refused with nothing written
     routing_dtype = engine.enable_routing_capture() if job.capture_routing else None
     settings = _settings(engine, job, params)
-    if job.resume:
-        _check_resume(job, settings)
-    done = completed_pairs(job.out) if job.resume else set()
-
-    create_output_dir(job.out, (TRAJECTORIES_SUBDIR, ROUTING_SUBDIR) if routing_dtype else (TRAJECTORIES_SUBDIR,))
     manifest = dict(settings, status="running", weight_version=engine.weight_version,
                     engine=_engine_settings(engine))
+    if group is not None:
+        manifest["data_parallel"] = group.size
     if routing_dtype:
         manifest["routing"] = {"dtype": routing_dtype, "num_layers": len(engine.model.moe_layers),
                                "top_k": engine.model.top_k, "num_experts": engine.model.num_experts}
-    write_manifest(job.out, manifest)
+    done: set[tuple[int, int]] = set()
+    if leader:  # one process cleans and creates OUT; the other replicas start once it did
+        if job.resume:
+            _check_resume(job, settings)
+            done = completed_pairs(job.out)
+        create_output_dir(job.out, (TRAJECTORIES_SUBDIR, ROUTING_SUBDIR) if routing_dtype else (TRAJECTORIES_SUBDIR,))
+        write_manifest(job.out, manifest)
+    if group is not None:
+        group.barrier()
+        if not leader and job.resume:
+            done = completed_pairs(job.out, clean=False)  # replica 0 may be writing already
+    owned = group.owns if group is not None else (lambda prompt_index: True)
 
-    progress = JobProgress(prompts_total=source.num_valid, trajectories=len(done))
+    progress = JobProgress(prompts_total=sum(map(owned, source.valid_indices())),
+                           trajectories=sum(owned(p) for p, _ in done))
     if on_progress is not None:
         on_progress(progress)  # every row is valid: the bar may start
     remaining: dict[int, int] = {}  # prompt_index -> samples still to finish
 
     def pending_prompts() -> Iterator[PromptRow]:
         for row in source:
+            if not owned(row.prompt_index):
+                continue
             missing = sum((row.prompt_index, s) not in done for s in range(params.n))
             if missing == 0:
                 progress.prompts_done += 1
@@ -145,7 +167,8 @@ def run_job(
 
     writer = TrajectoryWriter(job.out, source.passthrough_schema, job.shard_rows, job.flush_seconds,
                               routing_dtype=routing_dtype,
-                              routing_shape=(len(engine.model.moe_layers), engine.model.top_k) if routing_dtype else (0, 0))
+                              routing_shape=(len(engine.model.moe_layers), engine.model.top_k) if routing_dtype else (0, 0),
+                              replica=group.rank if group is not None else None)
     finish_reasons: Counter[str] = Counter()
     stats_before = dataclasses.replace(engine.scheduler.stats)
     status = "interrupted"
@@ -164,9 +187,35 @@ def run_job(
         status = "complete"
     finally:
         writer.close()  # finished rows survive any exception, Ctrl-C and SIGTERM included
-        manifest.update(_summary(engine, progress, writer, finish_reasons, skipped, stats_before, status))
-        write_manifest(job.out, manifest)
+        summary = _summary(engine, progress, writer, finish_reasons, skipped, stats_before, status)
+        if group is None:
+            manifest.update(summary)
+            write_manifest(job.out, manifest)
+    if group is not None:  # a replica that failed above never gets here; torchrun stops the others
+        summaries = group.gather(summary)
+        manifest.update(_merge_summaries(summaries))
+        if leader:
+            write_manifest(job.out, manifest)
     return manifest
+
+
+def _merge_summaries(summaries: list[dict]) -> dict:
+    """One manifest summary from every replica's (each counted its own prompts)."""
+    merged = dict(summaries[0])
+    for key in ("prompts", "prompts_done", "trajectories", "trajectories_this_run", "output_tokens_this_run",
+                "preemptions", "prompt_tokens", "cached_prompt_tokens"):
+        merged[key] = sum(s[key] for s in summaries)
+    reasons: Counter[str] = Counter()
+    for s in summaries:
+        reasons.update(s["finish_reasons_this_run"])
+    merged["finish_reasons_this_run"] = dict(reasons)
+    merged["status"] = "complete" if all(s["status"] == "complete" for s in summaries) else "interrupted"
+    merged["wall_seconds"] = max(s["wall_seconds"] for s in summaries)
+    merged["output_tokens_per_s"] = round(merged["output_tokens_this_run"] / max(merged["wall_seconds"], 1e-9), 1)
+    tokens = merged["prompt_tokens"]
+    merged["prefix_hit_rate"] = round(merged["cached_prompt_tokens"] / tokens, 4) if tokens else 0.0
+    merged["skipped_rows"] = summaries[0]["skipped_rows"]  # every replica validated the whole file
+    return merged
 
 
 def _engine_settings(engine: Engine) -> dict:
@@ -196,6 +245,8 @@ def _summary(engine, progress: JobProgress, writer, finish_reasons, skipped: lis
         "output_tokens_this_run": progress.output_tokens,
         "finish_reasons_this_run": dict(finish_reasons),
         "prefix_hit_rate": round(cached / prompt_tokens, 4) if prompt_tokens else 0.0,
+        "prompt_tokens": prompt_tokens,
+        "cached_prompt_tokens": cached,
         "preemptions": stats.preemptions - before.preemptions,
         "wall_seconds": round(wall, 3),
         "output_tokens_per_s": round(progress.output_tokens / max(wall, 1e-9), 1),

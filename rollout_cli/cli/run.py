@@ -37,6 +37,7 @@ def run_command(
     shard_rows: Annotated[int, typer.Option(help="Rows per output shard.", rich_help_panel=DATA)] = 1024,
     flush_seconds: Annotated[float, typer.Option(help="Close a shard when its oldest row waited this long.", rich_help_panel=DATA)] = 10.0,
     capture_routing: Annotated[bool, typer.Option("--capture-routing", help="MoE models: write every token's expert ids to OUT/routing/ (routing replay).", rich_help_panel=DATA)] = False,
+    dp: Annotated[int, typer.Option(help="Data parallel: run N engine replicas (one per GPU, or N processes on the CPU) that split the prompts and share OUT. Across machines, start `rollout run` with torchrun instead.", rich_help_panel=opt.ENGINE)] = 1,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary table.")] = False,
     engine: opt.EngineAddress = None,
     token_file: opt.TokenFile = None,
@@ -56,7 +57,14 @@ def run_command(
 
     from rollout_cli.server.address import ENV_ENGINE
 
-    if model is None or engine is not None or os.environ.get(ENV_ENGINE):
+    remote = model is None or engine is not None or os.environ.get(ENV_ENGINE)
+    if dp != 1 and (remote or dp < 1):
+        with user_errors():
+            from rollout_cli.errors import RolloutError
+
+            raise RolloutError("--dp must be >= 1" if dp < 1 else
+                               "--dp starts embedded replicas: give --model (a daemon serves one engine)")
+    if remote:
         from rollout_cli.cli.remote_run import remote_run
 
         remote_run(
@@ -69,11 +77,14 @@ def run_command(
                           min_p=min_p, seed=seed, ignore_eos=ignore_eos, logprobs_mode=logprobs_mode),
         )
         return
+    import dataclasses
+    import sys
+
+    from rollout_cli.data_parallel import ReplicaGroup, launch_replicas, replica_device, without_option
     from rollout_cli.engine.engine import Engine
     from rollout_cli.engine.sampling_params import SamplingParams
     from rollout_cli.job import JobConfig, check_job_inputs, run_job
 
-    console = Console(stderr=True, quiet=quiet)
     with user_errors():
         params = SamplingParams(
             n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -83,12 +94,24 @@ def run_command(
         job = JobConfig(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume,
                         skip_invalid=skip_invalid, shard_rows=shard_rows, flush_seconds=flush_seconds,
                         capture_routing=capture_routing)
-        check_job_inputs(job)
+        group = ReplicaGroup.from_environment()
+        if group is None:
+            check_job_inputs(job)  # bad input: one line before any replica or model starts
+            if dp > 1:
+                raise typer.Exit(launch_replicas(dp, without_option(sys.argv[2:], "--dp")))
+        else:
+            engine_config = dataclasses.replace(engine_config, device=replica_device(engine_config.device, group))
+        # replicas other than the first draw nothing: replica 0's bar shows its share of the prompts
+        console = Console(stderr=True, quiet=quiet or (group is not None and not group.is_leader))
         with console.status("loading model"):
             engine = Engine(engine_config)
-        with _progress_bar(console) as (progress, update):
-            manifest = run_job(engine, params, job, on_progress=update)
-        if not quiet:
+        try:
+            with _progress_bar(console) as (progress, update):
+                manifest = run_job(engine, params, job, on_progress=update, group=group)
+        finally:
+            if group is not None:
+                group.close()
+        if not quiet and (group is None or group.is_leader):
             console.print(_summary_table(manifest, out))
 
 

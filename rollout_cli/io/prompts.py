@@ -294,6 +294,10 @@ class PromptSource:
             )
         return None
 
+    def valid_indices(self) -> Iterator[int]:
+        """Row numbers that iteration yields (after validate())."""
+        return (i for i in range(self.num_rows) if i not in self._skipped_index)
+
     def __iter__(self) -> Iterator[PromptRow]:
         """Valid rows in file order, one batch of all columns in memory at a time."""
         if self._skipped_rows is None:

@@ -6,6 +6,7 @@ Layout of one run:
     OUT/trajectories/part-00000.parquet   one shard per flush, numbered upward
     OUT/trajectories/.part-00001.parquet.tmp   a shard being written (hidden)
     OUT/routing/part-00000.parquet        with routing capture: the expert ids of the trajectories
+    OUT/trajectories/part-r001-00000.parquet   data-parallel replica 1's shards (rollout_cli.data_parallel)
                                           of the trajectory shard with the same number
 
 A shard is written under a dot-name, fsynced, then renamed with os.replace, so
@@ -55,8 +56,9 @@ FIXED_FIELDS: tuple[pa.Field, ...] = (
 )
 FIXED_NAMES: tuple[str, ...] = tuple(f.name for f in FIXED_FIELDS)
 
-_PART_RE = re.compile(r"^part-(\d+)\.parquet$")
-_TEMP_RE = re.compile(r"^\.part-\d+\.parquet\.tmp$")
+# part-NNNNN.parquet, or part-rRRR-NNNNN.parquet from data-parallel replica RRR (each numbers its own)
+_PART_RE = re.compile(r"^(part-(?:r\d+-)?)(\d+)\.parquet$")
+_TEMP_RE = re.compile(r"^\.part-(?:r\d+-)?\d+\.parquet\.tmp$")
 
 
 def trajectory_schema(passthrough_schema: pa.Schema) -> pa.Schema:
@@ -100,6 +102,7 @@ class ShardWriter:
         flush_seconds: float = 10.0,
         subdir: str = TRAJECTORIES_SUBDIR,
         clock: Callable[[], float] = time.monotonic,
+        replica: int | None = None,
     ) -> None:
         if shard_rows < 1:
             raise ValueError(f"shard_rows must be at least 1, got {shard_rows}")
@@ -113,7 +116,10 @@ class ShardWriter:
         self._columns: dict[str, list[Any]] = {name: [] for name in schema.names}
         self._buffered = 0
         self._oldest: float = 0.0  # clock() when the first row of the buffer came
-        self._next_part = max(_part_files(self.dir), default=-1) + 1
+        # data-parallel replicas share the directory: each writes and numbers its own shards
+        self.prefix = "part-" if replica is None else f"part-r{replica:03d}-"
+        self._next_part = max((number for prefix, number in map(_shard_key, _part_files(self.dir))
+                               if prefix == self.prefix), default=-1) + 1
         self.rows_written = 0
         self.shards_written = 0
 
@@ -145,7 +151,7 @@ class ShardWriter:
         # from_pydict with the schema casts Python values back to the input's
         # types (structs, timestamps, dictionaries) instead of inferring them.
         table = pa.Table.from_pydict(self._columns, schema=self.schema)
-        final = self.dir / f"part-{self._next_part:05d}.parquet"
+        final = self.dir / f"{self.prefix}{self._next_part:05d}.parquet"
         temp = _write_temp(table, final)
         self._before_rename(final.name)
         os.replace(temp, final)
@@ -189,6 +195,7 @@ class TrajectoryWriter(ShardWriter):
         clock: Callable[[], float] = time.monotonic,
         routing_dtype: str | None = None,
         routing_shape: tuple[int, int] = (0, 0),
+        replica: int | None = None,
     ) -> None:
         super().__init__(
             out_dir,
@@ -197,6 +204,7 @@ class TrajectoryWriter(ShardWriter):
             flush_seconds=flush_seconds,
             subdir=subdir,
             clock=clock,
+            replica=replica,
         )
         self.routing_dtype = routing_dtype
         self.routing_shape = routing_shape  # (num_layers, top_k): the shape of an empty routing
@@ -246,8 +254,11 @@ class TrajectoryWriter(ShardWriter):
         _fsync_dir(self.routing_dir)
 
 
-def completed_pairs(out_dir: str | Path, subdir: str = TRAJECTORIES_SUBDIR) -> set[tuple[int, int]]:
-    """(prompt_index, sample_index) of every row in the whole shards; deletes leftover temp shards.
+def completed_pairs(out_dir: str | Path, subdir: str = TRAJECTORIES_SUBDIR,
+                    clean: bool = True) -> set[tuple[int, int]]:
+    """(prompt_index, sample_index) of every row in the whole shards; with `clean`, deletes leftover
+    temp shards and routing shards without their trajectories (only when no writer is running:
+    data-parallel replicas that start after the first one pass clean=False).
 
     Reads only those two columns. A missing directory means nothing done yet.
     """
@@ -255,7 +266,7 @@ def completed_pairs(out_dir: str | Path, subdir: str = TRAJECTORIES_SUBDIR) -> s
     if not directory.is_dir():
         return set()
     for entry in directory.iterdir():
-        if _TEMP_RE.match(entry.name):
+        if clean and _TEMP_RE.match(entry.name):
             entry.unlink()  # a shard a crash interrupted; its rows are generated again
     pairs: set[tuple[int, int]] = set()
     for _, path in sorted(_part_files(directory).items()):
@@ -269,13 +280,13 @@ def completed_pairs(out_dir: str | Path, subdir: str = TRAJECTORIES_SUBDIR) -> s
             ) from err
         pairs.update(zip(table.column(0).to_pylist(), table.column(1).to_pylist()))
     routing = Path(out_dir) / ROUTING_SUBDIR
-    if routing.is_dir():  # trajectories are the truth: drop routing a crash left without its trajectories
+    if clean and routing.is_dir():  # trajectories are the truth: drop routing a crash left without its trajectories
         whole = _part_files(directory)
         for entry in routing.iterdir():
             if _TEMP_RE.match(entry.name):
                 entry.unlink()
-        for number, path in _part_files(routing).items():
-            if number not in whole:
+        for name, path in _part_files(routing).items():
+            if name not in whole:
                 path.unlink()
     return pairs
 
@@ -337,14 +348,15 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
     return manifest
 
 
-def _part_files(directory: Path) -> dict[int, Path]:
-    """{shard number: path} of the whole shards in directory."""
-    found = {}
-    for name in os.listdir(directory):
-        match = _PART_RE.match(name)
-        if match:
-            found[int(match.group(1))] = directory / name
-    return found
+def _part_files(directory: Path) -> dict[str, Path]:
+    """{file name: path} of the whole shards in directory."""
+    return {name: directory / name for name in sorted(os.listdir(directory)) if _PART_RE.match(name)}
+
+
+def _shard_key(name: str) -> tuple[str, int]:
+    """"part-r001-00007.parquet" -> ("part-r001-", 7)."""
+    match = _PART_RE.match(name)
+    return match.group(1), int(match.group(2))
 
 
 def _write_temp(table: pa.Table, final: Path) -> Path:

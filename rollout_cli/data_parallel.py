@@ -1,0 +1,120 @@
+"""Data parallelism for `rollout run`: N engine replicas, one input Parquet, one output directory.
+
+The replicas are started and watched by torch's own launcher (torchrun / torch.distributed.run),
+not by a scheduler of ours: `rollout run --dp N` starts N local replicas through it, and
+`torchrun --nnodes M --nproc-per-node N -m rollout_cli.cli.main run ...` spreads them over
+machines the same way. A process that torchrun started (WORLD_SIZE and RANK in its environment)
+is a replica: it joins a gloo process group, generates the prompts whose index is its rank modulo
+the world size, writes shards named part-rRRR-NNNNN.parquet, and replica 0 writes the manifest.
+
+Sampling is keyed by (seed, prompt, sample, position), so the rows do not depend on how the
+prompts were split: the union over replicas equals a one-replica run, and --resume works with
+any replica count.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+from rollout_cli.errors import RolloutError
+
+
+@dataclass
+class ReplicaGroup:
+    """This process's place among the replicas, and the collectives run_job needs."""
+
+    rank: int
+    size: int
+    local_rank: int
+
+    @classmethod
+    def from_environment(cls) -> "ReplicaGroup | None":
+        """The group torchrun set up for this process, or None when it was not started as a replica."""
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in os.environ:
+            return None
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")  # MASTER_ADDR / MASTER_PORT come from torchrun
+        return cls(rank=dist.get_rank(), size=dist.get_world_size(),
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def owns(self, prompt_index: int) -> bool:
+        return prompt_index % self.size == self.rank
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def gather(self, value) -> list:
+        """Every replica's `value`, in rank order (on every replica)."""
+        import torch.distributed as dist
+
+        values = [None] * self.size
+        dist.all_gather_object(values, value)
+        return values
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def replica_device(device: str, group: ReplicaGroup) -> str:
+    """Each local replica takes its own GPU: "auto"/"cuda" -> cuda:LOCAL_RANK; the CPU is shared."""
+    import torch
+
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        if group.local_rank >= torch.cuda.device_count():
+            raise RolloutError(f"replica {group.rank} wants GPU {group.local_rank}, but this machine has "
+                               f"{torch.cuda.device_count()}; lower --dp / --nproc-per-node")
+        return f"cuda:{group.local_rank}"
+    if device.startswith("cuda:") and group.size > 1:
+        raise RolloutError("--device cuda:N pins every replica to one GPU; use --device cuda (one GPU per replica)")
+    return device
+
+
+def launch_replicas(count: int, run_args: list[str]) -> int:
+    """Run `rollout run RUN_ARGS` as `count` local replicas under torch.distributed.run; returns the exit code."""
+    from torch.distributed.run import get_args_parser, run
+
+    threads = max(1, (os.cpu_count() or 1) // count)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # else torchrun sets 1 and warns
+    args = get_args_parser().parse_args(
+        ["--standalone", "--nnodes", "1", "--nproc-per-node", str(count), "--module", "rollout_cli.cli.main"]
+    )
+    # set after parsing: torchrun's parser would read `--n 4` of the run arguments as its own abbreviation
+    args.training_script_args = ["run", *run_args]
+    try:
+        run(args)
+    except Exception as err:  # torch's ChildFailedError: the failing replica printed its own error
+        failures = getattr(err, "failures", None) or {}
+        codes = sorted({f.exitcode for f in failures.values()}) if failures else [1]
+        print(f"error: a data-parallel replica failed (exit {codes[0]}); its error is above. "
+              "Finished rows are kept: fix the cause and run again with --resume", file=sys.stderr)
+        return codes[0] if codes[0] > 0 else 1
+    return 0
+
+
+def without_option(argv: list[str], name: str) -> list[str]:
+    """argv minus `--name VALUE` / `--name=VALUE` (the replicas must not launch replicas)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == name:
+            skip = True
+            continue
+        if arg.startswith(name + "="):
+            continue
+        out.append(arg)
+    return out
