@@ -6,8 +6,8 @@ Layout of one run:
     OUT/trajectories/part-00000.parquet   one shard per flush, numbered upward
     OUT/trajectories/.part-00001.parquet.tmp   a shard being written (hidden)
     OUT/routing/part-00000.parquet        with routing capture: the expert ids of the trajectories
-    OUT/trajectories/part-r001-00000.parquet   data-parallel replica 1's shards (rollout_cli.data_parallel)
                                           of the trajectory shard with the same number
+    OUT/trajectories/part-r001-00000.parquet   data-parallel replica 1's shards (rollout_cli.data_parallel)
 
 A shard is written under a dot-name, fsynced, then renamed with os.replace, so
 a crash leaves whole shards plus at most one hidden temp file. Readers never
