@@ -62,7 +62,7 @@ class DecodeGraphs:
         ids, positions, rows, slots = (self.ints[i, :batch] for i in (_TOKEN, _POSITION, _ROW, _SLOT))
         self.req_to_token[rows, positions] = slots.to(torch.int32)  # this step's slots, inside the graph
         attn = TritonAttentionBatch(self.kv, self.req_to_token, slots, rows, self.seq_lens[:batch], None, self.scale)
-        logits = self.model.compute_logits(self.model(ids, positions, attn))  # [batch, vocab] float32
+        logits = self.model.compute_logits(self.model(ids, positions, attn), upcast=False)  # [batch, vocab]
         f = self.floats
         keys = tuple(self.ints[i, :batch] for i in (_SEED, _PROMPT, _SAMPLE, _KEY_POSITION))
         tokens, logprobs = sample(logits, f[_TEMPERATURE, :batch], self.ints[_TOP_K, :batch], f[_TOP_P, :batch],

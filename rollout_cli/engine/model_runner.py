@@ -164,4 +164,6 @@ class ModelRunner:
                 last_rows.append(offset - 1)
         if not last_rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])  # [B, V]
+        # the Triton sampler takes model-dtype logits (it upcasts in registers); the torch one float32
+        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)],
+                                         upcast=self.attention_backend != "triton")  # [B, V]

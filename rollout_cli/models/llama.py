@@ -146,10 +146,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden [T, hidden_size]."""
         return self.model(input_ids, positions, attn)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, hidden_size] -> float32 logits [B, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden [B, hidden_size] -> logits [B, vocab]: float32, or in the model dtype with
+        upcast=False (the Triton sampler reads those and upcasts in registers)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        logits = torch.nn.functional.linear(hidden, weight)
+        return logits.float() if upcast else logits
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

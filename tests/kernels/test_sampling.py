@@ -153,6 +153,22 @@ def test_keyed_equals_uniform():
     _check_against_reference(logits, temperature, top_k, top_p, min_p, raw, uniform, *a)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if CUDA else []))
+def test_half_logits_equal_their_float32_copy(dtype):
+    """The kernel upcasts half-precision logits as it loads them: the same tokens and logprobs as
+    sampling from logits.float(), with no cast kernel in between."""
+    gen = torch.Generator().manual_seed(5)
+    rows = SETTINGS
+    batch, vocab = len(rows), 769
+    logits = _logits(batch, vocab, gen).to(dtype)
+    temperature, top_k, top_p, min_p = _params(rows)
+    raw = torch.tensor([b % 2 == 0 for b in range(batch)], device=DEV)
+    uniform = torch.rand(batch, generator=gen).to(DEV)
+    half = sample(logits, temperature, top_k, top_p, min_p, raw, uniform=uniform, **BLOCKS)
+    full = sample(logits.float(), temperature, top_k, top_p, min_p, raw, uniform=uniform, **BLOCKS)
+    assert torch.equal(half[0], full[0]) and torch.equal(half[1], full[1])
+
+
 def test_sampling_batch_adapter():
     from types import SimpleNamespace
 
@@ -227,7 +243,7 @@ def test_bad_inputs():
     with pytest.raises(AssertionError):
         sample(logits, *params, raw)  # neither uniform nor keys
     with pytest.raises(AssertionError):
-        sample(logits.half(), *params, raw, uniform=torch.rand(2, device=DEV))
+        sample(logits.double(), *params, raw, uniform=torch.rand(2, device=DEV))  # float64 logits
     with pytest.raises(AssertionError):
         sample(logits, params[0], params[1].int(), *params[2:], raw, uniform=torch.rand(2, device=DEV))
 
