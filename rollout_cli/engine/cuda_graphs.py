@@ -6,6 +6,10 @@ step; the graph itself records each request's new slot in req_to_token.
 Bucket entries past B are padding: they use row `pad_row` of req_to_token
 (slot 0), attend one key, and write their k/v into slot 0, which the slot
 allocator never hands out. Prefill steps run eagerly.
+
+MoE models record their expert ids into a `GraphRoutingBuffer` while the graphs are captured
+(rows [0, B) after a replay of B tokens), whatever recorder the model has outside the graphs;
+`routing_rows` hands them to the runner, which stores them in the routing pool when capture is on.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 import torch
 
 from rollout_cli.engine.triton_attention import TritonAttentionBatch
+from rollout_cli.models.moe import GraphRoutingBuffer, SparseMoeBlock
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -40,6 +45,9 @@ class DecodeGraphs:
         self.staging_seq_lens = torch.ones(self.max_batch, dtype=torch.int32).pin_memory()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
+        moe_layers = getattr(model, "moe_layers", None)
+        self.routing = (GraphRoutingBuffer(self.max_batch, len(moe_layers), model.top_k, model.num_experts, device)
+                        if moe_layers else None)
 
     def _forward(self, batch: int) -> torch.Tensor:
         ids, positions, rows, slots = (self.inputs[i, :batch] for i in range(4))
@@ -49,6 +57,17 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
+        outside = [block.routing_recorder for block in blocks]
+        for block in blocks:
+            block.routing_recorder = self.routing
+        try:
+            self._capture()
+        finally:
+            for block, recorder in zip(blocks, outside):
+                block.routing_recorder = recorder
+
+    def _capture(self) -> None:
         start = time.monotonic()
         self.inputs[2].fill_(self.pad_row)
         side = torch.cuda.Stream()
@@ -89,3 +108,7 @@ class DecodeGraphs:
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:batch]
+
+    def routing_rows(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After `run` of `batch` entries: (KV slots [batch], expert ids [batch, num_moe_layers, top_k])."""
+        return self.inputs[3, :batch], self.routing.ids[:batch]

@@ -92,8 +92,7 @@ class ModelRunner:
         to_sample = [(e.request, e.start + e.num_new_tokens) for e in out.entries if e.sample]
         events = None
         self.last_step_timed = False
-        # routing capture runs eagerly: the pool is told each step's KV slots in _eager_logits
-        if self.graphs is not None and self.routing_pool is None and self.graphs.can_run(out.entries):
+        if self.graphs is not None and self.graphs.can_run(out.entries):
             # the graph writes each entry's new slot into req_to_token; older slots that a
             # prefix-cache merge changed (table_start < start) are written here first
             self._write_table([e for e in out.entries if e.table_start < e.start])
@@ -101,6 +100,8 @@ class ModelRunner:
                 events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 events[0].record()
             logits = self.graphs.run(out.entries)
+            if self.routing_pool is not None:  # the graph recorded this step's ids; eager steps record directly
+                self.routing_pool.store(*self.graphs.routing_rows(len(out.entries)))
         else:
             self._write_table(out.entries)
             logits = self._eager_logits(out)
