@@ -34,7 +34,9 @@ from rollout_kernels.moe_align import moe_align_block_size
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@triton.jit
+# batch-size dependent ints are not specialised: one compile serves every bucket (and the tuner's
+# compile workers)
+@triton.jit(do_not_specialize=["numel", "num_blocks_m"])
 def _moe_gemm_kernel(
     A, B, C, TopkWeights, SortedIds, ExpertIds, NumPostPadded,
     N, K, numel, num_blocks_m,

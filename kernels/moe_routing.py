@@ -24,7 +24,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _ROUND_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's ROUND_TO
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one compile for every batch size
 def _topk_softmax_kernel(
     Logits, Weights, Ids,
     T, E, stride_lt,

@@ -38,9 +38,10 @@ def _check_layout(ids, e, block_m, layout):
     (1, 4, 1, 4), (3, 8, 2, 3), (17, 16, 3, 9), (33, 60, 4, 11), (100, 60, 8, 60), (17, 8, 6, 8),
     (33, 16, 7, 7), (100, 16, 5, 6), (3, 60, 8, 8), (100, 4, 4, 4),
 ])
-def test_align_matches_reference(t, e, k, used, block_m):
+@pytest.mark.parametrize("single", [True, False], ids=["one-launch", "four-launch"])
+def test_align_matches_reference(t, e, k, used, block_m, single):
     ids = _routing(t, e, k, used, seed=t + e + k)
-    layout = moe_align_block_size(ids, e, block_m)
+    layout = moe_align_block_size(ids, e, block_m, single_program=single)
     want = moe_align_block_size_ref(ids, e, block_m)
     for got, ref in zip(layout, want):
         assert torch.equal(got, ref)
