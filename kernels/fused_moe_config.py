@@ -94,11 +94,13 @@ def fit_to_shape(cfg: dict, n: int, k: int) -> dict:
     return cfg
 
 
+@functools.lru_cache(maxsize=4096)  # called per MoE layer per eager step: pure host overhead otherwise
 def get_config(num_tokens: int, num_experts: int, top_k: int, inter: int, hidden: int, dtype: torch.dtype,
                config_dir: str | None = None) -> tuple[dict, dict]:
     """(gate/up config, down config) for a batch of `num_tokens`: the nearest tuned bucket, else the default.
 
     Both share BLOCK_SIZE_M; the gate/up GEMM has N = inter, K = hidden, the down GEMM N = hidden, K = inter.
+    Cached: treat the returned dicts as read-only.
     """
     buckets = load_configs(num_experts, inter, hidden, dtype, config_dir)
     if buckets:

@@ -20,6 +20,7 @@ def _write(tmp_path, buckets, shape=(8, 768, 2048), dtype=torch.bfloat16):
     path = tmp_path / config_file_name(*shape, dtype)
     path.write_text(json.dumps({"device": "test", "buckets": buckets}))
     load_configs.cache_clear()
+    get_config.cache_clear()
     return str(tmp_path)
 
 
