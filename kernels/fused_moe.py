@@ -139,10 +139,12 @@ def moe_gate_up(hidden: torch.Tensor, w13: torch.Tensor, top_k: int, layout, con
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H], layout = moe_align_block_size(topk_ids, E, BLOCK_SIZE_M)
     -> out [T * top_k, I]: row s = silu(G[e] h[s // k]) * (U[e] h[s // k]) for the expert e of slot s."""
-    assert hidden.dim() == 2 and w13.dim() == 3, f"hidden {tuple(hidden.shape)} / w13 {tuple(w13.shape)}: want [T, H] / [E, 2I, H]"
+    assert hidden.dim() == 2 and w13.dim() == 3, (
+        f"hidden {tuple(hidden.shape)} / w13 {tuple(w13.shape)}: want [T, H] / [E, 2I, H]")
     assert hidden.dtype in _DTYPES and w13.dtype == hidden.dtype, f"dtypes hidden {hidden.dtype}, w13 {w13.dtype}"
     num_tokens, hidden_size = hidden.shape
-    assert w13.shape[2] == hidden_size and w13.shape[1] % 2 == 0, f"w13 {tuple(w13.shape)} vs hidden size {hidden_size}"
+    assert w13.shape[2] == hidden_size and w13.shape[1] % 2 == 0, (
+        f"w13 {tuple(w13.shape)} vs hidden size {hidden_size}")
     assert hidden.stride(1) == 1 and w13.stride(2) == 1, "hidden and w13 must be contiguous in the hidden dim"
     inter = w13.shape[1] // 2
     numel = num_tokens * top_k
@@ -160,7 +162,8 @@ def moe_down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, 
              out: torch.Tensor | None = None) -> torch.Tensor:
     """inter [T * k, I] (moe_gate_up's output), w2 [E, H, I], topk_weights [T, k] float32
     -> out [T * k, H]: row s = topk_weights.flat[s] * W2[e] inter[s]."""
-    assert inter.dim() == 2 and w2.dim() == 3, f"inter {tuple(inter.shape)} / w2 {tuple(w2.shape)}: want [T*k, I] / [E, H, I]"
+    assert inter.dim() == 2 and w2.dim() == 3, (
+        f"inter {tuple(inter.shape)} / w2 {tuple(w2.shape)}: want [T*k, I] / [E, H, I]")
     assert inter.dtype in _DTYPES and w2.dtype == inter.dtype, f"dtypes inter {inter.dtype}, w2 {w2.dtype}"
     numel, inter_size = inter.shape
     hidden_size = w2.shape[1]
@@ -180,7 +183,8 @@ def moe_down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, 
 
 def moe_sum(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, k, H] -> out [T, H], summed over k in float32 in order j = 0..k-1, rounded once."""
-    assert x.dim() == 3 and x.dtype in _DTYPES and x.stride(2) == 1, f"x {tuple(x.shape)}: want [T, k, H], contiguous H"
+    assert x.dim() == 3 and x.dtype in _DTYPES and x.stride(2) == 1, (
+        f"x {tuple(x.shape)}: want [T, k, H], contiguous H")
     num_tokens, top_k, hidden_size = x.shape
     if out is None:
         out = torch.empty((num_tokens, hidden_size), dtype=x.dtype, device=x.device)

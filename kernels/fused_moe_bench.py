@@ -65,7 +65,8 @@ def make_problem(num_tokens: int, num_experts: int, top_k: int, hidden_size: int
         w2 = (torch.randn(shape2, device=device, generator=gen) / intermediate_size ** 0.5).to(dtype)
     else:  # compile-only callers: values do not matter
         w13, w2 = torch.zeros(shape13, dtype=dtype, device=device), torch.zeros(shape2, dtype=dtype, device=device)
-    hidden = [torch.randn((num_tokens, hidden_size), device=device, generator=gen).to(dtype) for _ in range(num_routings)]
+    hidden = [torch.randn((num_tokens, hidden_size), device=device, generator=gen).to(dtype)
+              for _ in range(num_routings)]
     logits = [torch.randn((num_tokens, num_experts), device=device, generator=gen) for _ in range(num_routings)]
     routings = [topk_softmax(x, top_k, renormalize=True) for x in logits]
     return MoeProblem(hidden, logits, routings, w13, w2, top_k)

@@ -44,13 +44,15 @@ def main() -> int:
     tuned = load_configs(experts, inter, hidden, dtype, args.config_dir) is not None
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {hbm / 1e9:.0f} GB/s; E={experts} top_k={top_k} "
           f"H={hidden} I={inter} {args.dtype}; configs: {'tuned file' if tuned else 'default (no tuned file)'}")
-    head = f"{'tokens':>6} {'experts':>7} {'BM':>3} {'us':>8} {'gemm us':>8} {'GB/s':>6} {'HBM':>5} {'GEMM HBM':>8} {'TFLOP/s':>7}"
+    head = (f"{'tokens':>6} {'experts':>7} {'BM':>3} {'us':>8} {'gemm us':>8} {'GB/s':>6} {'HBM':>5} "
+            f"{'GEMM HBM':>8} {'TFLOP/s':>7}")
     if tuned:
         head += f" {'default us':>10}"
     print(head)
     rows = []
     for t in (int(x) for x in args.tokens.split(",")):
-        r = benchmark_fused_moe(t, experts, top_k, hidden, inter, dtype, hbm_bytes_per_s=hbm, config_dir=args.config_dir)
+        r = benchmark_fused_moe(t, experts, top_k, hidden, inter, dtype, hbm_bytes_per_s=hbm,
+                                config_dir=args.config_dir)
         line = (f"{t:>6} {r['experts_touched']:>7.1f} {r['block_m']:>3} {r['time_us']:>8.1f} {r['gemm_us']:>8.1f} "
                 f"{r['gb_per_s']:>6.0f} {r['hbm_fraction']:>5.0%} {r['gemm_hbm_fraction']:>8.0%} {r['tflops']:>7.1f}")
         if tuned:

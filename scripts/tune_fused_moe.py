@@ -170,7 +170,8 @@ def tune_bucket(num_tokens: int, shape, dtype: torch.dtype, deadline: float, rep
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-config", help="HF config.json of a MoE model (experts, top-k, hidden, moe intermediate)")
+    parser.add_argument("--model-config",
+                        help="HF config.json of a MoE model (experts, top-k, hidden, moe intermediate)")
     parser.add_argument("--experts", type=int)
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--hidden", type=int)
@@ -227,7 +228,8 @@ def main() -> int:
         result = tune_bucket(t, shape, dtype, bucket_deadline, args.rep_ms, failed, log)
         tuned[str(t)] = result.pop("entry")
         timings[str(t)] = {k: round(v, 2) for k, v in result.items()}
-        log(f"T={t}: {result['us']:.1f} us ({result['gb_per_s']:.0f} GB/s), default config {result['default_us']:.1f} us")
+        log(f"T={t}: {result['us']:.1f} us ({result['gb_per_s']:.0f} GB/s), "
+            f"default config {result['default_us']:.1f} us")
         data = {
             "device": torch.cuda.get_device_name(), "triton": __import__("triton").__version__,
             "torch": torch.__version__, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
