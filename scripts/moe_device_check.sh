@@ -14,12 +14,12 @@ Q30=recipes/configs/qwen3-30b-a3b/config.json
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "== GPU tests"
-timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_routing.py \
+timeout 130 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_routing.py \
     tests/kernels/test_moe_align.py tests/kernels/test_fused_moe.py tests/e2e/test_gpu_moe_engine.py \
     2>&1 | tee "$OUT/moe_gpu_tests.log" | tail -15
 echo "== tuner"
-timeout 200 python3 scripts/tune_fused_moe.py --model-config $Q30 --buckets 1,4,16,64,128,256,1024,4096 \
-    --out "$OUT" --time-budget-s 165 --rep-ms 5 2>&1 | tee "$OUT/tune.log" | grep -v "skip" | tail -25
+timeout 170 python3 scripts/tune_fused_moe.py --model-config $Q30 --buckets 1,4,16,64,128,256,1024,4096 \
+    --out "$OUT" --time-budget-s 140 --rep-ms 5 2>&1 | tee "$OUT/tune.log" | grep -v "skip" | tail -25
 echo "== benchmark"
-timeout 55 python3 scripts/bench_fused_moe.py --model-config $Q30 --config-dir "$OUT" --json "$OUT/bench_fused_moe.json" \
+timeout 50 python3 scripts/bench_fused_moe.py --model-config $Q30 --config-dir "$OUT" --json "$OUT/bench_fused_moe.json" \
     2>&1 | tee "$OUT/bench_fused_moe.log"

@@ -102,9 +102,15 @@ def compile_all(shape, dtype_name: str, jobs: list, workers: int) -> set[str]:
     if workers <= 1 or not jobs:
         return set(_compile_worker((shape, dtype_name, jobs)))
     chunks = [jobs[i::workers] for i in range(workers)]
+    failed = set()
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-        results = pool.map(_compile_worker, [(shape, dtype_name, c) for c in chunks if c])
-    return {f for failures in results for f in failures}
+        futures = [pool.submit(_compile_worker, (shape, dtype_name, c)) for c in chunks if c]
+        for future in futures:
+            try:
+                failed.update(future.result())
+            except Exception as err:  # a crashed worker: its kernels compile (or fail) in the tuning loop
+                print(f"compile worker failed: {type(err).__name__}: {err}", file=sys.stderr)
+    return failed
 
 
 def tune_bucket(num_tokens: int, shape, dtype: torch.dtype, deadline: float, rep_ms: int, failed: set, log) -> dict:
