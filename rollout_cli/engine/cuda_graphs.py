@@ -7,6 +7,10 @@ samples the next tokens.
 Bucket entries past B are padding: they use row `pad_row` of req_to_token
 (slot 0), attend one key, and write their k/v into slot 0, which the slot
 allocator never hands out. Prefill steps run eagerly.
+
+MoE models record their expert ids into a `GraphRoutingBuffer` while the graphs are captured
+(rows [0, B) after a replay of B tokens), whatever recorder the model has outside the graphs;
+`routing_rows` hands them to the runner, which stores them in the routing pool when capture is on.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from rollout_cli.engine.sampler import _as_int64
 from rollout_cli.engine.triton_attention import TritonAttentionBatch, warm_decode_splits
+from rollout_cli.models.moe import GraphRoutingBuffer, SparseMoeBlock
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -55,6 +60,9 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.replays = 0  # decode steps served by a replay (tests check graphs really ran)
+        moe_layers = getattr(model, "moe_layers", None)
+        self.routing = (GraphRoutingBuffer(self.max_batch, len(moe_layers), model.top_k, model.num_experts, device)
+                        if moe_layers else None)
 
     def _forward(self, batch: int) -> torch.Tensor:
         from rollout_kernels.sampling import sample
@@ -70,10 +78,21 @@ class DecodeGraphs:
         # float64 holds both the token ids and the float32 logprobs exactly
         return torch.stack((tokens.double(), logprobs.double()))  # [2, batch]
 
-    @torch.inference_mode()
     def capture(self, warm_up: bool = True) -> None:
         """warm_up=False skips the eager pass over every bucket: for a re-capture after a memory
         release, when the kernels are compiled and cuBLAS is initialised (saves a forward per bucket)."""
+        blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
+        outside = [block.routing_recorder for block in blocks]
+        for block in blocks:
+            block.routing_recorder = self.routing
+        try:
+            self._capture(warm_up)
+        finally:
+            for block, recorder in zip(blocks, outside):
+                block.routing_recorder = recorder
+
+    @torch.inference_mode()
+    def _capture(self, warm_up: bool) -> None:
         start = time.monotonic()
         self.ints[_ROW].fill_(self.pad_row)
         self.floats[_TOP_P].fill_(1.0)
@@ -142,3 +161,7 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return packed[:, :batch]
+
+    def routing_rows(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After `run` of `batch` entries: (KV slots [batch], expert ids [batch, num_moe_layers, top_k])."""
+        return self.ints[_SLOT, :batch], self.routing.ids[:batch]

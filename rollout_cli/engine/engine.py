@@ -158,9 +158,9 @@ class Engine:
                                   self.attention_backend)
         self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache)
         self.cuda_graph_capture_seconds = None
-        # The torch MoE expert loop reads per-expert token counts on the host: not capturable.
-        capturable = not getattr(self.model, "moe_layers", None)
-        if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs and capturable:
+        # MoE models too: the Triton backend also switches the router and experts to the fused
+        # kernels (enable_triton_kernels), which never read tensor values on the host.
+        if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs:
             self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256))
 
     def _profile_step(self) -> None:

@@ -107,8 +107,7 @@ class ModelRunner:
         self._count_traffic(out)
         self.last_step_prefilled = bool(out.entries) and out.entries[-1].num_new_tokens > 1
         self.last_step_timed = False
-        # routing capture runs eagerly: the pool is told each step's KV slots in _eager_logits
-        if self.graphs is not None and self.routing_pool is None and self.graphs.can_run(out.entries):
+        if self.graphs is not None and self.graphs.can_run(out.entries):
             return self._run_graph(out)
         to_sample = [(e.request, e.start + e.num_new_tokens) for e in out.entries if e.sample]
         self._write_table(out.entries)
@@ -136,6 +135,8 @@ class ModelRunner:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         packed = self.graphs.run(out.entries)  # [2, B] float64: token ids, logprobs
+        if self.routing_pool is not None:  # the graph recorded this step's ids; eager steps record directly
+            self.routing_pool.store(*self.graphs.routing_rows(len(out.entries)))
         if events is not None:
             events[1].record()
         token_values, logprob_values = packed.tolist()

@@ -220,7 +220,8 @@ class VocabEmbedding(nn.Module):
 
 
 def enable_triton_kernels(model: nn.Module) -> None:
-    """Route RMSNorm, RoPE and SiLU-and-mul through the Triton kernels (CUDA only)."""
+    """Route every module with a Triton path through it (CUDA, or the interpreter on the CPU):
+    RMSNorm, RoPE, SiLU-and-mul here; the MoE router and experts (models/moe.py)."""
     for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+        if hasattr(module, "use_triton"):
             module.use_triton = True

@@ -6,18 +6,19 @@ A sparse block is `TopKRouter` (which experts, with which weights) followed by
     w13 [E, 2 * I, H]   gate rows first, then up rows (HF's `experts.gate_up_proj`)
     w2  [E, H, I]       (HF's `experts.down_proj`)
 
-`fused_moe_ref` is the plain-torch path (CPU, and the reference a Triton fused
-MoE kernel is tested against); `FusedExperts.forward` is where that kernel
-plugs in, with the same arguments.
+Two paths with the same routing rule: the plain-torch one (`fused_moe_ref`, the CPU path) and,
+once `enable_triton_kernels` set `use_triton` on the router and the experts, the Triton one
+(kernels/moe_routing.py, kernels/fused_moe.py). The Triton path never reads a tensor value on the
+host, so MoE decode steps run inside CUDA graphs; the torch expert loop syncs once per layer.
 
-Routing capture: every `SparseMoeBlock` knows its index among the model's MoE
-layers (`moe_index`) and, when `routing_recorder` is set (see
-`set_routing_recorder`), hands it the top-k expert ids of each step:
-`recorder.record(moe_index, topk_ids)` with topk_ids [T, top_k] int64 on the
-device, rows in the order of the flat batch. `RoutingPool` is the recorder `rollout run --capture-routing` uses:
-ids indexed by KV slot, so a request's routing lives where its KV lives (and stays
-with prefixes kept in the radix cache). The torch expert loop itself syncs once per layer (it
-reads per-expert token counts), so MoE models run eager until the fused kernel.
+Routing capture: every `SparseMoeBlock` knows its index among the model's MoE layers (`moe_index`)
+and, when `routing_recorder` is set (see `set_routing_recorder`), hands it the top-k expert ids of
+each step: `recorder.record(moe_index, topk_ids)` with topk_ids [T, top_k] (int64 from the torch
+router, int32 from the Triton one) on the device, rows in the order of the flat batch.
+`RoutingPool` is the recorder `rollout run --capture-routing` uses: ids indexed by KV slot, so a
+request's routing lives where its KV lives (and stays with prefixes kept in the radix cache).
+Inside a CUDA graph the recorder is a `GraphRoutingBuffer` (fixed addresses); the runner copies
+its rows into the pool after each replay.
 """
 
 from __future__ import annotations
@@ -69,12 +70,19 @@ class MoeMixin:
 
 
 class TopKRouter(nn.Module):
-    """hidden [T, H] -> (topk_weights [T, k], topk_ids [T, k] int64), as HF's TopKRouter.
+    """hidden [T, H] -> (topk_weights [T, k], topk_ids [T, k]), as HF's TopKRouter.
 
-    Logits in the activation dtype (HF: F.linear on the hidden states), softmax in
-    float32, top-k of the probabilities, optional renormalisation to sum 1, then
-    (`weights_in_float32` False, the Qwen routers) cast back to the activation dtype.
+    Logits in the activation dtype (HF: F.linear on the hidden states), softmax in float32, the
+    k most probable experts, optional renormalisation to sum 1, then (`weights_in_float32` False,
+    the Qwen routers) rounded to the activation dtype. Ties go to the lower expert id (torch.topk
+    leaves their order unspecified), and experts are ranked by logit, which softmax preserves:
+    the torch and Triton paths pick the same ids whatever their exp rounds to.
+
+    Torch path: weights in the activation dtype (float32 if weights_in_float32), ids int64.
+    Triton path (`use_triton`): float32 weights holding the same rounded values, ids int32.
     """
+
+    use_triton = False
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
                  weights_in_float32: bool = False):
@@ -87,8 +95,14 @@ class TopKRouter(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(hidden, self.weight)  # [T, E]
+        if self.use_triton:
+            from rollout_kernels.moe_routing import topk_softmax
+
+            weight_dtype = torch.float32 if self.weights_in_float32 else logits.dtype
+            return topk_softmax(logits, self.top_k, self.renormalize, weight_dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
+        ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :self.top_k]  # [T, k]
+        weights = probs.gather(1, ids)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.weights_in_float32:
@@ -132,6 +146,8 @@ class FusedExperts(nn.Module):
     in-memory layout) fill the whole parameter, shard id None.
     """
 
+    use_triton = False  # kernels/fused_moe.py (needs the Triton router's float32 weights, int32 ids)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  part_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         super().__init__()
@@ -164,6 +180,10 @@ class FusedExperts(nn.Module):
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], topk_weights/topk_ids [T, k] -> [T, H]."""
+        if self.use_triton:
+            from rollout_kernels.fused_moe import fused_experts
+
+            return fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids)
         return fused_moe_ref(hidden, self.w13, self.w2, topk_weights, topk_ids)
 
 
@@ -200,6 +220,18 @@ def set_routing_recorder(model: nn.Module, recorder) -> int:
     return len(blocks)
 
 
+class GraphRoutingBuffer:
+    """The recorder while CUDA graphs are captured: ids [max_tokens, num_moe_layers, top_k] at fixed
+    addresses. A replay of a T-token graph leaves the step's ids in rows [0, T), which the runner
+    hands to `RoutingPool.store` (padding rows of the bucket are never copied)."""
+
+    def __init__(self, max_tokens: int, num_moe_layers: int, top_k: int, num_experts: int, device):
+        self.ids = torch.zeros((max_tokens, num_moe_layers, top_k), dtype=routing_dtype(num_experts), device=device)
+
+    def record(self, moe_index: int, topk_ids: torch.Tensor) -> None:
+        self.ids[:topk_ids.shape[0], moe_index] = topk_ids  # one copy kernel, converts to the routing dtype
+
+
 class RoutingPool:
     """A recorder writing each step's ids into ids [num_kv_slots, num_moe_layers, top_k] at the KV slots
     the step's tokens are stored to (`begin_step(slots)`, one slot per row of the flat batch).
@@ -220,6 +252,10 @@ class RoutingPool:
         if self.slots is None or self.slots.shape[0] != topk_ids.shape[0]:
             return  # a forward outside the engine's step loop (activation profiling)
         self.ids[self.slots, moe_index] = topk_ids.to(self.ids.dtype)
+
+    def store(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        """ids [len(slots), num_moe_layers, top_k] (a GraphRoutingBuffer's rows) into the rows of `slots`."""
+        self.ids[slots] = ids
 
     def gather(self, slot_lists: list[list[int]]) -> list:
         """Numpy arrays [len(slots), num_moe_layers, top_k], one per list: one gather, one host copy."""
