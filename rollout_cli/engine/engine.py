@@ -18,7 +18,9 @@ import torch
 
 from rollout_cli.config import EngineConfig
 from rollout_cli.engine.attention import KVCache
+from rollout_cli.engine.cache_split import hybrid_pool_sizes
 from rollout_cli.engine.kv_sizing import kv_pool_tokens, profile_activation_bytes
+from rollout_cli.engine.linear_state import LinearStatePool
 from rollout_cli.engine.model_runner import ModelRunner
 from rollout_cli.engine.request import Request
 from rollout_cli.engine.sampling_params import SamplingParams
@@ -130,6 +132,9 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(cfg.model, self.hf_config, self.tokenizer)
         self.model = build_model(cfg.model, self.hf_config, self.device, self.dtype,
                                  max_positions=self.max_model_len, load_format=cfg.load_format)
+        if self.attention_backend == "triton" and getattr(self.model, "linear_state_shape", None) is not None:
+            raise RolloutError("hybrid linear-attention models run on --attention-backend torch until their "
+                               "Triton kernels land (issue 8); drop --attention-backend triton")
         if self.attention_backend == "triton":
             enable_triton_kernels(self.model)
         self.weight_version = cfg.weight_version
@@ -139,23 +144,34 @@ class Engine:
 
     def _build_cache(self) -> None:
         cfg, hf = self.config, self.hf_config
-        num_layers, num_kv_heads, head_dim = hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf)
+        # hybrid models keep KV for their full-attention layers only, and a linear-state pool beside it
+        num_layers = getattr(self.model, "num_kv_layers", hf.num_hidden_layers)
+        num_kv_heads, head_dim = hf.num_key_value_heads, head_dim_of(hf)
+        state_shape = getattr(self.model, "linear_state_shape", None)
         bytes_per_token = KVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, self.dtype)
         activation = 0
         if self.device.type == "cuda" and cfg.kv_cache_tokens is None:
             activation = profile_activation_bytes(self._profile_step, self.device)
-        num_slots = kv_pool_tokens(
-            device=self.device, bytes_per_token=bytes_per_token, max_running=cfg.max_running,
-            max_model_len=self.max_model_len, kv_memory_fraction=cfg.kv_memory_fraction,
-            kv_cache_tokens=cfg.kv_cache_tokens, activation_bytes=activation,
-        )
+        sizes = dict(device=self.device, max_running=cfg.max_running, max_model_len=self.max_model_len,
+                     kv_memory_fraction=cfg.kv_memory_fraction, kv_cache_tokens=cfg.kv_cache_tokens,
+                     activation_bytes=activation)
+        self.linear_states, state_slots = None, None
+        if state_shape is None:
+            num_slots = kv_pool_tokens(bytes_per_token=bytes_per_token, **sizes)
+        else:
+            num_slots, state_slots = hybrid_pool_sizes(
+                kv_bytes_per_token=bytes_per_token, state_bytes_per_slot=state_shape.bytes_per_sequence,
+                linear_state_memory_ratio=cfg.linear_state_memory_ratio, **sizes)
+            self.linear_states = LinearStatePool(state_shape, state_slots, self.device)
         self.kv = KVCache(num_layers, num_slots, num_kv_heads, head_dim, self.dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv, cfg.max_running, self.max_model_len, self.device,
-                                  self.attention_backend)
-        self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache)
+                                  self.attention_backend, self.linear_states)
+        self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache,
+                                   linear_state_slots=state_slots)
         self.cuda_graph_capture_seconds = None
-        # The torch MoE expert loop reads per-expert token counts on the host: not capturable.
-        capturable = not getattr(self.model, "moe_layers", None)
+        # The torch MoE expert loop reads per-expert token counts on the host: not capturable;
+        # nor are the torch references of the linear-attention recurrences (per-sequence loops).
+        capturable = not getattr(self.model, "moe_layers", None) and state_shape is None
         if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs and capturable:
             self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256))
 
@@ -163,9 +179,12 @@ class Engine:
         """One prefill chunk of max_batch_tokens over a throwaway KV pool, to measure activations."""
         hf = self.hf_config
         tokens = min(self.config.max_batch_tokens, self.max_model_len)
-        kv = KVCache(hf.num_hidden_layers, tokens + 1, hf.num_key_value_heads, head_dim_of(hf), self.dtype, self.device)
-        runner = ModelRunner(self.model, kv, 1, tokens, self.device, self.attention_backend)
-        request = Request(-1, 0, 0, [0] * tokens, SamplingParams(max_new_tokens=1))
+        num_layers = getattr(self.model, "num_kv_layers", hf.num_hidden_layers)
+        kv = KVCache(num_layers, tokens + 1, hf.num_key_value_heads, head_dim_of(hf), self.dtype, self.device)
+        state_shape = getattr(self.model, "linear_state_shape", None)
+        states = LinearStatePool(state_shape, 2, self.device) if state_shape is not None else None
+        runner = ModelRunner(self.model, kv, 1, tokens, self.device, self.attention_backend, states)
+        request = Request(-1, 0, 0, [0] * tokens, SamplingParams(max_new_tokens=1), state_slot=1)
         slots = list(range(1, tokens + 1))
         entry = BatchEntry(request, 0, 0, request.prompt_token_ids, 0, slots, sample=True)
         runner.run(ScheduleOutput([entry]))
