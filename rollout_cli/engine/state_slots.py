@@ -79,6 +79,11 @@ class LinearStateSlots:
         self.snapshots.move_to_end(key)
         return found[0]
 
+    def clear(self) -> None:
+        """Drop every snapshot (prefix-cache flush, weight reload)."""
+        self.allocator.free([slot for slot, _ in self.snapshots.values()])
+        self.snapshots.clear()
+
     def fork(self, src_slot: int, dst_slot: int) -> None:
         self._copies.append((src_slot, dst_slot))
 

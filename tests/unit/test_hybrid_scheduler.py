@@ -137,6 +137,9 @@ def test_stale_snapshot_is_dropped_not_used():
     assert slots.lookup([1, 2, 3], node_b) is None  # the KV of that prefix is another node now
     assert slots.lookup([1, 2, 3], node_a) is None and not slots.snapshots
     assert slots.allocator.num_free == 3
+    slots.snapshot([4], src_slot=1, node=node_a)
+    slots.clear()
+    assert not slots.snapshots and slots.allocator.num_free == 3 and slots.lookup([4], node_a) is None
 
 
 def test_running_requests_evict_snapshots_lru():
