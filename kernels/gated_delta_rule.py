@@ -13,15 +13,24 @@ and the states are float32: ssm_states [num_slots, num_v_heads, k_dim, v_dim].
 Prefill uses the chunked form (intra-chunk UT transform, state passed between
 chunks), decode one recurrent step. Both read a sequence's state from its
 slot and write it back, so a prompt prefilled in several engine steps carries
-its state across them. These are the plain-torch references, the same math as
+its state across them. The `_ref` functions are plain torch, the same math as
 HF transformers' torch fallback (`torch_chunk_gated_delta_rule`,
-`torch_recurrent_gated_delta_rule`); the Triton kernels will take the same arguments.
+`torch_recurrent_gated_delta_rule`), and what the engine runs today.
+`recurrent_gated_delta_rule_update` is the Triton decode kernel (same
+arguments as its reference; the chunked prefill kernel is the next slice).
+triton is optional (the test extra): without it the references still import.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch-only installs run the references
+    triton = None
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -129,3 +138,77 @@ def recurrent_gated_delta_rule_update_ref(q: torch.Tensor, k: torch.Tensor, v: t
                                                 ssm_states[state_indices], use_qk_l2norm)
     ssm_states[state_indices] = final.to(ssm_states.dtype)
     return out[:, 0]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _recurrent_gated_delta_rule_update_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, index_ptr, o_ptr,
+        sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, ss0, ss1, ss2, so0, so1,
+        scale, DK, DV,
+        GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+    ):
+        # one program: sequence b, value head h, value columns [vb * BV, vb * BV + BV). The state's
+        # columns are independent (S^T k and the rank-1 write act per column), so v tiles split freely.
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(2).to(tl.int64) * BV + tl.arange(0, BV)
+        rows = tl.arange(0, BK)
+        slot = tl.load(index_ptr + b).to(tl.int64)
+        # a negative slot (padding) reads and writes nothing; one mask expression (interpreter-safe)
+        mask_v = cols < tl.where(slot >= 0, DV, 0)
+        mask_k = rows < DK
+        kh = h // GROUP  # the key head serving this value head
+        q = tl.load(q_ptr + b * sq0 + kh * sq1 + rows, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + b * sk0 + kh * sk1 + rows, mask=mask_k, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = q * scale
+        v = tl.load(v_ptr + b * sv0 + h * sv1 + cols, mask=mask_v, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + b * sg0 + h).to(tl.float32))
+        beta = tl.load(beta_ptr + b * sb0 + h).to(tl.float32)
+        s_ptrs = state_ptr + slot * ss0 + h * ss1 + rows[:, None] * ss2 + cols[None, :]
+        s_mask = mask_k[:, None] & mask_v[None, :]
+        state = tl.load(s_ptrs, mask=s_mask, other=0.0) * decay  # [BK, BV] float32
+        delta = (v - tl.sum(state * k[:, None], axis=0)) * beta  # [BV]
+        state = state + k[:, None] * delta[None, :]
+        out = tl.sum(state * q[:, None], axis=0)  # [BV]
+        tl.store(s_ptrs, state, mask=s_mask)
+        tl.store(o_ptr + b * so0 + h * so1 + cols, out.to(o_ptr.dtype.element_ty), mask=mask_v)
+
+
+def recurrent_gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, ssm_states: torch.Tensor, state_indices: torch.Tensor,
+                                      use_qk_l2norm: bool = True) -> torch.Tensor:
+    """Triton decode step, as recurrent_gated_delta_rule_update_ref: q/k [B, Hk, dk]; v [B, Hv, dv];
+    g/beta [B, Hv]; ssm_states [S, Hv, dk, dv] float32 updated in place at state_indices [B] int64
+    (a negative index skips the row: its output is left unwritten) -> o [B, Hv, dv] in v's dtype.
+    q/k/v may be strided views (a fused projection's output) but contiguous in the head dim."""
+    assert triton is not None, "recurrent_gated_delta_rule_update needs triton"
+    B, Hk, dk = q.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    assert k.shape == q.shape and v.shape[0] == B, f"q/k [B, Hk, dk], v [B, Hv, dv]: {q.shape}, {k.shape}, {v.shape}"
+    assert Hv % Hk == 0, f"value heads {Hv} must be a multiple of key heads {Hk}"
+    assert g.shape == beta.shape == (B, Hv), f"g/beta must be [B, Hv], got {tuple(g.shape)}, {tuple(beta.shape)}"
+    assert g.stride(1) == 1 and beta.stride(1) == 1 or Hv == 1
+    assert ssm_states.dim() == 4 and ssm_states.shape[1:] == (Hv, dk, dv), f"states [S, Hv, dk, dv]: {ssm_states.shape}"
+    assert ssm_states.dtype == torch.float32 and ssm_states.stride(3) == 1, "states must be float32, contiguous in v_dim"
+    assert state_indices.shape == (B,) and state_indices.dtype == torch.int64, "state_indices must be [B] int64"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        assert x.stride(2) == 1, f"{name} must be contiguous in its head dim"
+    out = torch.empty((B, Hv, dv), dtype=v.dtype, device=v.device)
+    if B == 0:
+        return out
+    block_k = triton.next_power_of_2(dk)
+    block_v = min(triton.next_power_of_2(dv), max(16, 8192 // block_k))  # a [BK, BV] float32 tile in registers
+    grid = (B, Hv, triton.cdiv(dv, block_v))
+    _recurrent_gated_delta_rule_update_kernel[grid](
+        q, k, v, g, beta, ssm_states, state_indices, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), out.stride(0), out.stride(1),
+        dk ** -0.5, dk, dv,
+        GROUP=Hv // Hk, BK=block_k, BV=block_v, L2NORM=use_qk_l2norm, num_warps=4,
+    )
+    return out
