@@ -30,6 +30,9 @@ class EngineConfig:
     """On CUDA, the share of GPU memory (after weights and activations) the KV cache may take."""
     kv_cache_tokens: int | None = None
     """Exact KV pool size in tokens; overrides kv_memory_fraction (tests use it to force preemption)."""
+    linear_state_memory_ratio: float = 0.5
+    """Hybrid (linear-attention) models: the largest share of the cache memory the per-sequence state pool
+    may take (it takes no more than it can use); the KV pool gets the rest."""
     load_format: str = "auto"
     """auto reads safetensors; dummy makes random weights from config.json alone (benchmarks)."""
     enable_prefix_cache: bool = True
@@ -62,6 +65,8 @@ class EngineConfig:
             raise RolloutError("--max-running must be at least 1")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise RolloutError("--kv-memory-fraction must be in (0, 1]")
+        if not 0.0 < self.linear_state_memory_ratio < 1.0:
+            raise RolloutError("--linear-state-memory-ratio must be in (0, 1)")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2:
             raise RolloutError("--kv-cache-tokens must be at least 2")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -70,6 +70,28 @@ TINY_MOE_ARCHS = {
                      num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
 }
 
+# Tiny hybrid linear-attention checkpoints (tests/e2e/test_hybrid_parity.py). Linear layers: 2 key heads
+# serving 4 value heads (the GQA-style repeat), head dims 16, conv width 4; full attention: head_dim 32
+# with partial rotary 0.25 (8 rotary dims) and the output gate.
+_HYBRID_COMMON = dict(_MOE_COMMON, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                      shared_expert_intermediate_size=48)
+TINY_HYBRID_ARCHS = {
+    # linear, full, linear; layer 1 dense (mlp_only_layers), layers 0 and 2 sparse: 4 experts top-2 + shared
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(_HYBRID_COMMON, num_hidden_layers=3, vocab_size=384, tie_word_embeddings=False,
+                        layer_types=["linear_attention", "full_attention", "linear_attention"],
+                        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])),
+    # dense Qwen3.5 text model: split in_proj_qkv/z/b/a; full_attention_interval 2 -> linear, full
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                dict(_HYBRID_COMMON, num_hidden_layers=2, vocab_size=352, tie_word_embeddings=True,
+                     full_attention_interval=2)),
+    # Qwen3.5-MoE text model: every layer sparse, top-k renormalised
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    dict(_HYBRID_COMMON, num_hidden_layers=2, vocab_size=320, tie_word_embeddings=False,
+                         layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2)),
+}
+
 
 def pytest_collection_modifyitems(config, items):
     try:
@@ -90,7 +112,7 @@ def _build_checkpoint(name: str, directory: Path, **overrides) -> Path:
     import torch
     import transformers
 
-    config_cls, model_cls, extra = TINY_ARCHS[name] if name in TINY_ARCHS else TINY_MOE_ARCHS[name]
+    config_cls, model_cls, extra = {**TINY_ARCHS, **TINY_MOE_ARCHS, **TINY_HYBRID_ARCHS}[name]
     config = getattr(transformers, config_cls)(**{**_COMMON, **extra, **overrides})
     torch.manual_seed(1234 + sum(map(ord, name)))
     model = getattr(transformers, model_cls)(config).eval()
@@ -101,6 +123,10 @@ def _build_checkpoint(name: str, directory: Path, **overrides) -> Path:
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif pname.endswith(".bias"):
                 param.copy_(0.2 * torch.randn_like(param))
+            elif pname.endswith(".A_log"):
+                # slow decay (exp(-A * softplus(..)) per token with A in [0.05, 0.5]): the linear layers'
+                # state carries information across many tokens, so a lost or stale state shows in the outputs
+                param.copy_(torch.empty_like(param).uniform_(0.05, 0.5).log())
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 
@@ -117,6 +143,13 @@ def tiny_moe_checkpoints(tmp_path_factory) -> dict[str, str]:
     """name -> directory of a saved tiny random MoE checkpoint (per-expert tensor names, as save_pretrained writes)."""
     root = tmp_path_factory.mktemp("tiny_moe_ckpts")
     return {name: str(_build_checkpoint(name, root / name)) for name in TINY_MOE_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """name -> directory of a saved tiny random hybrid (Gated DeltaNet + gated attention) checkpoint."""
+    root = tmp_path_factory.mktemp("tiny_hybrid_ckpts")
+    return {name: str(_build_checkpoint(name, root / name)) for name in TINY_HYBRID_ARCHS}
 
 
 @pytest.fixture(scope="session")

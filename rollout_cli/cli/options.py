@@ -24,6 +24,7 @@ MaxModelLen = Annotated[Optional[int], typer.Option(help="Longest prompt + respo
 MaxBatchTokens = Annotated[int, typer.Option(help="Token budget of one forward step; longer prompts prefill in chunks.", rich_help_panel=ENGINE)]
 MaxRunning = Annotated[int, typer.Option(help="Requests in flight at once.", rich_help_panel=ENGINE)]
 KvMemoryFraction = Annotated[float, typer.Option(help="CUDA: share of free GPU memory (after weights and activations) for the KV cache.", rich_help_panel=ENGINE)]
+LinearStateMemoryRatio = Annotated[float, typer.Option(help="Hybrid linear-attention models: largest share of the cache memory for per-sequence states; the KV cache gets the rest.", rich_help_panel=ENGINE)]
 KvCacheTokens = Annotated[Optional[int], typer.Option(help="Exact KV cache size in tokens (overrides --kv-memory-fraction).", rich_help_panel=ENGINE)]
 LoadFormat = Annotated[str, typer.Option(help="auto (safetensors) or dummy (random weights from config.json).", rich_help_panel=ENGINE)]
 NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="Disable prefix sharing through the radix cache.", rich_help_panel=ENGINE)]
@@ -45,6 +46,7 @@ ENGINE_OPTIONS = (
     ("max_running", MaxRunning, 256),
     ("kv_memory_fraction", KvMemoryFraction, 0.85),
     ("kv_cache_tokens", KvCacheTokens, None),
+    ("linear_state_memory_ratio", LinearStateMemoryRatio, 0.5),
     ("load_format", LoadFormat, "auto"),
     ("no_prefix_cache", NoPrefixCache, False),
     ("attention_backend", AttentionBackend, "auto"),
@@ -83,7 +85,7 @@ def with_engine_options(exclude: tuple[str, ...] = ()):
 
 def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_running, kv_memory_fraction,
                   kv_cache_tokens, load_format, no_prefix_cache, attention_backend="auto", no_cuda_graphs=False,
-                  weight_version="0"):
+                  weight_version="0", linear_state_memory_ratio=0.5):
     from rollout_cli.config import EngineConfig
 
     return EngineConfig(
@@ -91,6 +93,7 @@ def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_
         max_batch_tokens=max_batch_tokens, max_running=max_running, kv_memory_fraction=kv_memory_fraction,
         kv_cache_tokens=kv_cache_tokens, load_format=load_format, enable_prefix_cache=not no_prefix_cache,
         attention_backend=attention_backend, cuda_graphs=not no_cuda_graphs, weight_version=weight_version,
+        linear_state_memory_ratio=linear_state_memory_ratio,
     )
 
 

@@ -49,6 +49,8 @@ def flush_prefix_cache(engine: Engine) -> None:
         raise RolloutError("cannot flush the prefix cache while requests are in flight; abort or let them finish")
     if engine.scheduler.cache is not None:
         engine.scheduler.cache.reset()
+    if engine.scheduler.linear is not None:  # hybrid models: the prompt-state snapshots go with their KV
+        engine.scheduler.linear.clear()
 
 
 def checkpoint_dtypes(model_dir: str) -> dict[str, str]:

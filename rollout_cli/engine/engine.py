@@ -18,7 +18,9 @@ import torch
 
 from rollout_cli.config import EngineConfig
 from rollout_cli.engine.attention import KVCache
+from rollout_cli.engine.cache_split import hybrid_pool_sizes
 from rollout_cli.engine.kv_sizing import kv_pool_tokens, profile_activation_bytes
+from rollout_cli.engine.linear_state import LinearStatePool
 from rollout_cli.engine.memory_saver import MemorySaver
 from rollout_cli.engine.model_runner import ModelRunner
 from rollout_cli.engine.request import Request
@@ -133,6 +135,11 @@ class Engine:
             self.model = build_model(cfg.model, self.hf_config, self.device, self.dtype,
                                      max_positions=self.max_model_len, load_format=cfg.load_format)
         self.memory.keep_only_parameters(self.model)
+        if self.attention_backend == "triton" and getattr(self.model, "linear_state_shape", None) is not None:
+            if cfg.attention_backend != "auto":
+                raise RolloutError("hybrid linear-attention models run on --attention-backend torch until their "
+                                   "Triton kernels land (issue 8); drop --attention-backend triton")
+            self.attention_backend = "torch"  # auto: the torch path until the hybrid kernels are in
         if self.attention_backend == "triton":
             enable_triton_kernels(self.model)
         self.weight_version = cfg.weight_version
@@ -142,34 +149,50 @@ class Engine:
 
     def _build_cache(self) -> None:
         cfg, hf = self.config, self.hf_config
-        num_layers, num_kv_heads, head_dim = hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf)
+        # hybrid models keep KV for their full-attention layers only, and a linear-state pool beside it
+        num_layers = getattr(self.model, "num_kv_layers", hf.num_hidden_layers)
+        num_kv_heads, head_dim = hf.num_key_value_heads, head_dim_of(hf)
+        state_shape = getattr(self.model, "linear_state_shape", None)
         bytes_per_token = KVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, self.dtype)
         activation = 0
         if self.device.type == "cuda" and cfg.kv_cache_tokens is None:
             activation = profile_activation_bytes(self._profile_step, self.device)
-        num_slots = kv_pool_tokens(
-            device=self.device, bytes_per_token=bytes_per_token, max_running=cfg.max_running,
-            max_model_len=self.max_model_len, kv_memory_fraction=cfg.kv_memory_fraction,
-            kv_cache_tokens=cfg.kv_cache_tokens, activation_bytes=activation,
-        )
-        with self.memory.region("kv_cache"):
+        sizes = dict(device=self.device, max_running=cfg.max_running, max_model_len=self.max_model_len,
+                     kv_memory_fraction=cfg.kv_memory_fraction, kv_cache_tokens=cfg.kv_cache_tokens,
+                     activation_bytes=activation)
+        self.linear_states, state_slots = None, None
+        if state_shape is None:
+            num_slots = kv_pool_tokens(bytes_per_token=bytes_per_token, **sizes)
+        else:
+            num_slots, state_slots = hybrid_pool_sizes(
+                kv_bytes_per_token=bytes_per_token, state_bytes_per_slot=state_shape.bytes_per_sequence,
+                linear_state_memory_ratio=cfg.linear_state_memory_ratio, **sizes)
+        with self.memory.region("kv_cache"):  # the linear-attention states are cache memory too
+            if state_shape is not None:
+                self.linear_states = LinearStatePool(state_shape, state_slots, self.device)
             self.kv = KVCache(num_layers, num_slots, num_kv_heads, head_dim, self.dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv, cfg.max_running, self.max_model_len, self.device,
-                                  self.attention_backend)
-        self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache)
+                                  self.attention_backend, self.linear_states)
+        self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache,
+                                   linear_state_slots=state_slots)
         self.cuda_graph_capture_seconds = None
         # MoE models too: the Triton backend also switches the router and experts to the fused
-        # kernels (enable_triton_kernels), which never read tensor values on the host.
-        if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs:
+        # kernels (enable_triton_kernels), which never read tensor values on the host. Not hybrid
+        # models: the torch references of the linear-attention recurrences loop per sequence.
+        capturable = state_shape is None
+        if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs and capturable:
             self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256))
 
     def _profile_step(self) -> None:
         """One prefill chunk of max_batch_tokens over a throwaway KV pool, to measure activations."""
         hf = self.hf_config
         tokens = min(self.config.max_batch_tokens, self.max_model_len)
-        kv = KVCache(hf.num_hidden_layers, tokens + 1, hf.num_key_value_heads, head_dim_of(hf), self.dtype, self.device)
-        runner = ModelRunner(self.model, kv, 1, tokens, self.device, self.attention_backend)
-        request = Request(-1, 0, 0, [0] * tokens, SamplingParams(max_new_tokens=1))
+        num_layers = getattr(self.model, "num_kv_layers", hf.num_hidden_layers)
+        kv = KVCache(num_layers, tokens + 1, hf.num_key_value_heads, head_dim_of(hf), self.dtype, self.device)
+        state_shape = getattr(self.model, "linear_state_shape", None)
+        states = LinearStatePool(state_shape, 2, self.device) if state_shape is not None else None
+        runner = ModelRunner(self.model, kv, 1, tokens, self.device, self.attention_backend, states)
+        request = Request(-1, 0, 0, [0] * tokens, SamplingParams(max_new_tokens=1), state_slot=1)
         slots = list(range(1, tokens + 1))
         entry = BatchEntry(request, 0, 0, request.prompt_token_ids, 0, slots, sample=True)
         runner.run(ScheduleOutput([entry]))

@@ -75,7 +75,7 @@ class MemorySaver:
         # reallocate mechanism: what release took away, to rebuild on resume
         self._param_meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._weights_backup: dict[str, torch.Tensor] = {}
-        self._kv_shape: tuple | None = None
+        self._cache_meta: list[tuple[object, str, tuple, torch.dtype]] = []
 
     @contextlib.contextmanager
     def region(self, tag: str):
@@ -150,8 +150,10 @@ def release_memory(engine, tags=None) -> dict:
     started = time.perf_counter()
     free_before = _free_device_bytes(engine.device)
     _sync(engine.device)
-    if "kv_cache" in todo and engine.scheduler.cache is not None:
-        engine.scheduler.cache.reset()  # cached prefixes point into the KV being released
+    if "kv_cache" in todo:
+        from rollout_cli.engine.control import flush_prefix_cache
+
+        flush_prefix_cache(engine)  # cached prefixes (and hybrid state snapshots) live in the cache memory
     graphs_go = "cuda_graph" in todo or (saver.backend == "reallocate" and {"weights", "kv_cache"} & set(todo))
     if graphs_go:
         engine.runner.drop_cuda_graphs()
@@ -161,7 +163,7 @@ def release_memory(engine, tags=None) -> dict:
                 saver._tms.pause(tag)
     else:
         if "kv_cache" in todo:
-            _release_kv(saver, engine.kv)
+            _release_cache(saver, _cache_tensors(engine))
         if "weights" in todo:
             _release_weights(saver, engine.model)
     saver.released.update(todo)
@@ -188,11 +190,11 @@ def resume_memory(engine, tags=None) -> dict:
         if "weights" in todo:
             _resume_weights(saver, engine.model, engine.device)
         if "kv_cache" in todo:
-            _resume_kv(saver, engine.kv, engine.device)
+            _resume_cache(saver, engine.device)
     if "kv_cache" in todo:
         # Resumed pages hold whatever was there; the padding slot 0 is read by graph padding rows.
-        engine.kv.k.zero_()
-        engine.kv.v.zero_()
+        for holder, name in _cache_tensors(engine):
+            getattr(holder, name).zero_()
     if "weights" in todo and not saver.weights_cpu_backup:
         saver.weights_stale = True
     saver.released.difference_update(todo)
@@ -224,13 +226,22 @@ def _resume_weights(saver: MemorySaver, model, device: torch.device) -> None:
         p.data = backup.to(device) if backup is not None else torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _release_kv(saver: MemorySaver, kv) -> None:
-    saver._kv_shape = (tuple(kv.k.shape), kv.k.dtype)
-    kv.k = torch.empty(0, dtype=kv.k.dtype, device=kv.k.device)
-    kv.v = torch.empty(0, dtype=kv.v.dtype, device=kv.v.device)
+def _cache_tensors(engine) -> list[tuple[object, str]]:
+    """(holder, attribute) of every cache-memory tensor: the KV pool, and hybrid models' state pool."""
+    found = [(engine.kv, "k"), (engine.kv, "v")]
+    if getattr(engine, "linear_states", None) is not None:
+        found += [(engine.linear_states, "conv"), (engine.linear_states, "ssm")]
+    return found
 
 
-def _resume_kv(saver: MemorySaver, kv, device: torch.device) -> None:
-    shape, dtype = saver._kv_shape
-    kv.k = torch.zeros(shape, dtype=dtype, device=device)
-    kv.v = torch.zeros(shape, dtype=dtype, device=device)
+def _release_cache(saver: MemorySaver, tensors: list[tuple[object, str]]) -> None:
+    saver._cache_meta = []
+    for holder, name in tensors:
+        tensor = getattr(holder, name)
+        saver._cache_meta.append((holder, name, tuple(tensor.shape), tensor.dtype))
+        setattr(holder, name, torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+
+
+def _resume_cache(saver: MemorySaver, device: torch.device) -> None:
+    for holder, name, shape, dtype in saver._cache_meta:
+        setattr(holder, name, torch.zeros(shape, dtype=dtype, device=device))

@@ -36,13 +36,15 @@ class DecodeTraffic:
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, max_running: int, max_model_len: int, device: torch.device,
-                 attention_backend: str = "torch"):
+                 attention_backend: str = "torch", linear_states=None):
         self.model = model
         self.kv = kv
+        self.linear_states = linear_states  # hybrid models: engine.linear_state.LinearStatePool
         self.device = device
         self.pad_row = max_running
         self.req_to_token = torch.zeros((max_running + 1, max_model_len), dtype=torch.int32, device=device)
-        self.scale = model.model.layers[0].self_attn.head_dim ** -0.5
+        head_dim = getattr(model, "attention_head_dim", None)  # hybrid models: layer 0 may be linear attention
+        self.scale = (head_dim or model.model.layers[0].self_attn.head_dim) ** -0.5
         self.attention_backend = attention_backend
         if attention_backend == "triton":
             from rollout_cli.engine.triton_attention import prepare_triton_attention
@@ -157,6 +159,10 @@ class ModelRunner:
         if self.routing_pool is not None:
             self.routing_pool.begin_step(store_slots)
         attn = self._prepare(out.entries, self.req_to_token, self.kv, self.scale, store_slots)
+        if self.linear_states is not None:
+            from rollout_cli.engine.linear_state import HybridBatch, begin_step
+
+            attn = HybridBatch(attn, begin_step(self.linear_states, out, self.device))
         hidden = self.model(input_ids, positions, attn)  # [T, hidden]
         last_rows, offset = [], 0
         for e in out.entries:

@@ -42,6 +42,7 @@ class Request:
     # Row of the runner's req_to_token table; how many of `slots` it already holds.
     table_row: int = -1
     num_slots_in_table: int = 0
+    state_slot: int = -1  # hybrid models: the linear-state pool slot holding our recurrent state
     num_preemptions: int = 0
     final_slots: list[int] | None = None  # `slots` as they were when the request finished (routing capture)
     group_leader: "Request | None" = None  # the sample that computes a shared prompt first

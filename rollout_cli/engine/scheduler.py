@@ -7,6 +7,11 @@ while budget, request rows and KV slots last. When the KV pool runs out the
 newest running request is preempted: its computed tokens go into the radix
 cache (so recomputing them is cheap if they survive eviction), it gives up
 its slots, and it waits again at the front of the queue. Nothing is dropped.
+
+Hybrid models (linear-attention layers) also give each running request a
+state slot; their prefix sharing and its limits are in engine/state_slots.py.
+A preempted hybrid request drops its state and recomputes (from its prompt's
+snapshot when one is still cached).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 from rollout_cli.engine.kv_slots import SlotAllocator
 from rollout_cli.engine.radix_cache import RadixCache
 from rollout_cli.engine.request import Request, RequestStatus
+from rollout_cli.engine.state_slots import LinearStateSlots
 from rollout_cli.errors import RolloutError
 
 
@@ -46,6 +52,8 @@ class BatchEntry:
 @dataclass
 class ScheduleOutput:
     entries: list[BatchEntry] = field(default_factory=list)
+    # hybrid models: (src, dst) linear-state slot copies to apply, in order, before the forward
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -74,8 +82,11 @@ class Scheduler:
         max_running: int,
         max_batch_tokens: int,
         enable_prefix_cache: bool = True,
+        linear_state_slots: int | None = None,
     ):
+        """linear_state_slots: size of a hybrid model's state pool (slot 0 included); None otherwise."""
         self.allocator = SlotAllocator(num_kv_slots)
+        self.linear = LinearStateSlots(linear_state_slots) if linear_state_slots else None
         self.cache = RadixCache(self.allocator) if enable_prefix_cache else None
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
@@ -112,6 +123,12 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------
 
     def schedule(self) -> ScheduleOutput:
+        out = self._schedule()
+        if self.linear is not None:
+            out.state_copies = self.linear.take_copies()
+        return out
+
+    def _schedule(self) -> ScheduleOutput:
         out = ScheduleOutput()
         budget = self.max_batch_tokens
         if self._schedule_all_decodes(out):
@@ -125,7 +142,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            count = min(request.num_uncomputed_tokens, budget)
+            count = self._stop_at_snapshot(request, min(request.num_uncomputed_tokens, budget))
             slots = self._allocate_or_preempt(request, count, scheduled)
             if slots is None:  # `request` itself was preempted
                 continue
@@ -181,10 +198,13 @@ class Scheduler:
             leader = request.group_leader
             if leader is not None and leader.status is RequestStatus.RUNNING and not leader.prompt_computed:
                 continue  # wait for the sibling computing our prompt; we then hit the cache
-            self._match_cached_prefix(request)
+            if self.linear is not None and self.linear.num_available == 0:
+                return  # every state slot is held by a running request
+            snapshot = self._match_cached_prefix(request)
             # A prompt larger than the free pool starts with a smaller chunk; it grows
             # (preempting newer requests if needed) on later steps.
             count = min(request.num_uncomputed_tokens, budget, self._available_slots() - len(self.running))
+            count = self._stop_at_snapshot(request, count)
             if count <= 0:
                 self._release_cached_prefix(request)
                 return
@@ -194,15 +214,25 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.table_row = self._free_rows.pop()
             request.num_slots_in_table = 0
+            if self.linear is not None:
+                request.state_slot = self.linear.allocate()
+                if snapshot is not None:
+                    self.linear.fork(snapshot, request.state_slot)
             self.running.append(request)
             out.entries.append(self._entry(request, count, slots))
             budget -= count
 
-    def _match_cached_prefix(self, request: Request) -> None:
+    def _match_cached_prefix(self, request: Request) -> int | None:
+        """Take the cached prefix of a request being admitted; for hybrid models, return the
+        state snapshot slot it continues from (None: nothing cached, start at position 0)."""
         first_admission = request.num_preemptions == 0
+        snapshot = None
         if self.cache is not None:
-            # At least one token must run through the model to produce logits.
-            slots, node = self.cache.match_prefix(request.all_token_ids[: request.num_tokens - 1])
+            if self.linear is None:
+                # At least one token must run through the model to produce logits.
+                slots, node = self.cache.match_prefix(request.all_token_ids[: request.num_tokens - 1])
+            else:
+                slots, node, snapshot = self._match_snapshot(request)
             self.cache.lock(node)
             request.cache_node = node
             request.slots = list(slots)
@@ -210,6 +240,32 @@ class Scheduler:
         if first_admission:
             self.stats.prompt_tokens += request.num_prompt_tokens
             self.stats.cached_prompt_tokens += min(request.num_computed_tokens, request.num_prompt_tokens)
+        return snapshot
+
+    def _match_snapshot(self, request: Request):
+        """Hybrid models: the prompt's first len - 1 tokens, if both their KV and their state snapshot
+        are cached -> (slots, radix node, snapshot slot); else nothing -> ([], root, None)."""
+        end = request.num_prompt_tokens - 1
+        if end > 0:
+            prefix = request.prompt_token_ids[:end]
+            slots, node = self.cache.match_prefix(prefix)
+            if len(slots) == end:
+                snapshot = self.linear.lookup(prefix, node)
+                if snapshot is not None:
+                    return slots, node, snapshot
+        return [], self.cache.root, None
+
+    def _snapshots_prompt(self, request: Request) -> bool:
+        """Whether this request's prompt state is worth a snapshot: hybrid, prefix cache on, n > 1."""
+        return (self.linear is not None and self.cache is not None and request.params.n > 1
+                and request.num_prompt_tokens > 1)
+
+    def _stop_at_snapshot(self, request: Request, count: int) -> int:
+        """Cut a prefill chunk at the snapshot point (len(prompt) - 1) so the state there can be copied."""
+        end = request.num_prompt_tokens - 1
+        if request.num_computed_tokens < end and self._snapshots_prompt(request):
+            return min(count, end - request.num_computed_tokens)
+        return count
 
     def _release_cached_prefix(self, request: Request) -> None:
         if request.num_preemptions == 0:
@@ -249,6 +305,11 @@ class Scheduler:
             prompt_was_computed = request.num_computed_tokens >= num_prompt
             request.num_computed_tokens += entry.num_new_tokens
             request.num_slots_in_table = request.num_computed_tokens
+            if request.num_computed_tokens == num_prompt - 1 and self._snapshots_prompt(request):
+                # publish the KV of the prefix, then snapshot the state that goes with it
+                self._cache_computed(request, num_prompt - 1)
+                self.linear.snapshot(request.prompt_token_ids[:num_prompt - 1], request.state_slot,
+                                     request.cache_node)
             if entry.sample:
                 token, logprob = next(sampled)
                 if request.first_token_time is None:
@@ -295,6 +356,9 @@ class Scheduler:
             self.allocator.free(request.slots[computed:])
         else:
             self.allocator.free(request.slots)
+        if self.linear is not None:
+            self.linear.free(request.state_slot)
+            request.state_slot = -1
         request.cache_node = None
         request.slots = []
         request.num_cached_tokens = 0

@@ -138,6 +138,8 @@ def plan_checkpoint(model, model_dir: str) -> list[TensorTarget]:
             for name in handle.keys():
                 if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
+                if name.startswith(getattr(model, "checkpoint_ignored_prefixes", ())):  # Qwen3-Next's mtp.*
+                    continue
                 key = _canonical(model, name)
                 if key in by_layout:  # stacked experts: one of several layouts
                     param_name, shard_id, _ = by_layout[key]
@@ -223,6 +225,9 @@ def init_dummy_weights(model, seed: int = 0) -> None:
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if getattr(param, "dummy_fill", None) is not None:  # zero-centred norms: (1 + w) with w = 0
+                param.fill_(param.dummy_fill)
+                continue
             if "norm" in name.rsplit(".", 2)[-2]:
                 param.fill_(1.0)
                 continue

@@ -8,6 +8,7 @@ from rollout_cli.models.mixtral import MixtralForCausalLM
 from rollout_cli.models.qwen2_moe import Qwen2MoeForCausalLM
 from rollout_cli.models.qwen3 import Qwen3ForCausalLM
 from rollout_cli.models.qwen3_moe import Qwen3MoeForCausalLM
+from rollout_cli.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -16,6 +17,9 @@ MODEL_CLASSES = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
 }
 
 

@@ -1,0 +1,133 @@
+"""Causal depthwise conv1d of the Gated DeltaNet layers, over a pool of per-sequence conv states.
+
+Each sequence keeps the last K-1 inputs of its conv (K = kernel width) in a
+state slot: conv_states [num_slots, channels, K-1]. Prefill (varlen, several
+sequences packed in one flat batch) reads each sequence's state as its left
+context and writes the last K-1 inputs back; decode does the same for one
+token per sequence. The state must hold zeros for a sequence starting at
+position 0 (the engine zeroes fresh slots).
+
+The `_ref` functions are plain torch (what the engine runs today);
+`causal_conv1d_update` is the Triton decode kernel with its reference's
+arguments (the varlen prefill kernel is the next slice). triton is optional
+(the test extra): without it the references still import.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch-only installs run the references
+    triton = None
+
+
+def _activate(out: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return out
+    if activation in ("silu", "swish"):
+        return F.silu(out)
+    raise ValueError(f"unsupported conv activation {activation!r}")
+
+
+def causal_conv1d_varlen_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             conv_states: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: list[int],
+                             activation: str | None = "silu") -> torch.Tensor:
+    """x [T, C] (sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]); weight [C, K]; bias [C] or None;
+    conv_states [S, C, K-1] updated in place at state_indices [B] -> out [T, C] in x's dtype.
+
+    The conv runs in the weight's dtype as HF's torch fallback does; the state keeps the raw inputs.
+    """
+    channels, width = weight.shape
+    out = torch.empty_like(x)
+    for b, slot in enumerate(state_indices.tolist()):
+        start, end = cu_seqlens[b], cu_seqlens[b + 1]
+        if end == start:
+            continue
+        # [C, K-1 + L]: the stored left context, then this chunk's inputs
+        window = torch.cat((conv_states[slot].to(weight.dtype), x[start:end].t().to(weight.dtype)), dim=-1)
+        y = F.conv1d(window[None], weight[:, None, :], bias, groups=channels)[0]  # [C, L]
+        out[start:end] = _activate(y, activation).t().to(x.dtype)
+        conv_states[slot] = window[:, window.shape[1] - (width - 1):].to(conv_states.dtype)
+    return out
+
+
+def causal_conv1d_update_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             conv_states: torch.Tensor, state_indices: torch.Tensor,
+                             activation: str | None = "silu") -> torch.Tensor:
+    """One new token per sequence: x [B, C]; conv_states [S, C, K-1] updated in place at
+    state_indices [B] -> out [B, C] in x's dtype."""
+    states = conv_states[state_indices]  # [B, C, K-1]
+    window = torch.cat((states.to(weight.dtype), x[:, :, None].to(weight.dtype)), dim=-1)  # [B, C, K]
+    y = (window * weight[None]).sum(-1)  # [B, C]
+    if bias is not None:
+        y = y + bias
+    conv_states[state_indices] = window[:, :, 1:].to(conv_states.dtype)
+    return _activate(y, activation).to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _causal_conv1d_update_kernel(
+        x_ptr, w_ptr, b_ptr, state_ptr, index_ptr, o_ptr,
+        sx0, sw0, ss0, ss1, so0, C,
+        WIDTH: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    ):
+        # one program: sequence b, channels [cb * BC, cb * BC + BC); window taps 0 .. WIDTH-2 are the
+        # stored inputs (oldest first), tap WIDTH-1 the new token
+        b = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
+        taps = tl.arange(0, BW)
+        slot = tl.load(index_ptr + b).to(tl.int64)
+        mask_c = cols < tl.where(slot >= 0, C, 0)  # a negative slot (padding) touches nothing
+        row = state_ptr + slot * ss0 + cols[:, None] * ss1
+        x = tl.load(x_ptr + b * sx0 + cols, mask=mask_c, other=0.0).to(tl.float32)
+        stored = tl.load(row + taps[None, :], mask=mask_c[:, None] & (taps[None, :] < WIDTH - 1), other=0.0)
+        window = tl.where(taps[None, :] == WIDTH - 1, x[:, None], stored.to(tl.float32))  # [BC, BW]
+        w = tl.load(w_ptr + cols[:, None] * sw0 + taps[None, :], mask=mask_c[:, None] & (taps[None, :] < WIDTH),
+                    other=0.0).to(tl.float32)
+        y = tl.sum(window * w, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=mask_c, other=0.0).to(tl.float32)
+        if SILU:
+            y = y / (1.0 + tl.exp(-y))
+        # shift the stored inputs left by one and append x (re-read, not shifted in registers)
+        kept = tl.load(row + taps[None, :] + 1, mask=mask_c[:, None] & (taps[None, :] + 1 < WIDTH - 1), other=0.0)
+        shifted = tl.where(taps[None, :] == WIDTH - 2, x[:, None], kept.to(tl.float32))
+        tl.store(row + taps[None, :], shifted.to(state_ptr.dtype.element_ty),
+                 mask=mask_c[:, None] & (taps[None, :] < WIDTH - 1))
+        tl.store(o_ptr + b * so0 + cols, y.to(o_ptr.dtype.element_ty), mask=mask_c)
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_states: torch.Tensor, state_indices: torch.Tensor,
+                         activation: str | None = "silu") -> torch.Tensor:
+    """Triton decode step, as causal_conv1d_update_ref (float32 math): x [B, C] (may be a strided view);
+    weight [C, K]; bias [C] or None; conv_states [S, C, K-1] updated in place at state_indices [B] int64
+    (a negative index skips the row, its output left unwritten) -> out [B, C] in x's dtype."""
+    assert triton is not None, "causal_conv1d_update needs triton"
+    assert activation in (None, "silu", "swish"), f"unsupported conv activation {activation!r}"
+    B, C = x.shape
+    width = weight.shape[1]
+    assert weight.shape == (C, width) and weight.stride(1) == 1, f"weight must be [C, K] row-major, got {weight.shape}"
+    assert width >= 2, "a conv of width 1 keeps no state"
+    assert bias is None or (bias.shape == (C,) and bias.stride(0) == 1)
+    assert conv_states.dim() == 3 and conv_states.shape[1:] == (C, width - 1) and conv_states.stride(2) == 1, \
+        f"conv_states must be [S, C, K-1] contiguous in the last dim, got {tuple(conv_states.shape)}"
+    assert x.stride(1) == 1, "x must be contiguous in channels"
+    assert state_indices.shape == (B,) and state_indices.dtype == torch.int64, "state_indices must be [B] int64"
+    out = torch.empty((B, C), dtype=x.dtype, device=x.device)
+    if B == 0:
+        return out
+    block_c = min(triton.next_power_of_2(C), 256)
+    _causal_conv1d_update_kernel[(B, triton.cdiv(C, block_c))](
+        x, weight, bias if bias is not None else weight, conv_states, state_indices, out,
+        x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), out.stride(0), C,
+        WIDTH=width, BW=triton.next_power_of_2(width), BC=block_c, HAS_BIAS=bias is not None,
+        SILU=activation is not None, num_warps=4,
+    )
+    return out

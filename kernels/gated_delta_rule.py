@@ -1,0 +1,214 @@
+"""Gated delta rule (Gated DeltaNet's linear attention) over a pool of per-sequence recurrent states.
+
+Per value head h, with S the state [k_dim, v_dim] and token t:
+
+    S <- exp(g_t) * S                              (gating: decay, g_t <= 0)
+    S <- S + k_t (beta_t * (v_t - S^T k_t))^T      (delta rule: correct what S predicts for k_t)
+    o_t = S^T (q_t * k_dim^-0.5)
+
+q and k are L2-normalised first (`use_qk_l2norm`); each q/k head serves
+num_v_heads // num_k_heads consecutive value heads. All math runs in float32
+and the states are float32: ssm_states [num_slots, num_v_heads, k_dim, v_dim].
+
+Prefill uses the chunked form (intra-chunk UT transform, state passed between
+chunks), decode one recurrent step. Both read a sequence's state from its
+slot and write it back, so a prompt prefilled in several engine steps carries
+its state across them. The `_ref` functions are plain torch, the same math as
+HF transformers' torch fallback (`torch_chunk_gated_delta_rule`,
+`torch_recurrent_gated_delta_rule`), and what the engine runs today.
+`recurrent_gated_delta_rule_update` is the Triton decode kernel (same
+arguments as its reference; the chunked prefill kernel is the next slice).
+triton is optional (the test extra): without it the references still import.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch-only installs run the references
+    triton = None
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, as FLA and HF compute it."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta, use_qk_l2norm):
+    """-> float32 q (normalised and scaled), k, v, g, beta with q/k heads repeated to the value heads."""
+    num_k_heads, num_v_heads = q.shape[-2], v.shape[-2]
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if num_k_heads != num_v_heads:
+        q = q.repeat_interleave(num_v_heads // num_k_heads, dim=-2)
+        k = k.repeat_interleave(num_v_heads // num_k_heads, dim=-2)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def chunk_gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, initial_state: torch.Tensor, chunk_size: int = 64,
+                               use_qk_l2norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence, chunked: q/k [L, Hk, dk]; v [L, Hv, dv]; g/beta [L, Hv]; initial_state [Hv, dk, dv]
+    -> (o [L, Hv, dv] in v's dtype, final_state [Hv, dk, dv] float32)."""
+    out_dtype = v.dtype
+    length = q.shape[0]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm)
+    # heads first: [Hv, L, d] and [Hv, L]
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    g, beta = g.t(), beta.t()
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    heads, num_chunks = q.shape[0], (length + pad) // chunk_size
+    # [Hv, N, C, d]: N chunks of C positions
+    q, k, v = (t.reshape(heads, num_chunks, chunk_size, -1) for t in (q, k, v))
+    g, beta = g.reshape(heads, num_chunks, chunk_size), beta.reshape(heads, num_chunks, chunk_size)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = g.cumsum(-1)  # [Hv, N, C] log decay from the chunk start to each position
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    # decay[i, j] = exp(cum_i - cum_j) for j <= i: what is left at i of a write made at j
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [Hv, N, C, C]
+    # UT transform: (I + strictly-lower(diag(beta) K K^T * decay)) solves the C delta-rule writes at once
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    system = system.masked_fill(~torch.ones_like(upper).tril(-1), 0.0) + torch.eye(chunk_size, device=q.device)
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)  # [Hv, N, C, dv]
+    k_cumdecay = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False,
+                                               unitriangular=True)  # [Hv, N, C, dk]
+    intra = (q @ k.transpose(-1, -2)) * decay  # [Hv, N, C, C]
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]  # decay from each position to the chunk end
+    chunk_decay = cum[..., -1].exp()  # [Hv, N]
+    state = initial_state.float().clone()  # [Hv, dk, dv]
+    out = torch.empty_like(v)
+    for i in range(num_chunks):
+        v_new = new_values[:, i] - k_cumdecay[:, i] @ state  # [Hv, C, dv]: writes corrected by the old state
+        out[:, i] = q_decayed[:, i] @ state + intra[:, i] @ v_new
+        state = state * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ v_new
+    out = out.reshape(heads, -1, out.shape[-1])[:, :length].transpose(0, 1)
+    return out.to(out_dtype), state
+
+
+def recurrent_gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                   beta: torch.Tensor, initial_state: torch.Tensor,
+                                   use_qk_l2norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token, batched over sequences: q/k [B, L, Hk, dk]; v [B, L, Hv, dv]; g/beta [B, L, Hv];
+    initial_state [B, Hv, dk, dv] -> (o [B, L, Hv, dv] in v's dtype, final_state float32)."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm)
+    state = initial_state.float().clone()
+    out = torch.empty_like(v)
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        predicted = (state * k[:, t, :, :, None]).sum(-2)  # [B, Hv, dv] = S^T k
+        delta = (v[:, t] - predicted) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = (state * q[:, t, :, :, None]).sum(-2)
+    return out.to(out_dtype), state
+
+
+def chunk_gated_delta_rule_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, ssm_states: torch.Tensor, state_indices: torch.Tensor,
+                                      cu_seqlens: list[int], chunk_size: int = 64,
+                                      use_qk_l2norm: bool = True) -> torch.Tensor:
+    """Prefill of several sequences packed in one flat batch: q/k [T, Hk, dk]; v [T, Hv, dv]; g/beta [T, Hv];
+    sequence b is rows cu_seqlens[b]:cu_seqlens[b+1] and starts from ssm_states[state_indices[b]]
+    ([S, Hv, dk, dv], updated in place) -> o [T, Hv, dv]."""
+    out = torch.empty_like(v)
+    for b, slot in enumerate(state_indices.tolist()):
+        s, e = cu_seqlens[b], cu_seqlens[b + 1]
+        if e == s:
+            continue
+        out[s:e], final = chunk_gated_delta_rule_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], ssm_states[slot],
+                                                     chunk_size, use_qk_l2norm)
+        ssm_states[slot] = final.to(ssm_states.dtype)
+    return out
+
+
+def recurrent_gated_delta_rule_update_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                          beta: torch.Tensor, ssm_states: torch.Tensor, state_indices: torch.Tensor,
+                                          use_qk_l2norm: bool = True) -> torch.Tensor:
+    """Decode, one token per sequence: q/k [B, Hk, dk]; v [B, Hv, dv]; g/beta [B, Hv];
+    ssm_states [S, Hv, dk, dv] updated in place at state_indices [B] -> o [B, Hv, dv]."""
+    out, final = recurrent_gated_delta_rule_ref(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                                                ssm_states[state_indices], use_qk_l2norm)
+    ssm_states[state_indices] = final.to(ssm_states.dtype)
+    return out[:, 0]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _recurrent_gated_delta_rule_update_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, index_ptr, o_ptr,
+        sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, ss0, ss1, ss2, so0, so1,
+        scale, DK, DV,
+        GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+    ):
+        # one program: sequence b, value head h, value columns [vb * BV, vb * BV + BV). The state's
+        # columns are independent (S^T k and the rank-1 write act per column), so v tiles split freely.
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(2).to(tl.int64) * BV + tl.arange(0, BV)
+        rows = tl.arange(0, BK)
+        slot = tl.load(index_ptr + b).to(tl.int64)
+        # a negative slot (padding) reads and writes nothing; one mask expression (interpreter-safe)
+        mask_v = cols < tl.where(slot >= 0, DV, 0)
+        mask_k = rows < DK
+        kh = h // GROUP  # the key head serving this value head
+        q = tl.load(q_ptr + b * sq0 + kh * sq1 + rows, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + b * sk0 + kh * sk1 + rows, mask=mask_k, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = q * scale
+        v = tl.load(v_ptr + b * sv0 + h * sv1 + cols, mask=mask_v, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + b * sg0 + h).to(tl.float32))
+        beta = tl.load(beta_ptr + b * sb0 + h).to(tl.float32)
+        s_ptrs = state_ptr + slot * ss0 + h * ss1 + rows[:, None] * ss2 + cols[None, :]
+        s_mask = mask_k[:, None] & mask_v[None, :]
+        state = tl.load(s_ptrs, mask=s_mask, other=0.0) * decay  # [BK, BV] float32
+        delta = (v - tl.sum(state * k[:, None], axis=0)) * beta  # [BV]
+        state = state + k[:, None] * delta[None, :]
+        out = tl.sum(state * q[:, None], axis=0)  # [BV]
+        tl.store(s_ptrs, state, mask=s_mask)
+        tl.store(o_ptr + b * so0 + h * so1 + cols, out.to(o_ptr.dtype.element_ty), mask=mask_v)
+
+
+def recurrent_gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, ssm_states: torch.Tensor, state_indices: torch.Tensor,
+                                      use_qk_l2norm: bool = True) -> torch.Tensor:
+    """Triton decode step, as recurrent_gated_delta_rule_update_ref: q/k [B, Hk, dk]; v [B, Hv, dv];
+    g/beta [B, Hv]; ssm_states [S, Hv, dk, dv] float32 updated in place at state_indices [B] int64
+    (a negative index skips the row: its output is left unwritten) -> o [B, Hv, dv] in v's dtype.
+    q/k/v may be strided views (a fused projection's output) but contiguous in the head dim."""
+    assert triton is not None, "recurrent_gated_delta_rule_update needs triton"
+    B, Hk, dk = q.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    assert k.shape == q.shape and v.shape[0] == B, f"q/k [B, Hk, dk], v [B, Hv, dv]: {q.shape}, {k.shape}, {v.shape}"
+    assert Hv % Hk == 0, f"value heads {Hv} must be a multiple of key heads {Hk}"
+    assert g.shape == beta.shape == (B, Hv), f"g/beta must be [B, Hv], got {tuple(g.shape)}, {tuple(beta.shape)}"
+    assert g.stride(1) == 1 and beta.stride(1) == 1 or Hv == 1
+    assert ssm_states.dim() == 4 and ssm_states.shape[1:] == (Hv, dk, dv), f"states [S, Hv, dk, dv]: {ssm_states.shape}"
+    assert ssm_states.dtype == torch.float32 and ssm_states.stride(3) == 1, "states must be float32, contiguous in v_dim"
+    assert state_indices.shape == (B,) and state_indices.dtype == torch.int64, "state_indices must be [B] int64"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        assert x.stride(2) == 1, f"{name} must be contiguous in its head dim"
+    out = torch.empty((B, Hv, dv), dtype=v.dtype, device=v.device)
+    if B == 0:
+        return out
+    block_k = triton.next_power_of_2(dk)
+    block_v = min(triton.next_power_of_2(dv), max(16, 8192 // block_k))  # a [BK, BV] float32 tile in registers
+    grid = (B, Hv, triton.cdiv(dv, block_v))
+    _recurrent_gated_delta_rule_update_kernel[grid](
+        q, k, v, g, beta, ssm_states, state_indices, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), out.stride(0), out.stride(1),
+        dk ** -0.5, dk, dv,
+        GROUP=Hv // Hk, BK=block_k, BV=block_v, L2NORM=use_qk_l2norm, num_warps=4,
+    )
+    return out
