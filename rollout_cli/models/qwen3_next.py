@@ -23,7 +23,7 @@ from torch import nn
 
 from rollout_cli.models.gated_deltanet import GatedDeltaNet, linear_state_shape
 from rollout_cli.models.layers import FusedLinear, Linear, RotaryEmbedding, VocabEmbedding
-from rollout_cli.models.llama import DecoderMLP, head_dim_of
+from rollout_cli.models.llama import DecoderMLP, LlamaForCausalLM, head_dim_of
 from rollout_cli.models.moe import MoeMixin, SparseMoeBlock
 from rollout_cli.models.norms import ZeroCentredRMSNorm
 
@@ -154,10 +154,7 @@ class Qwen3NextForCausalLM(MoeMixin, nn.Module):
         """input_ids, positions [T] -> hidden [T, hidden_size]."""
         return self.model(input_ids, positions, attn)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, hidden_size] -> float32 logits [B, vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+    compute_logits = LlamaForCausalLM.compute_logits  # same head: float32, or model dtype with upcast=False
 
 
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):

@@ -84,3 +84,20 @@ def test_bad_tags_and_release_during_a_job_are_refused():
     stream.close()  # an abandoned stream aborts its requests
     assert not engine.scheduler.has_work()
     assert engine.release_memory()["released"]
+
+
+def test_hybrid_model_release_drops_and_restores_the_state_pool(tiny_hybrid_checkpoints):
+    model_dir = next(iter(tiny_hybrid_checkpoints.values()))
+    engine = Engine(model_dir, device="cpu", kv_cache_tokens=512, max_model_len=256, weights_cpu_backup=True)
+    prompts = [[3, 5, 7, 9, 11, 13], [4, 6, 8]]
+    params = SamplingParams(n=3, temperature=1.0, seed=2, max_new_tokens=8, ignore_eos=True)
+
+    def outputs():
+        return [(r.response_token_ids, r.response_logprobs) for r in engine.generate(prompts, params)]
+
+    before = outputs()  # n=3 leaves prompt-state snapshots behind; the release must drop them too
+    engine.release_memory()
+    assert engine.linear_states.conv.numel() == 0 and engine.linear_states.ssm.numel() == 0
+    engine.resume_memory()
+    assert engine.linear_states.ssm.numel() > 0
+    assert outputs() == before
