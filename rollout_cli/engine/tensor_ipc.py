@@ -1,0 +1,106 @@
+"""Named tensors handed from a trainer process to the engine process on the same machine.
+
+The trainer calls `serialize_named_tensors(named_tensors or a FlattenedBucket)` and sends the
+returned text (JSON-safe base64) to the engine: as `serialized_named_tensors` of the daemon's
+/update_weights_from_tensor, or to `Engine.update_weights_from_tensor` in another process.
+No tensor data is copied into the payload, only handles (torch.multiprocessing's reductions):
+
+- CUDA tensors travel as CUDA IPC handles; the engine maps the trainer's memory and copies
+  from it. They are rebuilt on the engine's own GPU index (one GPU, two processes: the index
+  may differ between them under different CUDA_VISIBLE_DEVICES).
+- CPU tensors are moved into shared memory (in place, in the trainer) and travel as file
+  descriptors that the trainer's resource-sharer thread hands out on request.
+
+Either way the trainer process must keep the tensors alive until the engine answered, which it
+does while it waits on the HTTP call or on the Engine method.
+
+The engine unpickles with an allow-list (torch's rebuild functions, tensor and storage classes,
+dtypes, the bucket classes): a payload can name memory to map, not code to run.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
+
+from rollout_cli.engine.tensor_bucket import FlattenedBucket
+from rollout_cli.errors import RolloutError
+
+_REDUCTIONS = "torch.multiprocessing.reductions"
+_ALLOWED = {
+    (_REDUCTIONS, name) for name in ("rebuild_tensor", "rebuild_cuda_tensor", "rebuild_typed_storage",
+                                     "rebuild_typed_storage_child", "rebuild_storage_fd",
+                                     "rebuild_storage_filename", "rebuild_storage_empty")
+} | {
+    ("torch", "Tensor"), ("torch", "Size"), ("torch", "UntypedStorage"), ("torch", "TypedStorage"),
+    ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
+    ("torch.nn.parameter", "Parameter"),
+    ("multiprocessing.resource_sharer", "DupFd"),
+    ("rollout_cli.engine.tensor_bucket", "FlattenedBucket"), ("rollout_cli.engine.tensor_bucket", "FlatTensorMeta"),
+}
+_CUDA_DEVICE_ARG = 6  # position of storage_device in rebuild_cuda_tensor's arguments
+
+
+def serialize_named_tensors(named_tensors) -> str:
+    """Trainer side: (name, tensor) pairs, a dict or a FlattenedBucket -> base64 text of their handles."""
+    if isinstance(named_tensors, dict):
+        named_tensors = list(named_tensors.items())
+    if not isinstance(named_tensors, FlattenedBucket):
+        named_tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(named_tensors)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+class _HandleUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, device: torch.device):
+        super().__init__(io.BytesIO(data))
+        self.device = device
+
+    def find_class(self, module: str, name: str):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) not in _ALLOWED:
+            raise RolloutError(f"the payload names {module}.{name}, which is not a tensor handle; "
+                               "build it with rollout_cli.engine.tensor_ipc.serialize_named_tensors")
+        found = super().find_class(module, name)
+        if name == "rebuild_cuda_tensor" and self.device.type == "cuda":
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+            def on_engine_gpu(*args):
+                args = list(args)
+                args[_CUDA_DEVICE_ARG] = index
+                return found(*args)
+
+            return on_engine_gpu
+        return found
+
+
+def deserialize_named_tensors(payload: str | bytes, device: torch.device):
+    """Engine side: the payload -> list of (name, tensor) or a FlattenedBucket (tensors map the trainer's memory)."""
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise RolloutError(f"serialized_named_tensors is not base64 ({err}); "
+                           "build it with rollout_cli.engine.tensor_ipc.serialize_named_tensors") from err
+    try:
+        obj = _HandleUnpickler(data, device).load()
+    except RolloutError:
+        raise
+    except (ConnectionError, FileNotFoundError, EOFError, OSError) as err:
+        raise RolloutError(f"cannot map the trainer's tensors ({type(err).__name__}: {err}); the trainer process "
+                           "must stay alive, on this machine, until the engine answered") from err
+    except Exception as err:  # noqa: BLE001 - unpickling raises many types; one line for the caller
+        raise RolloutError(f"cannot rebuild the serialized tensors: {type(err).__name__}: {err}") from err
+    if isinstance(obj, FlattenedBucket):
+        return obj
+    if isinstance(obj, list) and all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                                     and isinstance(item[1], torch.Tensor) for item in obj):
+        return obj
+    raise RolloutError(f"the payload holds a {type(obj).__name__}, not (name, tensor) pairs or a FlattenedBucket")
