@@ -8,11 +8,14 @@ No tensor data is copied into the payload, only handles (torch.multiprocessing's
 - CUDA tensors travel as CUDA IPC handles; the engine maps the trainer's memory and copies
   from it. They are rebuilt on the engine's own GPU index (one GPU, two processes: the index
   may differ between them under different CUDA_VISIBLE_DEVICES).
-- CPU tensors are moved into shared memory (in place, in the trainer) and travel as file
-  descriptors that the trainer's resource-sharer thread hands out on request.
+- CPU tensors are moved into shared memory (in place, in the trainer) and travel by the name of
+  their /dev/shm segment (torch's "file_system" sharing strategy, set for the pickling only): the
+  default "file_descriptor" strategy hands descriptors out only to processes that share the
+  trainer's multiprocessing authkey, which a daemon started on its own does not.
 
 Either way the trainer process must keep the tensors alive until the engine answered, which it
-does while it waits on the HTTP call or on the Engine method.
+does while it waits on the HTTP call or on the Engine method. Shared-memory segments of a payload
+the engine never consumed are unlinked by torch_shm_manager when the trainer process exits.
 
 The engine unpickles with an allow-list (torch's rebuild functions, tensor and storage classes,
 dtypes, the bucket classes): a payload can name memory to map, not code to run.
@@ -54,7 +57,12 @@ def serialize_named_tensors(named_tensors) -> str:
     if not isinstance(named_tensors, FlattenedBucket):
         named_tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
     buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(named_tensors)
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")  # read by reduce_storage while pickling
+    try:
+        ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(named_tensors)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -93,11 +101,10 @@ def deserialize_named_tensors(payload: str | bytes, device: torch.device):
         obj = _HandleUnpickler(data, device).load()
     except RolloutError:
         raise
-    except (ConnectionError, FileNotFoundError, EOFError, OSError) as err:
-        raise RolloutError(f"cannot map the trainer's tensors ({type(err).__name__}: {err}); the trainer process "
-                           "must stay alive, on this machine, until the engine answered") from err
-    except Exception as err:  # noqa: BLE001 - unpickling raises many types; one line for the caller
-        raise RolloutError(f"cannot rebuild the serialized tensors: {type(err).__name__}: {err}") from err
+    except Exception as err:  # noqa: BLE001 - unpickling and mapping raise many types; one line for the caller
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise RolloutError(f"cannot rebuild the serialized tensors ({type(err).__name__}: {reason}); the trainer "
+                           "process must stay alive, on this machine, until the engine answered") from err
     if isinstance(obj, FlattenedBucket):
         return obj
     if isinstance(obj, list) and all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)

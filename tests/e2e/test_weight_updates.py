@@ -19,7 +19,7 @@ from rollout_cli.engine.tensor_bucket import flatten_tensors
 from rollout_cli.engine.tensor_ipc import serialize_named_tensors
 from rollout_cli.errors import RolloutError
 from weight_trainers import (broadcast_order, broadcast_trainer, checkpoint_tensors, free_port, ipc_trainer,
-                             metadata, perturbed_checkpoint)
+                             metadata, perturbed_checkpoint, wait_exit, wait_shm_gone)
 
 PROMPTS = prompts_of([5, 9, 3], seed=11)
 MAX_NEW = 8
@@ -144,8 +144,7 @@ def test_two_process_update_by_serialized_handles(ckpts, hf_ref):
             assert engine.update_weights_from_tensor(payload) == str(step)
         finally:
             done.set()
-            trainer.join(60)
-        assert trainer.exitcode == 0
+        assert wait_exit(trainer) == 0
         assert_matches_hf(hf_ref, model_dir, _generate(engine), PROMPTS, MAX_NEW)
 
 
@@ -157,7 +156,8 @@ def test_serialized_payload_of_a_dead_trainer_is_refused_in_one_line(ckpts):
     trainer.start()
     payload = queue.get(timeout=120)
     done.set()
-    trainer.join(60)
+    assert wait_exit(trainer) == 0
+    assert wait_shm_gone(trainer.pid)
     with pytest.raises(RolloutError, match="the trainer process must stay alive") as err:
         engine.update_weights_from_tensor(payload)
     assert "\n" not in str(err.value) and engine.weight_version == "0"
@@ -193,7 +193,7 @@ def test_distributed_update_over_gloo(ckpts, hf_ref):
         assert engine.weight_version == "1"
         assert_matches_hf(hf_ref, ckpts["new"], _generate(engine), PROMPTS, MAX_NEW)
     finally:
-        trainer.join(60)
+        assert wait_exit(trainer) == 0
     engine.destroy_weights_update_group("weights")
     with pytest.raises(RolloutError, match="no weight update group 'weights'"):
         engine.update_weights_from_distributed(**good, group_name="weights")

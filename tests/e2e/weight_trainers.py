@@ -3,9 +3,11 @@ that hand tensors to the engine by serialized handles or broadcast them over a g
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import torch
@@ -42,6 +44,23 @@ def broadcast_order(model_dir: str, truncate: str | None = None) -> list[tuple[s
     """The checkpoint's tensors in name order; `truncate` names one whose first row is cut off (a wrong shape)."""
     tensors = checkpoint_tensors(model_dir)
     return [(n, tensors[n][1:].contiguous() if n == truncate else tensors[n]) for n in sorted(tensors)]
+
+
+def wait_exit(process, timeout: float = 60.0) -> int | None:
+    """The exit code, polled. Not Process.join(timeout): that waits for the sentinel pipe, which a
+    trainer's torch_shm_manager (forked with the pipe open) holds for a while after the trainer exited."""
+    deadline = time.monotonic() + timeout
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return process.exitcode
+
+
+def wait_shm_gone(pid: int, timeout: float = 60.0) -> bool:
+    """True once no /dev/shm segment of process `pid` is left (its torch_shm_manager unlinked them)."""
+    deadline = time.monotonic() + timeout
+    while glob.glob(f"/dev/shm/torch_{pid}_*") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not glob.glob(f"/dev/shm/torch_{pid}_*")
 
 
 # ---- spawned trainers (module-level so spawn can import them) ---------------------------------
