@@ -6,8 +6,8 @@ returned text (JSON-safe base64) to the engine: as `serialized_named_tensors` of
 No tensor data is copied into the payload, only handles (torch.multiprocessing's reductions):
 
 - CUDA tensors travel as CUDA IPC handles; the engine maps the trainer's memory and copies
-  from it. They are rebuilt on the engine's own GPU index (one GPU, two processes: the index
-  may differ between them under different CUDA_VISIBLE_DEVICES).
+  from it. Handles are opened on the engine's index of the GPU with the same UUID (the index
+  may differ between the processes under different CUDA_VISIBLE_DEVICES).
 - CPU tensors are moved into shared memory (in place, in the trainer) and travel by the name of
   their /dev/shm segment (torch's "file_system" sharing strategy, set for the pickling only): the
   default "file_descriptor" strategy hands descriptors out only to processes that share the
@@ -50,12 +50,25 @@ _ALLOWED = {
 _CUDA_DEVICE_ARG = 6  # position of storage_device in rebuild_cuda_tensor's arguments
 
 
+def _cuda_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
 def serialize_named_tensors(named_tensors) -> str:
-    """Trainer side: (name, tensor) pairs, a dict or a FlattenedBucket -> base64 text of their handles."""
+    """Trainer side: (name, tensor) pairs, a dict or a FlattenedBucket -> base64 text of their handles.
+
+    The text is a pickle of (cuda_devices, handles): cuda_devices maps the trainer's GPU indices of
+    the tensors to device UUIDs, so the engine opens each handle on the same physical GPU even when
+    the two processes number their GPUs differently (CUDA_VISIBLE_DEVICES).
+    """
     if isinstance(named_tensors, dict):
         named_tensors = list(named_tensors.items())
-    if not isinstance(named_tensors, FlattenedBucket):
+    if isinstance(named_tensors, FlattenedBucket):
+        tensors = [named_tensors.buffer]
+    else:
         named_tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
+        tensors = [tensor for _, tensor in named_tensors]
+    cuda_devices = {t.device.index: _cuda_uuid(t.device.index) for t in tensors if t.is_cuda}
     buf = io.BytesIO()
     strategy = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")  # read by reduce_storage while pickling
@@ -63,13 +76,15 @@ def serialize_named_tensors(named_tensors) -> str:
         ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(named_tensors)
     finally:
         torch.multiprocessing.set_sharing_strategy(strategy)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return base64.b64encode(pickle.dumps((cuda_devices, buf.getvalue()), pickle.HIGHEST_PROTOCOL)).decode("ascii")
 
 
 class _HandleUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, device: torch.device):
+    """Allow-listed globals only; CUDA handles are opened on the engine's index of their GPU."""
+
+    def __init__(self, data: bytes, device_map: dict[int, int]):
         super().__init__(io.BytesIO(data))
-        self.device = device
+        self.device_map = device_map  # trainer's GPU index -> engine's index of the same GPU
 
     def find_class(self, module: str, name: str):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -78,19 +93,33 @@ class _HandleUnpickler(pickle.Unpickler):
             raise RolloutError(f"the payload names {module}.{name}, which is not a tensor handle; "
                                "build it with rollout_cli.engine.tensor_ipc.serialize_named_tensors")
         found = super().find_class(module, name)
-        if name == "rebuild_cuda_tensor" and self.device.type == "cuda":
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        if name != "rebuild_cuda_tensor":
+            return found
+        device_map = self.device_map
 
-            def on_engine_gpu(*args):
-                args = list(args)
-                args[_CUDA_DEVICE_ARG] = index
-                return found(*args)
+        def on_the_same_gpu(*args):
+            args = list(args)
+            args[_CUDA_DEVICE_ARG] = device_map[args[_CUDA_DEVICE_ARG]]
+            return found(*args)
 
-            return on_engine_gpu
-        return found
+        return on_the_same_gpu
 
 
-def deserialize_named_tensors(payload: str | bytes, device: torch.device):
+def _device_map(cuda_devices: dict[int, str]) -> dict[int, int]:
+    if not cuda_devices:
+        return {}
+    if not torch.cuda.is_available():
+        raise RolloutError("the tensors are on a GPU but this engine process sees none; "
+                           "serialize CPU tensors or run the engine on that GPU")
+    local = {_cuda_uuid(i): i for i in range(torch.cuda.device_count())}
+    missing = [uuid for uuid in cuda_devices.values() if uuid not in local]
+    if missing:
+        raise RolloutError(f"the tensors live on GPU {missing[0]}, which this engine process cannot see "
+                           "(CUDA_VISIBLE_DEVICES); CUDA IPC works only between processes on the same GPU")
+    return {index: local[uuid] for index, uuid in cuda_devices.items()}
+
+
+def deserialize_named_tensors(payload: str | bytes):
     """Engine side: the payload -> list of (name, tensor) or a FlattenedBucket (tensors map the trainer's memory)."""
     try:
         data = base64.b64decode(payload, validate=True)
@@ -98,7 +127,12 @@ def deserialize_named_tensors(payload: str | bytes, device: torch.device):
         raise RolloutError(f"serialized_named_tensors is not base64 ({err}); "
                            "build it with rollout_cli.engine.tensor_ipc.serialize_named_tensors") from err
     try:
-        obj = _HandleUnpickler(data, device).load()
+        header = _HandleUnpickler(data, {}).load()
+        if not (isinstance(header, tuple) and len(header) == 2 and isinstance(header[0], dict)
+                and isinstance(header[1], bytes)):
+            raise RolloutError(f"the payload holds a {type(header).__name__}, not what serialize_named_tensors makes; "
+                               "build it with rollout_cli.engine.tensor_ipc.serialize_named_tensors")
+        obj = _HandleUnpickler(header[1], _device_map(header[0])).load()
     except RolloutError:
         raise
     except Exception as err:  # noqa: BLE001 - unpickling and mapping raise many types; one line for the caller

@@ -71,6 +71,8 @@ def open_weight_group(master_address: str, master_port: int, rank: int, world_si
             group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
             device = torch.device("cpu")
         else:
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             torch.cuda.set_device(device)  # the communicator binds to the current device

@@ -87,10 +87,10 @@ def plan_update(engine, headers: list[TensorHeader], partial: bool, accepted_dty
 # ---- tensors handed over -------------------------------------------------------------------
 
 
-def named_tensors_of(named_tensors, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+def named_tensors_of(named_tensors) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs from pairs, a dict, a FlattenedBucket or a serialized payload (tensor_ipc)."""
     if isinstance(named_tensors, (str, bytes)):
-        named_tensors = deserialize_named_tensors(named_tensors, device)
+        named_tensors = deserialize_named_tensors(named_tensors)
     if isinstance(named_tensors, FlattenedBucket):
         return unflatten_bucket(named_tensors)
     items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
@@ -105,7 +105,7 @@ def update_weights_from_tensor(engine, named_tensors, version: str | None = None
                                accepted_dtypes: dict[str, str] | None = None) -> str:
     """Replace weights with the given tensors (HF checkpoint names); returns the new weight version."""
     try:
-        items = named_tensors_of(named_tensors, engine.device)
+        items = named_tensors_of(named_tensors)
     except RolloutError as err:
         raise _refused(engine, err) from err
     headers = [TensorHeader(name, tuple(t.shape), dtype_name(t.dtype)) for name, t in items]

@@ -76,14 +76,15 @@ def ipc_trainer(model_dir: str, device: str, flatten: bool, queue, done) -> None
     done.wait(300)
 
 
-def broadcast_trainer(port: int, steps: list[tuple[str, str | None, str]]) -> None:
-    """Rank 0 of a 2-rank gloo group. Each step (model_dir, truncate, how) broadcasts broadcast_order(...):
+def broadcast_trainer(port: int, steps: list[tuple[str, str | None, str]], backend: str = "gloo",
+                      device: str = "cpu") -> None:
+    """Rank 0 of a 2-rank group. Each step (model_dir, truncate, how) broadcasts broadcast_order(...):
     how = "all", or "half_then_exit" (a trainer that dies mid-transfer)."""
     from rollout_cli.engine.weight_group import broadcast_tensors, open_weight_group
 
-    group = open_weight_group("127.0.0.1", port, 0, 2, "weights", "gloo", torch.device("cpu"), timeout_seconds=120)
+    group = open_weight_group("127.0.0.1", port, 0, 2, "weights", backend, torch.device(device), timeout_seconds=120)
     for model_dir, truncate, how in steps:
-        tensors = [t for _, t in broadcast_order(model_dir, truncate)]
+        tensors = [t.to(device) for _, t in broadcast_order(model_dir, truncate)]
         if how == "half_then_exit":
             broadcast_tensors(group, tensors[: len(tensors) // 2])
             os._exit(0)

@@ -13,9 +13,6 @@ from rollout_cli.engine.tensor_bucket import ALIGN, FlatTensorMeta, FlattenedBuc
 from rollout_cli.engine.tensor_ipc import deserialize_named_tensors, serialize_named_tensors
 from rollout_cli.errors import RolloutError
 
-CPU = torch.device("cpu")
-
-
 def _mixed() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {
@@ -71,7 +68,7 @@ def test_serialized_handles_round_trip(flatten):
     tensors = _mixed()
     payload = serialize_named_tensors(flatten_tensors(tensors) if flatten else tensors)
     assert isinstance(payload, str) and len(payload) < 8000  # handles only
-    out = deserialize_named_tensors(payload, CPU)
+    out = deserialize_named_tensors(payload)
     pairs = unflatten_bucket(out) if flatten else out
     assert [n for n, _ in pairs] == list(tensors)
     for name, tensor in pairs:
@@ -81,15 +78,17 @@ def test_serialized_handles_round_trip(flatten):
 def test_payload_that_names_code_is_refused_in_one_line():
     evil = base64.b64encode(pickle.dumps(os.system)).decode()
     with pytest.raises(RolloutError, match=r"names posix\.system, which is not a tensor handle") as err:
-        deserialize_named_tensors(evil, CPU)
+        deserialize_named_tensors(evil)
     assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("payload, reason", [
     ("not base64 !!", "is not base64"),
-    (base64.b64encode(pickle.dumps({"a": 1})).decode(), "holds a dict, not"),
+    (base64.b64encode(pickle.dumps({"a": 1})).decode(), "holds a dict, not what serialize_named_tensors makes"),
+    (base64.b64encode(pickle.dumps(({}, pickle.dumps({"a": 1})))).decode(), "holds a dict, not .name, tensor. pairs"),
+    (base64.b64encode(pickle.dumps(({0: "GPU-none"}, b""))).decode(), "on a GPU but this engine process sees none"),
     (base64.b64encode(b"\x80\x05garbage").decode(), "cannot rebuild the serialized tensors"),
 ])
 def test_bad_payloads_are_refused(payload, reason):
     with pytest.raises(RolloutError, match=reason):
-        deserialize_named_tensors(payload, CPU)
+        deserialize_named_tensors(payload)
