@@ -10,9 +10,13 @@ order, so both sides must broadcast the same tensors (names, shapes, dtypes) in 
 Trainer side, next to a running daemon (the POST blocks until the tensors arrived, so it runs in
 a thread while the trainer broadcasts):
 
-    group = open_weight_group(...)  in a thread, with POST /init_weights_update_group at the same time
-    POST /update_weights_from_distributed {names, dtypes, shapes, group_name}   (in a thread)
-    broadcast_tensors(group, [tensor for name, tensor in named_tensors])
+    client = EngineClient(address)                                  # rollout_cli.server.client
+    joined = pool.submit(client.init_weights_update_group, host, port, 1, 2, "weights", "nccl")
+    group = open_weight_group(host, port, 0, 2, "weights", "nccl", torch.device("cuda:0"))
+    joined.result()
+    answer = pool.submit(client.update_weights_from_distributed, **broadcast_metadata(named), group_name="weights")
+    broadcast_tensors(group, [tensor for _, tensor in named])
+    answer.result()                                                 # the new weight version
 """
 
 from __future__ import annotations
@@ -81,6 +85,15 @@ def open_weight_group(master_address: str, master_port: int, rank: int, world_si
         raise RolloutError(f"cannot join weight update group {group_name!r} at {master_address}:{master_port} "
                            f"as rank {rank} of {world_size}: {err}".splitlines()[0]) from err
     return WeightGroup(group_name, rank, world_size, backend, device, store, group)
+
+
+def broadcast_metadata(named_tensors) -> dict:
+    """Trainer side: the names/dtypes/shapes fields of /update_weights_from_distributed (and of
+    Engine.update_weights_from_distributed) for these (name, tensor) pairs, in broadcast order."""
+    named = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+    return {"names": [name for name, _ in named],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named]}
 
 
 def broadcast_tensors(group: WeightGroup, tensors) -> None:

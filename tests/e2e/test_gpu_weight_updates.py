@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from rollout_cli import Engine, SamplingParams
-from weight_trainers import (broadcast_order, broadcast_trainer, free_port, ipc_trainer, metadata,
+from rollout_cli.engine.weight_group import broadcast_metadata
+from weight_trainers import (broadcast_order, broadcast_trainer, free_port, ipc_trainer,
                              perturbed_checkpoint, wait_exit)
 
 pytestmark = pytest.mark.gpu
@@ -70,7 +71,7 @@ def test_update_from_distributed_over_nccl(ckpts):
     trainer.start()
     try:
         engine.init_weights_update_group("127.0.0.1", port, 1, 2, "weights", backend="nccl", timeout_seconds=120)
-        assert engine.update_weights_from_distributed(**metadata(broadcast_order(ckpts["new"])),
+        assert engine.update_weights_from_distributed(**broadcast_metadata(broadcast_order(ckpts["new"])),
                                                       group_name="weights") == "1"
     finally:
         assert wait_exit(trainer, 120) == 0

@@ -17,9 +17,10 @@ from parity import assert_matches_hf, make_engine, prompts_of
 from rollout_cli import PromptInput, SamplingParams
 from rollout_cli.engine.tensor_bucket import flatten_tensors
 from rollout_cli.engine.tensor_ipc import serialize_named_tensors
+from rollout_cli.engine.weight_group import broadcast_metadata
 from rollout_cli.errors import RolloutError
 from weight_trainers import (broadcast_order, broadcast_trainer, checkpoint_tensors, free_port, ipc_trainer,
-                             metadata, perturbed_checkpoint, wait_exit, wait_shm_gone)
+                             perturbed_checkpoint, wait_exit, wait_shm_gone)
 
 PROMPTS = prompts_of([5, 9, 3], seed=11)
 MAX_NEW = 8
@@ -178,17 +179,18 @@ def test_distributed_update_over_gloo(ckpts, hf_ref):
         with pytest.raises(RolloutError, match="already exists"):
             engine.init_weights_update_group("127.0.0.1", port, 1, 2, "weights", backend="gloo")
 
-        bad = metadata(broadcast_order(ckpts["newer"], truncate=Q_PROJ))
+        bad = broadcast_metadata(broadcast_order(ckpts["newer"], truncate=Q_PROJ))
         with pytest.raises(RolloutError, match=f"wrong shapes: {Q_PROJ}.*keeps weight version 0"):
             engine.update_weights_from_distributed(**bad, group_name="weights")
         assert engine.weight_version == "0"
 
-        good = metadata(broadcast_order(ckpts["new"]))
+        good = broadcast_metadata(broadcast_order(ckpts["new"]))
         assert engine.update_weights_from_distributed(**good, group_name="weights") == "1"
         assert_matches_hf(hf_ref, ckpts["new"], _generate(engine), PROMPTS, MAX_NEW)
 
         with pytest.raises(RolloutError, match="failed after .* tensors.*keeps weight version 1") as err:
-            engine.update_weights_from_distributed(**metadata(broadcast_order(ckpts["newer"])), group_name="weights")
+            engine.update_weights_from_distributed(**broadcast_metadata(broadcast_order(ckpts["newer"])),
+                                                   group_name="weights")
         assert "\n" not in str(err.value)
         assert engine.weight_version == "1"
         assert_matches_hf(hf_ref, ckpts["new"], _generate(engine), PROMPTS, MAX_NEW)

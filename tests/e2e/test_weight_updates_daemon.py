@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from rollout_cli.engine.tensor_ipc import serialize_named_tensors
-from rollout_cli.engine.weight_group import broadcast_tensors, open_weight_group
+from rollout_cli.engine.weight_group import broadcast_metadata, broadcast_tensors, open_weight_group
 from rollout_cli.errors import RolloutError
 from rollout_cli.server.client import EngineClient
-from weight_trainers import broadcast_order, checkpoint_tensors, free_port, metadata, perturbed_checkpoint
+from weight_trainers import broadcast_order, checkpoint_tensors, free_port, perturbed_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 9, 17, 33, 2], [7, 7, 8], [100, 3, 250, 41]]
@@ -116,7 +116,7 @@ def _broadcast(client, group, named, **extra):
     """POST /update_weights_from_distributed in a thread while broadcasting; the daemon's answer."""
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(client._http.post, "/update_weights_from_distributed",
-                             json={**metadata(named), "group_name": "weights", **extra})
+                             json={**broadcast_metadata(named), "group_name": "weights", **extra})
         broadcast_tensors(group, [t for _, t in named])
         return answer.result(timeout=120)
 

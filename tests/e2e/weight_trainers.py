@@ -34,12 +34,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def metadata(named: list[tuple[str, torch.Tensor]]) -> dict:
-    """The /update_weights_from_distributed fields for these tensors, in order."""
-    return {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
-            "shapes": [list(t.shape) for _, t in named]}
-
-
 def broadcast_order(model_dir: str, truncate: str | None = None) -> list[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors in name order; `truncate` names one whose first row is cut off (a wrong shape)."""
     tensors = checkpoint_tensors(model_dir)
