@@ -36,8 +36,10 @@ class EngineConfig:
     """Share computed prompt prefixes between requests through the radix cache."""
     weight_version: str = "0"
     """Version recorded on every trajectory produced by the weights loaded at start."""
+    weights_cpu_backup: bool = False
+    """Keep a host copy of the weights while their GPU memory is released, so resume restores them."""
     attention_backend: str = "auto"
-    """auto (torch until the Triton path is verified on a device), torch (SDPA over gathered KV), or triton."""
+    """auto (triton on CUDA, torch on the CPU), torch (SDPA over gathered KV), or triton."""
     cuda_graphs: bool = True
     """On CUDA with the triton backend, replay captured graphs for decode steps."""
 

@@ -118,6 +118,8 @@ def _table(report: dict) -> Table:
     table.add_row("requests / output tokens", f"{r['requests']} / {r['output_tokens']:,}")
     table.add_row("TTFT mean / p50 / p99", f"{r['ttft_mean_s']:.3f} / {r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f} s")
     table.add_row("prefix hit rate", f"{r['prefix_hit_rate']:.1%}")
+    if r["prefill_steps"]:
+        table.add_row("prefill steps", f"{r['prefill_steps']} x {r['prefill_step_ms']:.1f} ms")
     if r["decode_gpu_idle_share"] is not None:
         table.add_row("decode step / GPU idle", f"{r['decode_step_ms']:.2f} ms / {r['decode_gpu_idle_share']:.1%}")
     if r["cuda_graph_capture_s"] is not None:

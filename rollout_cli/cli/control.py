@@ -1,4 +1,5 @@
-"""Client commands of a running daemon: reload-weights, pause, continue, abort, flush-cache, status, shutdown."""
+"""Client commands of a running daemon: reload-weights, release-memory, resume-memory, pause, continue, abort,
+flush-cache, status, shutdown."""
 
 from __future__ import annotations
 
@@ -80,6 +81,48 @@ def abort_command(engine: opt.EngineAddress = None, token_file: opt.TokenFile = 
     typer.echo(f"aborted {result['aborted']} samples" if result["job_aborted"] else "no job was running")
 
 
+MemoryTags = Annotated[Optional[str], typer.Option(
+    help="Comma-separated: weights, kv_cache, cuda_graph; default all.")]
+
+
+def _gib(value) -> str:
+    return "?" if value is None else f"{value / 2**30:.1f} GiB"
+
+
+def release_memory_command(tags: MemoryTags = None, engine: opt.EngineAddress = None,
+                           token_file: opt.TokenFile = None) -> None:
+    """Free the engine's GPU memory for a trainer; returns once the memory is free.
+
+    Refused while a job runs (rollout pause --mode abort or rollout abort first). Without
+    serve --weights-cpu-backup the weights must be reloaded after resume-memory. Example:
+
+        rollout release-memory && python train.py && rollout resume-memory && rollout reload-weights ckpt_1/
+    """
+    result = _call(engine, token_file, "POST", "/release_memory_occupation",
+                   {"tags": tags.split(",") if tags else None})
+    what = ", ".join(result["released"]) or "nothing (already released)"
+    typer.echo(f"released {what} in {result['seconds']:.2f} s; device free {_gib(result['free_bytes_after'])}")
+
+
+def resume_memory_command(tags: MemoryTags = None, engine: opt.EngineAddress = None,
+                          token_file: opt.TokenFile = None) -> None:
+    """Take back the memory released by rollout release-memory.
+
+    Example:
+
+        rollout resume-memory
+    """
+    result = _call(engine, token_file, "POST", "/resume_memory_occupation",
+                   {"tags": tags.split(",") if tags else None})
+    what = ", ".join(result["resumed"]) or "nothing (none was released)"
+    line = f"resumed {what} in {result['seconds']:.2f} s"
+    if result.get("cuda_graph_capture_seconds") is not None:
+        line += f" (CUDA graphs re-captured in {result['cuda_graph_capture_seconds']:.2f} s)"
+    if result.get("weights_stale"):
+        line += "; weights must be reloaded before the next run (rollout reload-weights CKPT_DIR)"
+    typer.echo(line)
+
+
 def flush_cache_command(engine: opt.EngineAddress = None, token_file: opt.TokenFile = None) -> None:
     """Drop the engine's prefix cache (refused while a job runs).
 
@@ -96,7 +139,7 @@ def status_command(
     token_file: opt.TokenFile = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the server info as JSON.")] = False,
 ) -> None:
-    """Model, weight version, state (loading / serving / paused), memory held and job progress.
+    """Model, weight version, state (loading / serving / paused / released), memory held and job progress.
 
     Example:
 
@@ -114,9 +157,16 @@ def status_command(
         f"state           {info['state']}",
     ]
     if memory:
-        held = memory.get("cuda_reserved_bytes", memory["weights_bytes"] + memory["kv_cache_bytes"])
-        lines.append(f"memory held     {held / 2**20:.1f} MiB on {memory['device']} "
-                     f"(weights {memory['weights_bytes'] / 2**20:.1f}, KV cache {memory['kv_cache_bytes'] / 2**20:.1f})")
+        held = memory["weights_bytes"] + memory["kv_cache_bytes"]
+        line = (f"memory held     {held / 2**20:.1f} MiB on {memory['device']} "
+                f"(weights {memory['weights_bytes'] / 2**20:.1f}, KV cache {memory['kv_cache_bytes'] / 2**20:.1f})")
+        if memory.get("device_free_bytes") is not None:
+            line += f"; device free {_gib(memory['device_free_bytes'])} of {_gib(memory['device_total_bytes'])}"
+        lines.append(line)
+        if memory.get("released"):
+            lines.append(f"released        {', '.join(memory['released'])}")
+        if memory.get("weights_stale"):
+            lines.append("weights         stale: reload weights before the next run")
     job = info.get("job")
     if job:
         lines.append(f"job             {job['data']} -> {job['out']}: prompts {job.get('prompts_done', 0)}/"

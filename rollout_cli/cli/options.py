@@ -27,7 +27,7 @@ KvMemoryFraction = Annotated[float, typer.Option(help="CUDA: share of free GPU m
 KvCacheTokens = Annotated[Optional[int], typer.Option(help="Exact KV cache size in tokens (overrides --kv-memory-fraction).", rich_help_panel=ENGINE)]
 LoadFormat = Annotated[str, typer.Option(help="auto (safetensors) or dummy (random weights from config.json).", rich_help_panel=ENGINE)]
 NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="Disable prefix sharing through the radix cache.", rich_help_panel=ENGINE)]
-AttentionBackend = Annotated[str, typer.Option(help="torch, or triton (kernels + CUDA graphs; CUDA, opt-in until device-verified); auto = torch.", rich_help_panel=ENGINE)]
+AttentionBackend = Annotated[str, typer.Option(help="torch, or triton (kernels + CUDA graphs; CUDA only); auto = triton on CUDA, torch on the CPU.", rich_help_panel=ENGINE)]
 NoCudaGraphs = Annotated[bool, typer.Option("--no-cuda-graphs", help="Run decode steps eagerly instead of replaying CUDA graphs.", rich_help_panel=ENGINE)]
 WeightVersion = Annotated[str, typer.Option(help="Weight version recorded on every trajectory.", rich_help_panel=ENGINE)]
 

@@ -19,6 +19,7 @@ def serve_command(
     host: Annotated[Optional[str], typer.Option(help="Listen on TCP at this host instead of a socket (needs --port and --token-file).", rich_help_panel=LISTEN)] = None,
     port: Annotated[Optional[int], typer.Option(help="TCP port (with --host, default 127.0.0.1).", rich_help_panel=LISTEN)] = None,
     token_file: Annotated[Optional[str], typer.Option(help="TCP: file with the bearer token every request must carry.", rich_help_panel=LISTEN)] = None,
+    weights_cpu_backup: Annotated[bool, typer.Option("--weights-cpu-backup", help="Keep a host copy of the weights while release-memory has freed them, so resume-memory restores them (else reload weights after resuming).", rich_help_panel=opt.ENGINE)] = False,
     engine_options: Optional[dict] = None,  # filled by with_engine_options
 ) -> None:
     """Load a model once and serve generation jobs and weight reloads until rollout shutdown.
@@ -35,7 +36,10 @@ def serve_command(
     from rollout_cli.server.daemon import serve
 
     try:
-        engine_config = opt.engine_config(model=model, **engine_options)
+        import dataclasses
+
+        engine_config = dataclasses.replace(opt.engine_config(model=model, **engine_options),
+                                            weights_cpu_backup=weights_cpu_backup)
         from rollout_cli.models.build import load_model_config
 
         load_model_config(model)  # a bad --model fails here, before the socket is claimed

@@ -100,6 +100,7 @@ def reload_weights(engine: Engine, path: str, version: str | None, accepted_dtyp
     """
     if engine.scheduler.has_work():
         raise RolloutError("cannot reload weights while requests are in flight; abort the job or let it finish")
+    engine.memory.check_weights_writable()
     if not os.path.isdir(path):
         raise RolloutError(f"checkpoint directory {path} does not exist")
     new_version = next_version(engine.weight_version, version)
@@ -115,14 +116,18 @@ def reload_weights(engine: Engine, path: str, version: str | None, accepted_dtyp
     return commit_weights(engine, staged, new_version)
 
 
-def commit_weights(engine: Engine, staged: list[tuple[TensorTarget, torch.Tensor]], new_version: str) -> str:
+def commit_weights(engine: Engine, staged: list[tuple[TensorTarget, torch.Tensor]], new_version: str,
+                   complete: bool = True) -> str:
     """The last phase of every weight update (disk, tensors, broadcast), once all of it was checked and
-    staged: copy in place, flush the prefix cache (its KV came from the old weights), bump the version."""
+    staged: copy in place, flush the prefix cache (its KV came from the old weights), bump the version.
+    Only a `complete` update (every tensor) makes weights lost in a release without backup valid again."""
     params = dict(engine.model.named_parameters())
     for target, tensor in staged:
         copy_into_parameters(params, target, tensor)
     flush_prefix_cache(engine)
     engine.weight_version = new_version
+    if complete:
+        engine.memory.weights_loaded()
     return new_version
 
 
@@ -130,9 +135,15 @@ def memory_held(engine: Engine) -> dict:
     """Bytes the engine holds: weights, KV pool and (CUDA) what the allocator reserved."""
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     kv = sum(t.numel() * t.element_size() for t in _tensors(engine.kv))
-    info = {"device": str(engine.device), "weights_bytes": weights, "kv_cache_bytes": kv}
+    info = {"device": str(engine.device), "weights_bytes": weights, "kv_cache_bytes": kv, **engine.memory.state()}
+    if "weights" in engine.memory.released:
+        info["weights_bytes"] = 0
+    if "kv_cache" in engine.memory.released:
+        info["kv_cache_bytes"] = 0
     if engine.device.type == "cuda":
         info["cuda_reserved_bytes"] = torch.cuda.memory_reserved(engine.device)
+        free, total = torch.cuda.mem_get_info(engine.device)
+        info["device_free_bytes"], info["device_total_bytes"] = free, total
     return info
 
 

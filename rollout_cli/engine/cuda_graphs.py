@@ -1,8 +1,9 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, captured once.
 
 A decode step of B requests replays the graph of the smallest bucket >= B.
-Inputs live in static device buffers, filled from one pinned host buffer per
-step; the graph itself records each request's new slot in req_to_token.
+Inputs live in static device buffers, filled from pinned host buffers each
+step; the graph itself records each request's new slot in req_to_token and
+samples the next tokens.
 Bucket entries past B are padding: they use row `pad_row` of req_to_token
 (slot 0), attend one key, and write their k/v into slot 0, which the slot
 allocator never hands out. Prefill steps run eagerly.
@@ -14,7 +15,8 @@ import time
 
 import torch
 
-from rollout_cli.engine.triton_attention import TritonAttentionBatch
+from rollout_cli.engine.sampler import _as_int64
+from rollout_cli.engine.triton_attention import TritonAttentionBatch, warm_decode_splits
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -23,7 +25,18 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(set(buckets + [max_batch]))
 
 
+# rows of the int64 input buffer: the step's inputs, then the sampler's keys and top-k
+_TOKEN, _POSITION, _ROW, _SLOT, _SEED, _PROMPT, _SAMPLE, _KEY_POSITION, _TOP_K = range(9)
+# rows of the float32 input buffer: per-row sampling settings (raw logprobs as 1.0 / 0.0)
+_TEMPERATURE, _TOP_P, _MIN_P, _RAW = range(4)
+
+
 class DecodeGraphs:
+    """Each graph runs a whole decode step: forward, logits, and the Triton sampler with its
+    counter-based keys, ending in one float64 [2, bucket] tensor (token ids, logprobs) that the
+    host reads with a single device-to-host copy. Sampling inside the graph removes the launches
+    and the host-to-device copies that would otherwise sit between the forward and the read."""
+
     def __init__(self, model, kv, req_to_token: torch.Tensor, pad_row: int, scale: float, max_batch: int):
         self.model = model
         self.kv = kv
@@ -33,37 +46,54 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         device = req_to_token.device
-        # rows of `inputs`: token id, position, table row, KV slot; seq_lens is int32 for the kernel
-        self.inputs = torch.zeros((4, self.max_batch), dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)
-        self.staging = torch.zeros((4, self.max_batch), dtype=torch.int64).pin_memory()
+        self.ints = torch.zeros((9, self.max_batch), dtype=torch.int64, device=device)
+        self.floats = torch.zeros((4, self.max_batch), dtype=torch.float32, device=device)
+        self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)  # int32 for the kernel
+        self.staging_ints = torch.zeros((9, self.max_batch), dtype=torch.int64).pin_memory()
+        self.staging_floats = torch.zeros((4, self.max_batch), dtype=torch.float32).pin_memory()
         self.staging_seq_lens = torch.ones(self.max_batch, dtype=torch.int32).pin_memory()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
+        self.replays = 0  # decode steps served by a replay (tests check graphs really ran)
 
     def _forward(self, batch: int) -> torch.Tensor:
-        ids, positions, rows, slots = (self.inputs[i, :batch] for i in range(4))
+        from rollout_kernels.sampling import sample
+
+        ids, positions, rows, slots = (self.ints[i, :batch] for i in (_TOKEN, _POSITION, _ROW, _SLOT))
         self.req_to_token[rows, positions] = slots.to(torch.int32)  # this step's slots, inside the graph
         attn = TritonAttentionBatch(self.kv, self.req_to_token, slots, rows, self.seq_lens[:batch], None, self.scale)
-        return self.model.compute_logits(self.model(ids, positions, attn))  # [batch, vocab] float32
+        logits = self.model.compute_logits(self.model(ids, positions, attn))  # [batch, vocab] float32
+        f = self.floats
+        keys = tuple(self.ints[i, :batch] for i in (_SEED, _PROMPT, _SAMPLE, _KEY_POSITION))
+        tokens, logprobs = sample(logits, f[_TEMPERATURE, :batch], self.ints[_TOP_K, :batch], f[_TOP_P, :batch],
+                                  f[_MIN_P, :batch], f[_RAW, :batch] > 0.5, keys=keys)
+        # float64 holds both the token ids and the float32 logprobs exactly
+        return torch.stack((tokens.double(), logprobs.double()))  # [2, batch]
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, warm_up: bool = True) -> None:
+        """warm_up=False skips the eager pass over every bucket: for a re-capture after a memory
+        release, when the kernels are compiled and cuBLAS is initialised (saves a forward per bucket)."""
         start = time.monotonic()
-        self.inputs[2].fill_(self.pad_row)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: compiles the kernels, settles the allocator
-            for batch in self.buckets:
-                self._forward(batch)
-        torch.cuda.current_stream().wait_stream(side)
+        self.ints[_ROW].fill_(self.pad_row)
+        self.floats[_TOP_P].fill_(1.0)
+        if warm_up:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # compiles the kernels, initialises cuBLAS, settles the allocator
+                for batch in self.buckets:
+                    self._forward(batch)
+                attn = self.model.model.layers[0].self_attn
+                warm_decode_splits(self.kv, self.req_to_token, self.pad_row, self.scale, self.kv.k.dtype,
+                                   attn.num_heads)  # eager mixed steps use split counts no bucket has
+            torch.cuda.current_stream().wait_stream(side)
         pool = None
         for batch in reversed(self.buckets):  # largest first so smaller graphs reuse its pool
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(batch)
+                packed = self._forward(batch)
             pool = graph.pool()
-            self.graphs[batch] = (graph, logits)
+            self.graphs[batch] = (graph, packed)
         torch.cuda.synchronize()
         self.capture_seconds = time.monotonic() - start
 
@@ -71,21 +101,44 @@ class DecodeGraphs:
         return 0 < len(entries) <= self.max_batch and all(e.num_new_tokens == 1 and e.sample for e in entries)
 
     def run(self, entries) -> torch.Tensor:
-        """Replay for a decode-only step; returns logits [len(entries), vocab]."""
+        """Replay for a decode-only step; returns (token ids, logprobs) as float64 [2, len(entries)].
+
+        Padding rows (bucket past the batch) decode token 0 at position 0 in slot 0 and sample greedily."""
         batch = len(entries)
         bucket = next(b for b in self.buckets if b >= batch)
-        pad = bucket - batch
-        # Build plain lists, then one host copy and one device copy per buffer.
-        values = [
-            [e.token_ids[0] for e in entries] + [0] * pad,
-            [e.start for e in entries] + [0] * pad,
-            [e.table_row for e in entries] + [self.pad_row] * pad,
-            [e.new_slots[0] for e in entries] + [0] * pad,
-        ]
-        self.staging[:, :bucket] = torch.tensor(values, dtype=torch.int64)
-        self.staging_seq_lens[:bucket] = torch.tensor([e.start + 1 for e in entries] + [1] * pad, dtype=torch.int32)
-        self.inputs[:, :bucket].copy_(self.staging[:, :bucket], non_blocking=True)
+        pad = [0] * (bucket - batch)
+        requests = [e.request for e in entries]
+        params = [r.params for r in requests]
+        shared = params[0] if all(p is params[0] for p in params) else None
+
+        def per_row(value_of):
+            if shared is not None:
+                return [value_of(shared)] * batch + pad
+            return [value_of(p) for p in params] + pad
+
+        # Plain lists, then one host copy and one device copy per buffer.
+        self.staging_ints[:, :bucket] = torch.tensor([
+            [e.token_ids[0] for e in entries] + pad,
+            [e.start for e in entries] + pad,
+            [e.table_row for e in entries] + [self.pad_row] * len(pad),
+            [e.new_slots[0] for e in entries] + pad,
+            per_row(lambda p: _as_int64(p.seed)),
+            [r.prompt_index for r in requests] + pad,
+            [r.sample_index for r in requests] + pad,
+            [e.start + 1 for e in entries] + pad,  # the sampled token's position: the key of its draw
+            per_row(lambda p: p.top_k),
+        ], dtype=torch.int64)
+        self.staging_floats[:, :bucket] = torch.tensor([
+            per_row(lambda p: p.temperature), per_row(lambda p: p.top_p), per_row(lambda p: p.min_p),
+            per_row(lambda p: float(p.logprobs_mode == "raw")),
+        ], dtype=torch.float32)
+        if pad:  # padding rows: greedy, no filters (top-p 1)
+            self.staging_floats[_TOP_P, batch:bucket] = 1.0
+        self.staging_seq_lens[:bucket] = torch.tensor([e.start + 1 for e in entries] + [1] * len(pad), dtype=torch.int32)
+        self.ints[:, :bucket].copy_(self.staging_ints[:, :bucket], non_blocking=True)
+        self.floats[:, :bucket].copy_(self.staging_floats[:, :bucket], non_blocking=True)
         self.seq_lens[:bucket].copy_(self.staging_seq_lens[:bucket], non_blocking=True)
-        graph, logits = self.graphs[bucket]
+        graph, packed = self.graphs[bucket]
         graph.replay()
-        return logits[:batch]
+        self.replays += 1
+        return packed[:, :batch]

@@ -19,6 +19,7 @@ import torch
 from rollout_cli.config import EngineConfig
 from rollout_cli.engine.attention import KVCache
 from rollout_cli.engine.kv_sizing import kv_pool_tokens, profile_activation_bytes
+from rollout_cli.engine.memory_saver import MemorySaver
 from rollout_cli.engine.model_runner import ModelRunner
 from rollout_cli.engine.request import Request
 from rollout_cli.engine.sampling_params import SamplingParams
@@ -98,11 +99,10 @@ def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
 
 
 def _attention_backend(name: str, device: torch.device) -> str:
-    # auto is the torch path everywhere for now: the Triton path with CUDA graphs passed its kernel
-    # tests and ran `rollout bench` on the H200, but its engine-level GPU tests (graph replay vs eager,
-    # HF parity per architecture) have not run on a device yet. Opt in with --attention-backend triton.
+    # auto: the Triton kernels and CUDA graphs on a GPU (tests/e2e/test_gpu_engine.py passed on the
+    # H200: graph replay equals eager, greedy tokens equal the torch path), the torch path on the CPU.
     if name == "auto":
-        return "torch"
+        return "triton" if device.type == "cuda" else "torch"
     # Under Triton's interpreter (TRITON_INTERPRET=1) the kernels run on the CPU: slow, but how CI tests them.
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RolloutError("--attention-backend triton needs a CUDA device; use torch on the CPU")
@@ -128,8 +128,11 @@ class Engine:
         self.attention_backend = _attention_backend(cfg.attention_backend, self.device)
         self.tokenizer = _load_tokenizer(cfg.model)
         self.eos_token_ids = _eos_token_ids(cfg.model, self.hf_config, self.tokenizer)
-        self.model = build_model(cfg.model, self.hf_config, self.device, self.dtype,
-                                 max_positions=self.max_model_len, load_format=cfg.load_format)
+        self.memory = MemorySaver(self.device, cfg.weights_cpu_backup)
+        with self.memory.region("weights"):
+            self.model = build_model(cfg.model, self.hf_config, self.device, self.dtype,
+                                     max_positions=self.max_model_len, load_format=cfg.load_format)
+        self.memory.keep_only_parameters(self.model)
         if self.attention_backend == "triton":
             enable_triton_kernels(self.model)
         self.weight_version = cfg.weight_version
@@ -150,7 +153,8 @@ class Engine:
             max_model_len=self.max_model_len, kv_memory_fraction=cfg.kv_memory_fraction,
             kv_cache_tokens=cfg.kv_cache_tokens, activation_bytes=activation,
         )
-        self.kv = KVCache(num_layers, num_slots, num_kv_heads, head_dim, self.dtype, self.device)
+        with self.memory.region("kv_cache"):
+            self.kv = KVCache(num_layers, num_slots, num_kv_heads, head_dim, self.dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv, cfg.max_running, self.max_model_len, self.device,
                                   self.attention_backend)
         self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache)
@@ -193,6 +197,18 @@ class Engine:
             set_routing_recorder(self.model, self.routing_pool)
             self.runner.routing_pool = self.routing_pool
         return str(self.routing_pool.ids.dtype).removeprefix("torch.")
+
+    def release_memory(self, tags=None) -> dict:
+        """Free GPU memory for a trainer (tags: weights, kv_cache, cuda_graph; default all). See engine.memory_saver."""
+        from rollout_cli.engine.memory_saver import release_memory
+
+        return release_memory(self, tags)
+
+    def resume_memory(self, tags=None) -> dict:
+        """Take released memory back; without --weights-cpu-backup new weights must be loaded before generating."""
+        from rollout_cli.engine.memory_saver import resume_memory
+
+        return resume_memory(self, tags)
 
     @property
     def num_kv_slots(self) -> int:
@@ -265,6 +281,7 @@ class Engine:
         on_step: Callable[[], None] | None = None,
     ) -> Iterator[Trajectory]:
         """Yield trajectories as they finish; (prompt_index, sample_index) pairs in `skip` are not run."""
+        self.memory.check_can_generate()
         try:
             yield from self._stream(prompts, params, skip, on_step)
         finally:
@@ -291,8 +308,12 @@ class Engine:
                 raise RuntimeError("scheduler produced an empty step with work pending")
             tokens, logprobs = self.runner.run(out)
             finished = scheduler.postprocess(out, tokens, logprobs)
+            traffic = self.runner.traffic
             if self.runner.last_step_timed:
-                self.runner.traffic.wall_seconds += time.perf_counter() - step_start
+                traffic.wall_seconds += time.perf_counter() - step_start
+            elif self.runner.last_step_prefilled:
+                traffic.prefill_steps += 1
+                traffic.prefill_wall_seconds += time.perf_counter() - step_start
             # Gather finished requests' routing before the next forward can reuse their slots.
             routing = self.routing_pool.gather([r.final_slots for r in finished]) if (
                 finished and self.routing_pool is not None) else [None] * len(finished)

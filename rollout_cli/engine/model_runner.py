@@ -29,6 +29,9 @@ class DecodeTraffic:
     timed_steps: int = 0
     gpu_seconds: float = 0.0
     wall_seconds: float = 0.0
+    # Steps that run prompt tokens (prefill chunks, alone or beside decodes): their count and wall time.
+    prefill_steps: int = 0
+    prefill_wall_seconds: float = 0.0
 
 
 class ModelRunner:
@@ -48,19 +51,32 @@ class ModelRunner:
         else:
             self._prepare = prepare_attention
         self.graphs = None
+        self.graphs_dropped = False  # dropped by a memory release, to be re-captured on resume
         self.traffic = DecodeTraffic()
         self.time_decode_steps = False  # `rollout bench` turns this on to measure GPU idle time
         self.last_step_timed = False
+        self.last_step_prefilled = False  # whether the last step ran prompt tokens
         self.routing_pool = None  # a models.moe.RoutingPool while routing capture is on (Engine sets it)
 
-    def capture_cuda_graphs(self, max_batch: int) -> float:
+    def capture_cuda_graphs(self, max_batch: int, warm_up: bool = True) -> float:
         """Capture decode graphs for batches up to max_batch; returns the capture time in seconds."""
         from rollout_cli.engine.cuda_graphs import DecodeGraphs
 
         assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
         self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.pad_row, self.scale, max_batch)
-        self.graphs.capture()
+        self.graphs.capture(warm_up)
+        self._graph_max_batch = max_batch
+        self.graphs_dropped = False
         return self.graphs.capture_seconds
+
+    def drop_cuda_graphs(self) -> None:
+        """Free the graphs and their memory pool (memory release); recapture_cuda_graphs brings them back."""
+        if self.graphs is not None:
+            self.graphs = None
+            self.graphs_dropped = True
+
+    def recapture_cuda_graphs(self) -> float:
+        return self.capture_cuda_graphs(self._graph_max_batch, warm_up=False)
 
     def _write_table(self, entries) -> None:
         rows, cols, slots = [], [], []
@@ -89,21 +105,14 @@ class ModelRunner:
         """
         out.entries.sort(key=lambda e: e.num_new_tokens > 1)
         self._count_traffic(out)
-        to_sample = [(e.request, e.start + e.num_new_tokens) for e in out.entries if e.sample]
-        events = None
+        self.last_step_prefilled = bool(out.entries) and out.entries[-1].num_new_tokens > 1
         self.last_step_timed = False
         # routing capture runs eagerly: the pool is told each step's KV slots in _eager_logits
         if self.graphs is not None and self.routing_pool is None and self.graphs.can_run(out.entries):
-            # the graph writes each entry's new slot into req_to_token; older slots that a
-            # prefix-cache merge changed (table_start < start) are written here first
-            self._write_table([e for e in out.entries if e.table_start < e.start])
-            if self.time_decode_steps:
-                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                events[0].record()
-            logits = self.graphs.run(out.entries)
-        else:
-            self._write_table(out.entries)
-            logits = self._eager_logits(out)
+            return self._run_graph(out)
+        to_sample = [(e.request, e.start + e.num_new_tokens) for e in out.entries if e.sample]
+        self._write_table(out.entries)
+        logits = self._eager_logits(out)
         if not to_sample:
             return [], []
         if self.attention_backend == "triton":
@@ -114,7 +123,19 @@ class ModelRunner:
         else:
             tokens, logprobs = sample(logits, SamplingBatch.build(to_sample, self.device))
         # one device-to-host copy: float64 holds both the token ids and the float32 logprobs exactly
-        packed = torch.stack((tokens.double(), logprobs.double()))
+        token_values, logprob_values = torch.stack((tokens.double(), logprobs.double())).tolist()
+        return [int(t) for t in token_values], logprob_values
+
+    def _run_graph(self, out: ScheduleOutput) -> tuple[list[int], list[float]]:
+        """A decode-only step by graph replay (forward and sampling); every entry samples."""
+        # the graph writes each entry's new slot into req_to_token; older slots that a
+        # prefix-cache merge changed (table_start < start) are written here first
+        self._write_table([e for e in out.entries if e.table_start < e.start])
+        events = None
+        if self.time_decode_steps:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        packed = self.graphs.run(out.entries)  # [2, B] float64: token ids, logprobs
         if events is not None:
             events[1].record()
         token_values, logprob_values = packed.tolist()

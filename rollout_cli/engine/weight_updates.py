@@ -67,12 +67,14 @@ def _check_idle(engine) -> None:
 
 
 def plan_update(engine, headers: list[TensorHeader], partial: bool, accepted_dtypes: dict[str, str] | None,
-                version: str | None) -> tuple[list[TensorTarget], str]:
-    """Everything checked before a tensor is received or copied: (targets, new version), or RolloutError."""
+                version: str | None) -> tuple[list[TensorTarget], str, bool]:
+    """Everything checked before a tensor is received or copied: (targets, new version, whether the
+    update holds every tensor), or RolloutError."""
     _check_idle(engine)
+    engine.memory.check_weights_writable()
     try:
         new_version = next_version(engine.weight_version, version)
-        targets, problems = plan_tensors(engine.model, headers, require_all=not partial)
+        targets, problems, missing = plan_tensors(engine.model, headers, require_all=not partial)
         if problems:
             raise RolloutError(f"the tensors do not match the model ({'; '.join(problems)})")
         if not targets:
@@ -81,7 +83,7 @@ def plan_update(engine, headers: list[TensorHeader], partial: bool, accepted_dty
                      fix="send tensors in the dtype of the live weights or of the checkpoint the engine started from")
     except RolloutError as err:
         raise _refused(engine, err) from err
-    return targets, new_version
+    return targets, new_version, not missing
 
 
 # ---- tensors handed over -------------------------------------------------------------------
@@ -109,9 +111,10 @@ def update_weights_from_tensor(engine, named_tensors, version: str | None = None
     except RolloutError as err:
         raise _refused(engine, err) from err
     headers = [TensorHeader(name, tuple(t.shape), dtype_name(t.dtype)) for name, t in items]
-    targets, new_version = plan_update(engine, headers, partial, accepted_dtypes, version)
+    targets, new_version, complete = plan_update(engine, headers, partial, accepted_dtypes, version)
     by_name = dict(items)  # duplicates were refused by plan_tensors
-    committed = commit_weights(engine, [(t, by_name[t.checkpoint_name].detach()) for t in targets], new_version)
+    committed = commit_weights(engine, [(t, by_name[t.checkpoint_name].detach()) for t in targets], new_version,
+                               complete)
     if any(t.is_cuda for _, t in items):
         torch.cuda.synchronize(engine.device)  # copies from IPC memory done before the trainer may reuse it
     return committed
@@ -184,7 +187,7 @@ def update_weights_from_distributed(engine, names, dtypes, shapes, group_name: s
         raise _refused(engine, err) from err
     headers = [TensorHeader(name, shape, dtype_name(dtype)) for name, dtype, shape in meta]
     try:
-        targets, new_version = plan_update(engine, headers, partial, accepted_dtypes, version)
+        targets, new_version, complete = plan_update(engine, headers, partial, accepted_dtypes, version)
     except RolloutError as refusal:
         try:
             drain_broadcast(engine, group_name, names, dtypes, shapes)
@@ -206,4 +209,4 @@ def update_weights_from_distributed(engine, names, dtypes, shapes, group_name: s
         staged[name] = buffer
     if group.device.type == "cuda":
         torch.cuda.synchronize(group.device)  # NCCL receives run on their own stream
-    return commit_weights(engine, [(t, staged[t.checkpoint_name]) for t in targets], new_version)
+    return commit_weights(engine, [(t, staged[t.checkpoint_name]) for t in targets], new_version, complete)

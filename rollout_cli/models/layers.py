@@ -113,7 +113,8 @@ def rope_inverse_frequencies(config) -> tuple[torch.Tensor, float]:
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dim = int(head_dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        # on the CPU even under `with torch.device("cuda")`: the tables must not land in the weights' memory
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
         return inv_freq, 1.0
     if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
         raise RolloutError(
@@ -124,11 +125,39 @@ def rope_inverse_frequencies(config) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scale)
 
 
+class _RopeTables:
+    """cos and sin tables [max_positions, rotary_dim] float32, built once on the CPU and copied
+    once per device. Shared by every layer (and model) with the same frequencies and length:
+    one copy per layer cost 42 MB each at 40960 positions (1.5 GB for a 36-layer model)."""
+
+    _cache: dict[tuple, "_RopeTables"] = {}
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float, max_positions: int):
+        t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, inv_freq)  # [max_positions, rotary_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._by_device = {torch.device("cpu"): (emb.cos() * scale, emb.sin() * scale)}
+
+    @classmethod
+    def shared(cls, inv_freq: torch.Tensor, scale: float, max_positions: int) -> "_RopeTables":
+        key = (tuple(inv_freq.tolist()), scale, max_positions)
+        if key not in cls._cache:
+            cls._cache[key] = cls(inv_freq, scale, max_positions)
+        return cls._cache[key]
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._by_device:
+            cos, sin = self._by_device[torch.device("cpu")]
+            self._by_device[device] = (cos.to(device), sin.to(device))
+        return self._by_device[device]
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE over the first `rotary_dim` dims of each head.
 
-    cos and sin are float32 tables [max_positions, rotary_dim], built once on
-    the CPU and moved to the device at the first forward.
+    cos and sin are float32 tables [max_positions, rotary_dim] (plain tensors, not buffers:
+    model.to(bfloat16) must not round them), shared between layers, built on the CPU and
+    copied to a device at its first forward there (outside any memory-saver region).
     """
 
     def __init__(self, config, head_dim: int, max_positions: int):
@@ -136,12 +165,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq, scale = rope_inverse_frequencies(config)
         self.rotary_dim = inv_freq.numel() * 2
         self.head_dim = head_dim
-        t = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)  # built on the CPU
-        freqs = torch.outer(t, inv_freq)  # [max_positions, rotary_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # Plain attributes, not buffers: model.to(bfloat16) must not round the tables.
-        self.cos = emb.cos() * scale  # [max_positions, rotary_dim]
-        self.sin = emb.sin() * scale
+        self._tables = _RopeTables.shared(inv_freq.cpu(), scale, max_positions)
+        self.cos, self.sin = self._tables.on(torch.device("cpu"))
         self.use_triton = False
 
     @staticmethod
@@ -152,8 +177,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, heads, head_dim]; k [T, kv_heads, head_dim]."""
         if self.cos.device != positions.device:
-            self.cos = self.cos.to(positions.device)
-            self.sin = self.sin.to(positions.device)
+            self.cos, self.sin = self._tables.on(positions.device)
         if self.use_triton:
             from rollout_kernels.rotary import apply_rotary
 

@@ -146,12 +146,13 @@ def checkpoint_headers(model_dir: str):
                 yield TensorHeader(name, tuple(header.get_shape()), header.get_dtype(), path)
 
 
-def plan_tensors(model, headers, require_all: bool = True) -> tuple[list[TensorTarget], list[str]]:
+def plan_tensors(model, headers, require_all: bool = True) -> tuple[list[TensorTarget], list[str], list[str]]:
     """Map incoming tensors (HF checkpoint names) onto the model's parameters; touch no weights.
 
-    Returns (targets, problems): missing (unless `require_all` is False: a partial update),
-    unexpected, wrong-shaped, duplicated tensors and mixed expert layouts. Used for checkpoints
-    on disk (plan_checkpoint) and for tensors handed over by a trainer (engine.weight_updates).
+    Returns (targets, problems, missing names): problems are missing (unless `require_all` is
+    False: a partial update), unexpected, wrong-shaped, duplicated tensors and mixed expert
+    layouts. Used for checkpoints on disk (plan_checkpoint) and for tensors handed over by a
+    trainer (engine.weight_updates).
     """
     params = dict(model.named_parameters())
     expected = expected_checkpoint_names(model)
@@ -190,12 +191,12 @@ def plan_tensors(model, headers, require_all: bool = True) -> tuple[list[TensorT
     if duplicates:
         where = "in more than one file" if any(t.file for t in targets) else "more than once"
         problems.append(f"{duplicates} tensors appear {where}")
-    return targets, problems
+    return targets, problems, missing
 
 
 def plan_checkpoint(model, model_dir: str) -> list[TensorTarget]:
     """Check names and shapes of every tensor in the checkpoint; touch no weights."""
-    targets, problems = plan_tensors(model, checkpoint_headers(model_dir))
+    targets, problems, _ = plan_tensors(model, checkpoint_headers(model_dir))
     if problems:
         raise RolloutError(
             f"checkpoint {model_dir} does not match the model ({'; '.join(problems)}); "

@@ -84,6 +84,10 @@ class DestroyGroupRequest(BaseModel):
     group_name: str = "weight_update_group"
 
 
+class MemoryRequest(BaseModel):
+    tags: Optional[list[str]] = Field(None, description="weights, kv_cache, cuda_graph; default all.")
+
+
 class PauseRequest(BaseModel):
     mode: Literal["abort", "wait"] = "wait"
 
@@ -166,6 +170,14 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(body: DestroyGroupRequest = DestroyGroupRequest()):
         return await call("destroy_weights_update_group", group_name=body.group_name)
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(body: MemoryRequest = MemoryRequest()):
+        return await call("release_memory", tags=body.tags)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(body: MemoryRequest = MemoryRequest()):
+        return await call("resume_memory", tags=body.tags)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():

@@ -116,6 +116,11 @@ class EngineWorker(threading.Thread):
                 )
             if self.paused:
                 raise Conflict("generation is paused; resume it with rollout continue")
+            if self.engine is not None:
+                try:
+                    self.engine.memory.check_can_generate()
+                except RolloutError as err:
+                    raise Conflict(str(err)) from err
             handle = self.job = JobHandle(job, params)
         self.commands.put(Command("generate", {"handle": handle}))
         return handle
@@ -246,6 +251,30 @@ class EngineWorker(threading.Thread):
         destroy_weights_update_group(self.engine, group_name)
         return {"success": True, "message": f"destroyed weight update group {group_name}"}
 
+    def _do_release_memory(self, in_job: bool, tags) -> dict:
+        from rollout_cli.engine.control import memory_held
+
+        if in_job:
+            raise Conflict("a job is running; stop it first (rollout pause --mode abort, or rollout abort), "
+                           "then release memory")
+        result = self.engine.release_memory(tags)
+        log.info("released %s in %.2f s", ",".join(result["released"]) or "nothing", result["seconds"])
+        self._publish(state="released" if self.engine.memory.released else self._idle_state(),
+                      memory=memory_held(self.engine))
+        return {"success": True, **result, "seconds": round(result["seconds"], 3)}
+
+    def _do_resume_memory(self, in_job: bool, tags) -> dict:
+        from rollout_cli.engine.control import memory_held
+
+        result = self.engine.resume_memory(tags)
+        log.info("resumed %s in %.2f s", ",".join(result["resumed"]) or "nothing", result["seconds"])
+        self._publish(state="released" if self.engine.memory.released else self._idle_state(),
+                      memory=memory_held(self.engine))
+        return {"success": True, **result, "seconds": round(result["seconds"], 3)}
+
+    def _idle_state(self) -> str:
+        return "paused" if self.paused else "serving"
+
     def _do_flush_cache(self, in_job: bool) -> dict:
         from rollout_cli.engine.control import flush_prefix_cache
 
@@ -259,13 +288,14 @@ class EngineWorker(threading.Thread):
             raise RolloutError(f"unknown pause mode {mode!r}; choose abort or wait")
         self.paused = True
         aborted = self._abort_in_flight() if mode == "abort" and in_job else 0
-        self._publish(state="paused")
+        self._publish(state="released" if self.engine.memory.released else "paused")
         return {"success": True, "state": "paused", "mode": mode, "aborted": aborted}
 
     def _do_continue(self, in_job: bool) -> dict:
         self.paused = False
-        self._publish(state="serving")
-        return {"success": True, "state": "serving"}
+        state = "released" if self.engine.memory.released else "serving"
+        self._publish(state=state)
+        return {"success": True, "state": state}
 
     def _do_abort(self, in_job: bool) -> dict:
         return {"success": True, "aborted": self._abort_in_flight() if in_job else 0, "job_aborted": in_job}

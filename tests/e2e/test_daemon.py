@@ -312,6 +312,31 @@ def test_explicit_and_non_numeric_versions(daemons):
     assert http.get("/get_weight_version").json() == {"weight_version": "base-again"}
 
 
+def test_release_resume_then_reload_before_the_next_run(daemons, checkpoints, embedded, work):
+    sock = daemons["sock"]
+    released = _ok(_cli(["release-memory", "--engine", sock])).stdout
+    assert released.startswith("released weights, kv_cache, cuda_graph in ")
+    info = daemons["http"].get("/get_server_info").json()
+    assert info["state"] == "released" and info["memory"]["weights_bytes"] == 0
+    assert "released        weights, kv_cache, cuda_graph" in _ok(_cli(["status", "--engine", sock])).stdout
+    refused = _cli(["run", "--engine", sock, "--out", work / "d_released", *RUN_ARGS])
+    assert refused.returncode == 2 and "resume-memory" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and not (work / "d_released").exists()
+    bad_tag = _cli(["release-memory", "--tags", "weights,everything", "--engine", sock])
+    assert bad_tag.returncode == 2 and "unknown memory tag(s) everything" in bad_tag.stderr
+    resumed = _ok(_cli(["resume-memory", "--engine", sock])).stdout
+    assert resumed.startswith("resumed weights, kv_cache, cuda_graph") and "must be reloaded" in resumed
+    stale = _cli(["run", "--engine", sock, "--out", work / "d_stale", *RUN_ARGS])
+    assert stale.returncode == 2 and "reload-weights" in stale.stderr
+    _ok(_cli(["reload-weights", checkpoints["good"], "--version", "7", "--engine", sock]))
+    assert daemons["http"].get("/get_server_info").json()["state"] == "serving"
+    out = work / "d_after_resume"
+    _ok(_cli(["run", "--engine", sock, "--out", out, *RUN_ARGS]))
+    rows = _rows(out)
+    assert {r["weight_version"] for r in rows} == {"7"}
+    assert _without_version(rows) == _without_version(embedded("good"))
+
+
 def test_no_engine_is_one_line(work):
     missing = work / "nobody.sock"
     for args, env in [(["status", "--engine", missing], {}),

@@ -213,3 +213,20 @@ def test_distributed_metadata_is_checked_first(ckpts):
         engine.init_weights_update_group("127.0.0.1", free_port(), 0, 2, "g", backend="gloo")
     with pytest.raises(RolloutError, match="unknown backend"):
         engine.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "g", backend="mpi")
+
+
+def test_after_a_release_without_backup_only_a_full_update_makes_generation_possible(ckpts, hf_ref):
+    """Released weights refuse updates (resume first); after resume the weights are stale: a partial
+    update leaves them stale, a full one from tensors makes them valid (== HF on those tensors)."""
+    engine = make_engine(ckpts["base"])
+    new = checkpoint_tensors(ckpts["new"])
+    engine.release_memory(["weights"])
+    with pytest.raises(RolloutError, match="resume-memory"):
+        engine.update_weights_from_tensor(new)
+    assert engine.resume_memory()["weights_stale"]
+    partial = {k: v for k, v in new.items() if ".self_attn." in k}
+    assert engine.update_weights_from_tensor(partial, partial=True) == "1"
+    with pytest.raises(RolloutError, match="not reloaded since"):
+        _generate(engine)
+    assert engine.update_weights_from_tensor(new) == "2"
+    assert_matches_hf(hf_ref, ckpts["new"], _generate(engine), PROMPTS, MAX_NEW)
