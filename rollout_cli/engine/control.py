@@ -1,5 +1,6 @@
 """Engine control outside the step loop: abort in-flight requests, flush the prefix cache,
-reload weights from disk with every name, shape and dtype checked before a live weight changes.
+reload weights from disk with every name, shape and dtype checked before a live weight changes
+(updates from tensors and broadcasts share the checks and commit_weights: engine/weight_updates.py).
 
 Each function is called by the one thread that owns the engine (the daemon's worker), between
 engine steps; none of them is safe to call while another thread steps the engine.
@@ -73,7 +74,8 @@ def next_version(current: str, requested: str | None) -> str:
     raise RolloutError(f"the current weight version {current!r} is not a number, so it cannot be bumped; pass --version V")
 
 
-def _check_dtypes(engine: Engine, targets: list[TensorTarget], accepted: dict[str, str]) -> None:
+def check_dtypes(engine: Engine, targets: list[TensorTarget], accepted: dict[str, str],
+                 fix: str = "save the checkpoint in the dtype the engine was started from") -> None:
     """A tensor may be the live parameter's dtype or the dtype it had in the checkpoint the engine
     started from; anything else (another float width, ints, fp8 without scales) is refused."""
     params = dict(engine.model.named_parameters())
@@ -86,7 +88,7 @@ def _check_dtypes(engine: Engine, targets: list[TensorTarget], accepted: dict[st
         want = accepted.get(target.checkpoint_name) or str(live).removeprefix("torch.")
         bad.append(f"{target.checkpoint_name} {found} (expected {want})")
     if bad:
-        raise RolloutError(f"wrong dtypes: {_short_list(bad)}; save the checkpoint in the dtype the engine was started from")
+        raise RolloutError(f"wrong dtypes: {_short_list(bad)}; {fix}")
 
 
 def reload_weights(engine: Engine, path: str, version: str | None, accepted_dtypes: dict[str, str]) -> str:
@@ -106,19 +108,28 @@ def reload_weights(engine: Engine, path: str, version: str | None, accepted_dtyp
     new_version = next_version(engine.weight_version, version)
     try:
         targets = plan_checkpoint(engine.model, path)
-        _check_dtypes(engine, targets, accepted_dtypes)
+        check_dtypes(engine, targets, accepted_dtypes)
     except RolloutError as err:
         raise RolloutError(f"refused {path}: {err}; the engine keeps weight version {engine.weight_version}") from err
     try:  # read everything before the first live weight changes
         staged = list(read_checkpoint_tensors(targets))
     except RolloutError as err:
         raise RolloutError(f"refused {path}: {err}; the engine keeps weight version {engine.weight_version}") from err
+    return commit_weights(engine, staged, new_version)
+
+
+def commit_weights(engine: Engine, staged: list[tuple[TensorTarget, torch.Tensor]], new_version: str,
+                   complete: bool = True) -> str:
+    """The last phase of every weight update (disk, tensors, broadcast), once all of it was checked and
+    staged: copy in place, flush the prefix cache (its KV came from the old weights), bump the version.
+    Only a `complete` update (every tensor) makes weights lost in a release without backup valid again."""
     params = dict(engine.model.named_parameters())
     for target, tensor in staged:
         copy_into_parameters(params, target, tensor)
     flush_prefix_cache(engine)
     engine.weight_version = new_version
-    engine.memory.weights_loaded()
+    if complete:
+        engine.memory.weights_loaded()
     return new_version
 
 

@@ -146,6 +146,7 @@ class Engine:
         self._build_cache()
         self._request_ids = itertools.count()
         self.routing_pool = None  # models.moe.RoutingPool once routing capture was turned on
+        self.weight_update_groups = {}  # group name -> engine.weight_group.WeightGroup
 
     def _build_cache(self) -> None:
         cfg, hf = self.config, self.hf_config
@@ -235,6 +236,36 @@ class Engine:
     @property
     def num_kv_slots(self) -> int:
         return self.kv.num_slots
+
+    # ---- weight updates from a trainer (engine/weight_updates.py; from disk: engine/control.py) ----
+
+    def update_weights_from_tensor(self, named_tensors, version: str | None = None, partial: bool = False) -> str:
+        """New weights from (name, tensor) pairs, a dict, a FlattenedBucket (engine.tensor_bucket) or the
+        text of tensor_ipc.serialize_named_tensors (another process: CUDA IPC / shared memory).
+        HF checkpoint names; all of them unless partial=True. Returns the new weight version."""
+        from rollout_cli.engine.weight_updates import update_weights_from_tensor
+
+        return update_weights_from_tensor(self, named_tensors, version, partial)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str | None = None, timeout_seconds: float = 600.0) -> None:
+        """Join the trainer's broadcast group as rank `rank_offset` (nccl on CUDA, gloo on the CPU by default)."""
+        from rollout_cli.engine.weight_updates import init_weights_update_group
+
+        init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend,
+                                  timeout_seconds)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list, group_name: str,
+                                        version: str | None = None, partial: bool = False) -> str:
+        """Receive tensors broadcast by the trainer's rank 0 (in `names` order); returns the new weight version."""
+        from rollout_cli.engine.weight_updates import update_weights_from_distributed
+
+        return update_weights_from_distributed(self, names, dtypes, shapes, group_name, version, partial)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        from rollout_cli.engine.weight_updates import destroy_weights_update_group
+
+        destroy_weights_update_group(self, group_name)
 
     # ---- prompts -------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Stream safetensors checkpoints into a model's own parameters.
 
 Loading is two passes: `plan_checkpoint` reads only the safetensors headers
-and checks every name and shape against the model, so a bad checkpoint is
-refused before any live weight changes; `load_checkpoint` then copies each
+and checks every name and shape against the model (`plan_tensors`, which also
+checks tensors a trainer hands over), so a bad checkpoint is refused before
+any live weight changes; `load_checkpoint` then copies each
 tensor into its parameter through that parameter's `weight_loader`.
 """
 
@@ -122,13 +123,18 @@ def expected_checkpoint_names(model) -> set[str]:
     return names
 
 
-def plan_checkpoint(model, model_dir: str) -> list[TensorTarget]:
-    """Check names and shapes of every tensor in the checkpoint; touch no weights."""
-    params = dict(model.named_parameters())
-    expected = expected_checkpoint_names(model)
-    by_layout = layout_names(model)
-    tied = getattr(model, "tie_word_embeddings", False)
-    targets, unexpected, bad_shapes = [], [], []
+@dataclass(frozen=True)
+class TensorHeader:
+    """What the check needs of one incoming tensor: a safetensors header entry, or an in-memory tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype name: "BF16", "F32", ...
+    file: str = ""  # the safetensors file it is read from; "" for tensors handed over in memory
+
+
+def checkpoint_headers(model_dir: str):
+    """Yield a TensorHeader per tensor of the checkpoint's safetensors files, reading headers only."""
     for path in safetensors_files(model_dir):
         try:
             handle = safe_open(path, framework="pt", device="cpu")
@@ -136,29 +142,46 @@ def plan_checkpoint(model, model_dir: str) -> list[TensorTarget]:
             raise RolloutError(f"cannot read {path}: {err}; the file is not valid safetensors") from err
         with handle:
             for name in handle.keys():
-                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                    continue
-                if name.startswith(getattr(model, "checkpoint_ignored_prefixes", ())):  # Qwen3-Next's mtp.*
-                    continue
-                key = _canonical(model, name)
-                if key in by_layout:  # stacked experts: one of several layouts
-                    param_name, shard_id, _ = by_layout[key]
-                else:
-                    param_name, shard_id = _param_target(model, key)
-                    if param_name not in params or key not in expected:
-                        unexpected.append(name)
-                        continue
                 header = handle.get_slice(name)
-                shape = tuple(header.get_shape())
-                want = model_shard_shape(params[param_name], shard_id)
-                if shape != want:
-                    bad_shapes.append(f"{name} {shape} (model: {want})")
-                targets.append(TensorTarget(name, path, param_name, shard_id, header.get_dtype()))
+                yield TensorHeader(name, tuple(header.get_shape()), header.get_dtype(), path)
+
+
+def plan_tensors(model, headers, require_all: bool = True) -> tuple[list[TensorTarget], list[str], list[str]]:
+    """Map incoming tensors (HF checkpoint names) onto the model's parameters; touch no weights.
+
+    Returns (targets, problems, missing names): problems are missing (unless `require_all` is
+    False: a partial update), unexpected, wrong-shaped, duplicated tensors and mixed expert
+    layouts. Used for checkpoints on disk (plan_checkpoint) and for tensors handed over by a
+    trainer (engine.weight_updates).
+    """
+    params = dict(model.named_parameters())
+    expected = expected_checkpoint_names(model)
+    by_layout = layout_names(model)
+    tied = getattr(model, "tie_word_embeddings", False)
+    targets, unexpected, bad_shapes = [], [], []
+    for header in headers:
+        name = header.name
+        if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        if name.startswith(getattr(model, "checkpoint_ignored_prefixes", ())):  # Qwen3-Next's mtp.*
+            continue
+        key = _canonical(model, name)
+        if key in by_layout:  # stacked experts: one of several layouts
+            param_name, shard_id, _ = by_layout[key]
+        else:
+            param_name, shard_id = _param_target(model, key)
+            if param_name not in params or key not in expected:
+                unexpected.append(name)
+                continue
+        want = model_shard_shape(params[param_name], shard_id)
+        if tuple(header.shape) != want:
+            bad_shapes.append(f"{name} {tuple(header.shape)} (model: {want})")
+        targets.append(TensorTarget(name, header.file, param_name, shard_id, header.dtype))
     found = {_canonical(model, t.checkpoint_name) for t in targets}
     layout_missing, mixed = _layout_problems(model, found)
     missing = sorted(_as_checkpoint(model, n) for n in (expected - found) | set(layout_missing))
     problems = []
-    if missing:
+    if missing and require_all:
         problems.append(f"missing tensors: {_short_list(missing)}")
     if unexpected:
         problems.append(f"unexpected tensors: {_short_list(sorted(unexpected))}")
@@ -168,7 +191,14 @@ def plan_checkpoint(model, model_dir: str) -> list[TensorTarget]:
         problems.append(f"both per-expert and fused expert tensors for {_short_list(mixed)}")
     duplicates = len(targets) - len(found)
     if duplicates:
-        problems.append(f"{duplicates} tensors appear in more than one file")
+        where = "in more than one file" if any(t.file for t in targets) else "more than once"
+        problems.append(f"{duplicates} tensors appear {where}")
+    return targets, problems, missing
+
+
+def plan_checkpoint(model, model_dir: str) -> list[TensorTarget]:
+    """Check names and shapes of every tensor in the checkpoint; touch no weights."""
+    targets, problems, _ = plan_tensors(model, checkpoint_headers(model_dir))
     if problems:
         raise RolloutError(
             f"checkpoint {model_dir} does not match the model ({'; '.join(problems)}); "

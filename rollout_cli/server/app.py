@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from dataclasses import fields
-from typing import Callable, Literal, Optional, get_type_hints
+from typing import Callable, Literal, Optional, Union, get_type_hints
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -52,6 +52,36 @@ class GenerateRequest(BaseModel):
 class UpdateWeightsRequest(BaseModel):
     model_path: str = Field(description="Checkpoint directory with *.safetensors, absolute.")
     weight_version: Optional[str] = Field(None, description="New version; default: the current one plus 1.")
+
+
+class TensorUpdateRequest(BaseModel):
+    serialized_named_tensors: Union[str, list[str]] = Field(
+        description="tensor_ipc.serialize_named_tensors text (as SGLang: a list with one entry per engine rank; one here).")
+    weight_version: Optional[str] = Field(None, description="New version; default: the current one plus 1.")
+    partial: bool = Field(False, description="Accept a subset of the model's tensors; by default all are required.")
+
+
+class InitGroupRequest(BaseModel):
+    master_address: str
+    master_port: int
+    rank_offset: int = Field(description="The engine's rank in the group; the trainer is rank 0.")
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: Optional[Literal["nccl", "gloo"]] = Field(None, description="Default: nccl on CUDA, gloo on the CPU.")
+    timeout_seconds: float = 600.0
+
+
+class DistributedUpdateRequest(BaseModel):
+    names: list[str]
+    dtypes: list[str] = Field(description="torch dtype names (bfloat16, float32, ...), one per name.")
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    weight_version: Optional[str] = None
+    partial: bool = False
+
+
+class DestroyGroupRequest(BaseModel):
+    group_name: str = "weight_update_group"
 
 
 class MemoryRequest(BaseModel):
@@ -118,6 +148,28 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
         if not os.path.isabs(body.model_path):
             return _error(400, f"model_path {body.model_path!r} must be absolute (the engine has its own working directory)")
         return await call("update_weights", path=body.model_path, version=body.weight_version)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(body: TensorUpdateRequest):
+        payloads = body.serialized_named_tensors
+        payloads = [payloads] if isinstance(payloads, str) else payloads
+        if len(payloads) != 1:
+            return _error(400, f"serialized_named_tensors has {len(payloads)} entries; this engine is one rank: send one")
+        return await call("update_weights_from_tensor", serialized=payloads[0], version=body.weight_version,
+                          partial=body.partial)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitGroupRequest):
+        return await call("init_weights_update_group", **body.model_dump())
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: DistributedUpdateRequest):
+        return await call("update_weights_from_distributed", names=body.names, dtypes=body.dtypes, shapes=body.shapes,
+                          group_name=body.group_name, version=body.weight_version, partial=body.partial)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: DestroyGroupRequest = DestroyGroupRequest()):
+        return await call("destroy_weights_update_group", group_name=body.group_name)
 
     @app.post("/release_memory_occupation")
     async def release_memory_occupation(body: MemoryRequest = MemoryRequest()):

@@ -73,6 +73,38 @@ class EngineClient:
     def post(self, path: str, body: dict | None = None) -> dict:
         return self._send("POST", path, body or {})
 
+    # ---- weight updates from a trainer process (README: "Weight updates from a trainer") ----
+
+    def update_weights_from_tensor(self, named_tensors, weight_version: str | None = None,
+                                   partial: bool = False) -> dict:
+        """(name, tensor) pairs, a dict or a FlattenedBucket, passed by handle (CUDA IPC / shared memory):
+        the daemon must run on this machine, and the tensors stay alive until this returns."""
+        from rollout_cli.engine.tensor_ipc import serialize_named_tensors
+
+        return self.post("/update_weights_from_tensor", {
+            "serialized_named_tensors": [serialize_named_tensors(named_tensors)],
+            "weight_version": weight_version, "partial": partial})
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str | None = None,
+                                  timeout_seconds: float = 600.0) -> dict:
+        """Blocks until the trainer (rank 0) joined too: call it in a thread next to the trainer's own join."""
+        return self.post("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+            "timeout_seconds": timeout_seconds})
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", weight_version: str | None = None,
+                                        partial: bool = False) -> dict:
+        """Blocks until the broadcast arrived: call it in a thread while the trainer broadcasts."""
+        return self.post("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "weight_version": weight_version, "partial": partial})
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self.post("/destroy_weights_update_group", {"group_name": group_name})
+
     def stream(self, path: str, body: dict) -> Iterator[dict]:
         """POST and yield the newline-delimited JSON events of the answer."""
         try:

@@ -22,6 +22,8 @@ from rollout_cli.errors import RolloutError
 log = logging.getLogger("rollout.serve")
 
 PAUSE_MODES = ("abort", "wait")
+IN_JOB_HINT = ("an update would mix two weight versions in it: wait for the job to finish, "
+               "or stop it with rollout abort, then update")
 
 
 class Conflict(RolloutError):
@@ -199,6 +201,55 @@ class EngineWorker(threading.Thread):
         self._publish(weight_version=new, weights_path=path, memory=memory_held(self.engine))
         return {"success": True, "message": f"weights loaded from {path}", "weight_version": new,
                 "previous_weight_version": old, "seconds": round(seconds, 3)}
+
+    # ---- updates from a trainer's tensors (engine/weight_updates.py) -----------------------------
+
+    def _updated(self, old: str, new: str, started: float, source: str) -> dict:
+        from rollout_cli.engine.control import memory_held
+
+        seconds = time.perf_counter() - started
+        log.info("weights updated from %s: version %s -> %s in %.2f s", source, old, new, seconds)
+        self._publish(weight_version=new, weights_path=source, memory=memory_held(self.engine))
+        return {"success": True, "message": f"weights updated from {source}", "weight_version": new,
+                "previous_weight_version": old, "seconds": round(seconds, 3)}
+
+    def _do_update_weights_from_tensor(self, in_job: bool, serialized: str, version: str | None,
+                                       partial: bool) -> dict:
+        from rollout_cli.engine.weight_updates import update_weights_from_tensor
+
+        if in_job:
+            raise Conflict(f"a job is running; {IN_JOB_HINT}")
+        started, old = time.perf_counter(), self.engine.weight_version
+        new = update_weights_from_tensor(self.engine, serialized, version, partial, self._accepted_dtypes)
+        return self._updated(old, new, started, "tensors (update_weights_from_tensor)")
+
+    def _do_init_weights_update_group(self, in_job: bool, **group) -> dict:
+        from rollout_cli.engine.weight_updates import init_weights_update_group
+
+        if in_job:
+            raise Conflict("a job is running; join the weight update group between jobs")
+        init_weights_update_group(self.engine, **group)
+        log.info("joined weight update group %r as rank %d of %d (%s)", group["group_name"], group["rank_offset"],
+                 group["world_size"], self.engine.weight_update_groups[group["group_name"]].backend)
+        return {"success": True, "message": f"joined weight update group {group['group_name']}"}
+
+    def _do_update_weights_from_distributed(self, in_job: bool, names, dtypes, shapes, group_name: str,
+                                            version: str | None, partial: bool) -> dict:
+        from rollout_cli.engine.weight_updates import drain_broadcast, update_weights_from_distributed
+
+        if in_job:  # receive and drop the broadcast, so the trainer is not left hanging in it
+            drain_broadcast(self.engine, group_name, names, dtypes, shapes)
+            raise Conflict(f"a job is running; the broadcast was received and dropped; {IN_JOB_HINT}")
+        started, old = time.perf_counter(), self.engine.weight_version
+        new = update_weights_from_distributed(self.engine, names, dtypes, shapes, group_name, version, partial,
+                                              self._accepted_dtypes)
+        return self._updated(old, new, started, f"broadcast of group {group_name}")
+
+    def _do_destroy_weights_update_group(self, in_job: bool, group_name: str) -> dict:
+        from rollout_cli.engine.weight_updates import destroy_weights_update_group
+
+        destroy_weights_update_group(self.engine, group_name)
+        return {"success": True, "message": f"destroyed weight update group {group_name}"}
 
     def _do_release_memory(self, in_job: bool, tags) -> dict:
         from rollout_cli.engine.control import memory_held
