@@ -148,8 +148,8 @@ def run_job(
             done = completed_pairs(job.out, clean=False)  # replica 0 may be writing already
     owned = group.owns if group is not None else (lambda prompt_index: True)
 
-    progress = JobProgress(prompts_total=sum(map(owned, source.valid_indices())),
-                           trajectories=sum(owned(p) for p, _ in done))
+    already_done = sum(owned(p) for p, _ in done)
+    progress = JobProgress(prompts_total=sum(map(owned, source.valid_indices())), trajectories=already_done)
     if on_progress is not None:
         on_progress(progress)  # every row is valid: the bar may start
     remaining: dict[int, int] = {}  # prompt_index -> samples still to finish
@@ -187,6 +187,8 @@ def run_job(
         status = "complete"
     finally:
         writer.close()  # finished rows survive any exception, Ctrl-C and SIGTERM included
+        # count what is on disk: a signal between writer.add and the counter update must not skew it
+        progress.trajectories = already_done + writer.rows_written
         summary = _summary(engine, progress, writer, finish_reasons, skipped, stats_before, status)
         if group is None:
             manifest.update(summary)
