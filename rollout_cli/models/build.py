@@ -31,9 +31,28 @@ def load_model_config(model_dir: str):
     architectures = raw.get("architectures") or []
     model_class_for(type("RawConfig", (), {"architectures": architectures}))  # fail early, one line
     try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except Exception as err:  # transformers raises many types for bad configs
         raise RolloutError(f"cannot load {path}: {str(err).splitlines()[0]}") from err
+    return _language_model_config(config, architectures)
+
+
+def _language_model_config(config, architectures: list[str]):
+    """A vision-language checkpoint's text_config, named by the checkpoint's architecture (the registry
+    maps it to the language model that reads model.language_model.*); other configs unchanged."""
+    from rollout_cli.models.registry import MULTIMODAL_ARCHITECTURES
+
+    name = next((a for a in architectures if a in MULTIMODAL_ARCHITECTURES), None)
+    if name is None:
+        return config
+    text = config.text_config
+    text.architectures = [name]
+    # tying is decided by the outer config (the text config's own flag may say otherwise)
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if getattr(text, key, None) is None and getattr(config, key, None) is not None:
+            setattr(text, key, getattr(config, key))
+    return text
 
 
 def resolve_device(name: str) -> torch.device:

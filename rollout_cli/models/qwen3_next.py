@@ -185,3 +185,21 @@ class Qwen3_5ForCausalLM(Qwen3_5MoeForCausalLM):
 
     def sparse_layers(self, config) -> list[int]:
         return []
+
+
+class _LanguageModelOfVLM:
+    """Mixin: the language model inside a vision-language checkpoint (`*ForConditionalGeneration`,
+    as Qwen3.5 ships on the hub). Its tensors are named model.language_model.*; the vision tower
+    (model.visual.*) is not loaded: rollouts here are text in, text out. build.load_model_config
+    hands these classes the checkpoint's text_config."""
+
+    checkpoint_renames = (("model.language_model.", "model."),)
+    checkpoint_ignored_prefixes = ("mtp.", "model.visual.")
+
+
+class Qwen3_5ForConditionalGeneration(_LanguageModelOfVLM, Qwen3_5ForCausalLM):
+    pass
+
+
+class Qwen3_5MoeForConditionalGeneration(_LanguageModelOfVLM, Qwen3_5MoeForCausalLM):
+    pass

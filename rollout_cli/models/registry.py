@@ -8,7 +8,13 @@ from rollout_cli.models.mixtral import MixtralForCausalLM
 from rollout_cli.models.qwen2_moe import Qwen2MoeForCausalLM
 from rollout_cli.models.qwen3 import Qwen3ForCausalLM
 from rollout_cli.models.qwen3_moe import Qwen3MoeForCausalLM
-from rollout_cli.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
+from rollout_cli.models.qwen3_next import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3NextForCausalLM,
+)
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -20,7 +26,11 @@ MODEL_CLASSES = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    # vision-language checkpoints: their language model only (build.load_model_config unwraps the config)
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
 }
+MULTIMODAL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 
 
 def model_class_for(config):
