@@ -18,8 +18,8 @@ MOE_TEXT = dict(TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_siz
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
               temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 ARCHS = {
-    "dense": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", TEXT, True),
-    "moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", MOE_TEXT, False),
+    "dense": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", TEXT, False),
+    "moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", MOE_TEXT, True),
 }
 PROMPTS = [[5, 17, 99, 3, 250, 31], [7, 7, 8, 100, 42, 11, 12, 200, 13], [300, 2]]
 
