@@ -27,6 +27,9 @@ from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.errors import RolloutError
 
 
+CAPTURE_MODES = ("off", "on", "compare")
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """The workload of one benchmark."""
@@ -51,10 +54,15 @@ class BenchConfig:
     """none or hf (transformers generate on the same model and prompts)."""
     baseline_batch: int = 256
     """Batch size of the HF baseline."""
+    capture_routing: str = "off"
+    """MoE models: off, on (the timed run records every token's experts), or compare (a run
+    without, then one with, on the same engine: the cost of routing capture)."""
 
     def __post_init__(self):
         if self.baseline not in ("none", "hf"):
             raise RolloutError(f"unknown --baseline {self.baseline!r}; choose none or hf")
+        if self.capture_routing not in CAPTURE_MODES:
+            raise RolloutError(f"unknown --capture-routing {self.capture_routing!r}; choose {', '.join(CAPTURE_MODES)}")
         for name in ("input_len_range", "output_len_range"):
             value = getattr(self, name)
             if value is not None and not 1 <= value[0] <= value[1]:

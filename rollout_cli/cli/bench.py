@@ -30,6 +30,7 @@ def bench_command(
     seed: opt.Seed = 0,
     baseline: Annotated[str, typer.Option(help="none, or hf: also time transformers generate on the same prompts.")] = "none",
     baseline_batch: Annotated[int, typer.Option(help="Batch size of the HF baseline.")] = 256,
+    capture_routing: Annotated[str, typer.Option(help="MoE models: off, on (record every token's experts in the timed run), or compare (a run without, then one with: the cost of capture).")] = "off",
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the full report to this JSON file.")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Afterwards, profile a short run and print the top kernels.")] = False,
     engine_options: Optional[dict] = None,  # filled by with_engine_options
@@ -51,7 +52,8 @@ def bench_command(
     with user_errors():
         cfg = BenchConfig(num_prompts=num_prompts, input_len=input_len, output_len=output_len,
                           input_len_range=input_len_range, output_len_range=output_len_range, n=n,
-                          temperature=temperature, seed=seed, baseline=baseline, baseline_batch=baseline_batch)
+                          temperature=temperature, seed=seed, baseline=baseline, baseline_batch=baseline_batch,
+                          capture_routing=capture_routing)
         engine_config = opt.engine_config(model=model, **engine_options)
         hf_config = load_model_config(model)
         torch_device = resolve_device(engine_config.device)
@@ -67,8 +69,18 @@ def bench_command(
             engine = Engine(engine_config)
         report["engine_settings"] = {"device": str(engine.device), "dtype": str(engine.dtype),
                                      "kv_cache_tokens": engine.num_kv_slots - 1}
+        if capture_routing == "on":
+            engine.enable_routing_capture()  # a dense model is refused here, before any timing
+        elif capture_routing == "compare" and not getattr(engine.model, "moe_layers", None):
+            engine.enable_routing_capture()  # refuses with the one-line reason
         with console.status("engine"):
             report["rollout"] = run_engine(engine, workload, cfg)
+        if capture_routing == "compare":
+            engine.enable_routing_capture()
+            with console.status("engine, routing capture on"):
+                report["rollout_capture"] = run_engine(engine, workload, cfg)
+            report["capture_overhead"] = 1 - (report["rollout_capture"]["output_tokens_per_s"]
+                                              / report["rollout"]["output_tokens_per_s"])
         report["bandwidth"] = bandwidth_limit(engine, report["rollout"]["output_tokens_per_s"], hbm)
         if "hf" in report:
             report["speedup_vs_hf"] = report["rollout"]["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"]
@@ -135,5 +147,8 @@ def _table(report: dict) -> Table:
         table.add_row("HF generate", f"{report['hf']['output_tokens_per_s']:,.1f} tok/s "
                       f"(batch {report['hf']['batch']})")
         table.add_row("speedup vs HF", f"{report['speedup_vs_hf']:.2f}x")
+    if "rollout_capture" in report:
+        table.add_row("with routing capture", f"{report['rollout_capture']['output_tokens_per_s']:,.1f} tok/s")
+        table.add_row("capture overhead", f"{report['capture_overhead']:.1%} of output tok/s")
     table.add_row("wall time", f"{r['seconds']:.1f} s")
     return table

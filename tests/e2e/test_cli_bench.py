@@ -1,0 +1,63 @@
+"""`rollout bench` end to end on the CPU: the report's numbers add up, the HF baseline runs on the same
+prompts, mixed lengths follow their ranges, routing capture can be compared, bad flags are one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / "recipes" / "example_model"
+
+
+def _bench(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "rollout_cli.cli.main", "bench", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+def test_fixed_workload_with_hf_baseline(tmp_path):
+    report_path = tmp_path / "bench.json"
+    result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 6, "--input-len", 12, "--output-len", 9,
+                    "--n", 2, "--baseline", "hf", "--baseline-batch", 3, "--json", report_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    rollout = report["rollout"]
+    assert rollout["requests"] == 12 and rollout["output_tokens"] == 12 * 9  # eos ignored
+    # of each prompt's 2 x 12 tokens the second sample takes 11 from the first (the last one is computed)
+    assert rollout["output_tokens_per_s"] > 0 and abs(rollout["prefix_hit_rate"] - 11 / 24) < 1e-9
+    assert report["hf"]["output_tokens_per_s"] > 0
+    assert abs(report["speedup_vs_hf"] - rollout["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"]) < 1e-9
+    assert "output tok/s" in result.stdout and "speedup vs HF" in result.stdout
+
+
+def test_mixed_lengths_follow_their_ranges(tmp_path):
+    report_path = tmp_path / "bench.json"
+    result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 8, "--input-len-range", 5, 20,
+                    "--output-len-range", 3, 11, "--temperature", 0.6, "--json", report_path)
+    assert result.returncode == 0, result.stderr
+    rollout = json.loads(report_path.read_text())["rollout"]
+    assert rollout["requests"] == 8 and 8 * 3 <= rollout["output_tokens"] <= 8 * 11
+
+
+def test_routing_capture_compare_on_a_moe_model(tiny_moe_checkpoints, tmp_path):
+    report_path = tmp_path / "bench.json"
+    result = _bench("--model", tiny_moe_checkpoints["qwen3_moe"], "--device", "cpu", "--num-prompts", 4,
+                    "--input-len", 10, "--output-len", 6, "--capture-routing", "compare", "--json", report_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    assert report["rollout_capture"]["output_tokens"] == report["rollout"]["output_tokens"] == 24
+    assert report["capture_overhead"] == 1 - (report["rollout_capture"]["output_tokens_per_s"]
+                                              / report["rollout"]["output_tokens_per_s"])
+    assert "capture overhead" in result.stdout
+
+
+def test_bad_flags_are_one_line(tmp_path):
+    dense = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 2, "--capture-routing", "compare")
+    assert dense.returncode == 2 and len(dense.stderr.strip().splitlines()) == 1
+    assert "needs a mixture-of-experts model" in dense.stderr
+    mode = _bench("--model", MODEL, "--device", "cpu", "--capture-routing", "sometimes")
+    assert mode.returncode == 2 and "unknown --capture-routing 'sometimes'" in mode.stderr
