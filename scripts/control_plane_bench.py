@@ -1,4 +1,5 @@
-"""Time the RL control plane on a GPU: reload-weights from disk, release-memory and resume-memory.
+"""Time the RL control plane on a GPU: reload-weights from disk, update_weights_from_tensor by CUDA
+IPC from a trainer process, release-memory and resume-memory.
 
 Writes a random Qwen3 checkpoint of the given config (default: Qwen3-8B shape, about 16 GB of
 bf16 safetensors in 4 GiB shards), reads it once so it sits in the page cache, starts an Engine
@@ -73,6 +74,39 @@ def write_checkpoint(config_dir: Path, out: Path, shard_bytes: int = 4 << 30) ->
     return total
 
 
+def ipc_trainer(ckpt: str, queue, done) -> None:
+    """A colocated trainer: its weights on the same GPU; only CUDA IPC handles go to the engine."""
+    from safetensors.torch import load_file
+
+    from rollout_cli.engine.tensor_ipc import serialize_named_tensors
+
+    tensors = {}
+    for path in sorted(Path(ckpt).glob("*.safetensors")):
+        tensors.update(load_file(str(path), device="cuda:0"))
+    torch.cuda.synchronize()
+    queue.put(serialize_named_tensors(list(tensors.items())))
+    done.wait()  # the handles stay valid while the trainer lives
+
+
+def time_ipc_update(engine, ckpt: Path) -> tuple[float, int]:
+    """Seconds for engine.update_weights_from_tensor of a trainer's tensors by CUDA IPC; payload bytes."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Event()
+    trainer = ctx.Process(target=ipc_trainer, args=(str(ckpt), queue, done))
+    trainer.start()
+    try:
+        payload = queue.get(timeout=300)
+        t = time.perf_counter()
+        engine.update_weights_from_tensor(payload)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, len(payload)
+    finally:
+        done.set()
+        trainer.join(60)
+
+
 def device_used_bytes() -> int:
     code = "import torch; free, total = torch.cuda.mem_get_info(0); print(total - free)"
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
@@ -97,7 +131,8 @@ def main() -> None:
     torch.cuda.empty_cache()  # the writer's cached blocks must not count as the baseline
     baseline = device_used_bytes()
     t = time.perf_counter()
-    engine = Engine(str(ckpt), device="cuda", dtype="bfloat16", max_model_len=4096)
+    # KV takes 60% of the free memory: the IPC step's trainer holds a second copy of the weights
+    engine = Engine(str(ckpt), device="cuda", dtype="bfloat16", max_model_len=4096, kv_memory_fraction=0.6)
     rows = [("engine start (load + KV + graphs)", time.perf_counter() - t, "")]
     prompts = [[(11 * i + j) % 1000 for j in range(64)] for i in range(16)]
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
@@ -106,6 +141,9 @@ def main() -> None:
         t = time.perf_counter()
         reload_weights(engine, str(ckpt), None, {})
         rows.append((f"reload-weights #{attempt} ({size / 1e9:.1f} GB)", time.perf_counter() - t, ""))
+    seconds, payload = time_ipc_update(engine, ckpt)
+    rows.append((f"update_weights_from_tensor, CUDA IPC ({size / 1e9:.1f} GB)", seconds,
+                 f"payload {payload / 1e3:.0f} kB of handles"))
     held = device_used_bytes() - baseline
     r = engine.release_memory()
     after = device_used_bytes() - baseline
