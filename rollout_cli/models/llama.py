@@ -19,6 +19,14 @@ from rollout_cli.models.layers import (
     SiluAndMul,
     VocabEmbedding,
 )
+from rollout_cli.models.tensor_parallel import (
+    HeadSplit,
+    RowParallelLinear,
+    column_parallel_gate_up,
+    column_parallel_qkv,
+    tp_rank,
+    tp_size,
+)
 
 
 def head_dim_of(config) -> int:
@@ -29,12 +37,20 @@ class DecoderAttention(nn.Module):
     def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_positions: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        total = HeadSplit.of(config.num_attention_heads, config.num_key_value_heads, 1, 0)
+        if tp_size() == 1:
+            self.num_heads, self.num_kv_heads = total.num_heads, total.num_kv_heads
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
+            self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        else:  # this rank's heads (models/tensor_parallel.py); o_proj all-reduces
+            split = HeadSplit.of(total.num_heads, total.num_kv_heads, tp_size(), tp_rank())
+            self.num_heads, self.num_kv_heads = split.num_heads, split.num_kv_heads
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            self.qkv_proj = column_parallel_qkv(config.hidden_size, split, total, self.head_dim, qkv_bias)
+            self.o_proj = RowParallelLinear(total.num_heads * self.head_dim, config.hidden_size, tp_size(),
+                                            tp_rank(), bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = RotaryEmbedding(config, self.head_dim, max_positions)
@@ -57,8 +73,12 @@ class DecoderMLP(nn.Module):
     def __init__(self, config, bias: bool, intermediate_size: int | None = None):
         super().__init__()
         inter = intermediate_size or config.intermediate_size
-        self.gate_up_proj = FusedLinear(config.hidden_size, {0: inter, 1: inter}, bias=bias)
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        if tp_size() == 1:
+            self.gate_up_proj = FusedLinear(config.hidden_size, {0: inter, 1: inter}, bias=bias)
+            self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        else:  # this rank's slice of the intermediate size; down_proj all-reduces
+            self.gate_up_proj = column_parallel_gate_up(config.hidden_size, inter, tp_size(), tp_rank(), bias)
+            self.down_proj = RowParallelLinear(inter, config.hidden_size, tp_size(), tp_rank(), bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
