@@ -22,10 +22,13 @@ from rollout_cli.models.layers import (
 from rollout_cli.models.tensor_parallel import (
     HeadSplit,
     RowParallelLinear,
+    VocabParallelEmbedding,
     column_parallel_gate_up,
     column_parallel_qkv,
+    mark_vocab_rows,
     tp_rank,
     tp_size,
+    vocab_parallel_logits,
 )
 
 
@@ -110,7 +113,10 @@ class DecoderModel(nn.Module):
     def __init__(self, config, flags: dict, max_positions: int, make_mlp=None):
         """make_mlp(layer_idx) -> the layer's MLP module, or None for the dense DecoderMLP."""
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        if tp_size() == 1:
+            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_size(), tp_rank())
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, flags, max_positions, make_mlp(i) if make_mlp else None)
             for i in range(config.num_hidden_layers)
@@ -155,8 +161,13 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
-        else:
+        elif tp_size() == 1:
             self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        else:  # the same rows of the vocabulary as the embedding
+            embed = self.model.embed_tokens
+            self.lm_head = Linear(config.hidden_size, embed.weight.shape[0])
+            self.lm_head.weight.data.zero_()
+            mark_vocab_rows(self.lm_head.weight, embed.start, embed.size, config.vocab_size)
 
     def make_mlp(self, config, layer_idx: int, flags: dict) -> nn.Module | None:
         """The MLP of layer `layer_idx`; None keeps the dense DecoderMLP (MoE models override)."""
@@ -170,7 +181,10 @@ class LlamaForCausalLM(nn.Module):
         """hidden [B, hidden_size] -> logits [B, vocab]: float32, or in the model dtype with
         upcast=False (the Triton sampler reads those and upcasts in registers)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight)
+        if tp_size() == 1:
+            logits = torch.nn.functional.linear(hidden, weight)
+        else:  # every rank computes its vocabulary rows and gathers the rest
+            logits = vocab_parallel_logits(hidden, weight, self.config.vocab_size)
         return logits.float() if upcast else logits
 
 

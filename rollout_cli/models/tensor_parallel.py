@@ -8,7 +8,9 @@ share of the attention heads and of the MLP's intermediate size:
     o_proj, down_proj       row-parallel: the rank's input columns, then an all-reduce of [T, hidden]
     kv heads                split when N <= num_kv_heads; replicated when N > num_kv_heads: each rank
                             keeps the one kv head its q heads use
-    embed_tokens, lm_head   replicated in this first slice (every rank holds the whole vocabulary)
+    embed_tokens, lm_head   vocab-parallel: each rank holds ceil(V / N) rows of the vocabulary (the last
+                            rank's tail zero-padded); the embedding looks up the ids it holds (others
+                            masked to zero) and all-reduces; the head all-gathers the logits
 
 The model files ask `tp_size()` / `tp_rank()` while they are built (1 / 0 unless `init_tensor_parallel`
 ran), so the single-process path builds the very same modules as before, with no collectives.
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_cli.errors import RolloutError
-from rollout_cli.models.layers import FusedLinear, Linear
+from rollout_cli.models.layers import FusedLinear, Linear, _copy_checked
 
 
 @dataclass
@@ -164,6 +166,46 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(F.linear(x, self.weight))  # [T, out], summed over ranks
         return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """This rank's rows [start, start + size) of the [V, hidden] embedding, in a [rows, hidden] weight
+    (rows = ceil(V / tp); rows past `size` stay zero). Serves as the tied head too (`vocab_parallel_logits`)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, size: int, rank: int):
+        super().__init__()
+        rows = -(-vocab_size // size)
+        self.vocab_size, self.start = vocab_size, min(rank * rows, vocab_size)
+        self.size = min(rows, vocab_size - self.start)  # real rows here (fewer on the last rank)
+        self.weight = torch.nn.Parameter(torch.zeros(rows, hidden_size), requires_grad=False)
+        mark_vocab_rows(self.weight, self.start, self.size, vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]: each id's row from the rank that holds it, summed over ranks."""
+        here = (input_ids >= self.start) & (input_ids < self.start + self.size)  # [T] bool
+        local = torch.where(here, input_ids - self.start, torch.zeros_like(input_ids))
+        out = F.embedding(local, self.weight) * here.unsqueeze(1).to(self.weight.dtype)
+        return all_reduce(out)
+
+
+def mark_vocab_rows(weight: torch.nn.Parameter, start: int, size: int, vocab_size: int) -> None:
+    """Load rows [start, start + size) of a [V, hidden] checkpoint tensor into the top of `weight`."""
+    weight.tp_split = {None: (0, start, size, vocab_size)}
+
+    def load(param, tensor, shard_id=None):
+        _copy_checked(param.data.narrow(0, 0, size), tensor, getattr(param, "checkpoint_name", "weight"))
+
+    weight.weight_loader = load
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """hidden [B, hidden] x this rank's [rows, hidden] head -> the full logits [B, V] on every rank."""
+    import torch.distributed as dist
+
+    local = F.linear(hidden, weight).contiguous()  # [B, rows]
+    parts = [torch.empty_like(local) for _ in range(_GROUP.size)]
+    dist.all_gather(parts, local, group=_GROUP.group)
+    return torch.cat(parts, dim=-1)[:, :vocab_size]  # [B, V]: the padded rows dropped
 
 
 def _mark(layer: FusedLinear, split: dict) -> None:

@@ -47,12 +47,29 @@ def prompts(tmp_path_factory) -> Path:
     return path
 
 
+def _odd_vocabulary(src: str, dst: Path, vocab: int) -> str:
+    """The checkpoint with its vocabulary cut to `vocab` rows: the last rank's vocab slice is padded."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = tensors[name][:vocab].clone()
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["vocab_size"] = vocab
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
 @pytest.mark.parametrize("name, extra", [
     ("qwen3", ["--max-batch-tokens", "8"]),  # q/k norms, head_dim 32; chunked prefill, prefix sharing (--n 2)
     ("llama_bias", []),  # attention and mlp biases: the split qkv bias and the row-parallel bias added once
+    ("llama3_scaled", []),  # untied head, cut to an odd vocabulary (319): padded vocab-parallel rows
 ])
 def test_tp2_equals_tp1(tiny_checkpoints, prompts, tmp_path, name, extra):
-    args = ["--model", tiny_checkpoints[name], "--data", prompts, "--n", "2", "--max-new-tokens", "12",
+    model = tiny_checkpoints[name]
+    if name == "llama3_scaled":
+        model = _odd_vocabulary(model, tmp_path / "v319", 319)
+    args = ["--model", model, "--data", prompts, "--n", "2", "--max-new-tokens", "12",
             "--temperature", "0", "--device", "cpu", "--kv-cache-tokens", "1024", "--quiet", *extra]
     one = _run(*args, "--out", tmp_path / "one")
     assert one.returncode == 0, one.stderr

@@ -77,7 +77,39 @@ def test_rank_holds_its_slices(tiny_checkpoints, tmp_path, monkeypatch, size, kv
                 got = params[f"model.layers.{layer}.{name}"]
                 assert got.shape == tensor.shape, (rank, name)
                 assert torch.equal(got, tensor), (rank, layer, name)
-        assert torch.equal(params["model.embed_tokens.weight"], full["model.embed_tokens.weight"])  # replicated
+        rows = 384 // size  # tied embedding / head: the rank's rows of the vocabulary
+        assert torch.equal(params["model.embed_tokens.weight"],
+                           full["model.embed_tokens.weight"][rank * rows:(rank + 1) * rows])
+
+
+def uneven_vocab_copy(src: str, dst, vocab: int) -> str:
+    """The checkpoint with its vocabulary cut to `vocab` rows (embedding and untied head)."""
+    model_dir = str(shutil.copytree(src, dst))
+    tensors = load_file(f"{model_dir}/model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in tensors:
+            tensors[name] = tensors[name][:vocab].clone()
+    save_file(tensors, f"{model_dir}/model.safetensors")
+    config = dst / "config.json"
+    text = config.read_text()
+    old = f'"vocab_size": {load_model_config(src).vocab_size}'
+    assert old in text
+    config.write_text(text.replace(old, f'"vocab_size": {vocab}'))
+    return model_dir
+
+
+def test_uneven_vocabulary_is_padded_on_the_last_rank(tiny_checkpoints, tmp_path, monkeypatch):
+    model_dir = uneven_vocab_copy(tiny_checkpoints["llama3_scaled"], tmp_path / "v318", 318)  # untied head
+    full = _checkpoint(model_dir)
+    rows = 80  # ceil(318 / 4)
+    for rank in range(4):
+        params = dict(_rank_model(model_dir, rank, 4, monkeypatch).named_parameters())
+        real = min(rows, 318 - rank * rows)  # 78 on the last rank
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            got = params[name]
+            assert got.shape == (rows, 64), name
+            assert torch.equal(got[:real], full[name][rank * rows:rank * rows + real]), (rank, name)
+            assert not got[real:].any(), (rank, name)  # padding rows: never looked up, cut from the logits
 
 
 def test_disk_reads_only_the_slice_and_in_memory_tensors_are_cut(tiny_checkpoints, monkeypatch):
