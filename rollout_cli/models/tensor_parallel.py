@@ -76,6 +76,8 @@ def init_tensor_parallel(size: int, device: torch.device) -> TensorParallelGroup
     if world != size or "RANK" not in os.environ:
         raise RolloutError(f"--tp {size} needs {size} processes started by torch.distributed.run "
                            f"(found WORLD_SIZE={world}); use `rollout run --tp {size}`")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's collectives run on the current device: this rank's GPU
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
