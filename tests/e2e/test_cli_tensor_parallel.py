@@ -134,6 +134,8 @@ def test_reload_under_tp2_equals_tp1_on_the_new_weights(tiny_checkpoints, tmp_pa
     (["--tp", "2", "--dp", "2"], "error: --tp with --dp is not supported yet; use one of them"),
     (["--tp", "3"], "error: --tp 3 must divide the 4 attention heads; choose a divisor"),
     (["--tp", "0"], "error: --tp must be >= 1"),
+    (["--tp", "2", "--engine", "/nonexistent/rollout.sock"],
+     "error: --tp starts an embedded engine: give --model (a daemon serves one engine)"),
 ])
 def test_bad_tp_is_one_line(tiny_checkpoints, prompts, tmp_path, extra, message):
     result = _run("--model", tiny_checkpoints["qwen3"], "--data", prompts, "--out", tmp_path / "o", "--device", "cpu",
