@@ -45,6 +45,8 @@ class EngineConfig:
     """auto (triton on CUDA, torch on the CPU), torch (SDPA over gathered KV), or triton."""
     cuda_graphs: bool = True
     """On CUDA with the triton backend, replay captured graphs for decode steps."""
+    tensor_parallel_size: int = 1
+    """Tensor parallel ranks (`rollout run --tp N`): processes started by torch.distributed.run, one per GPU."""
 
     def __post_init__(self) -> None:
         from rollout_cli.errors import RolloutError
@@ -69,5 +71,7 @@ class EngineConfig:
             raise RolloutError("--linear-state-memory-ratio must be in (0, 1)")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2:
             raise RolloutError("--kv-cache-tokens must be at least 2")
+        if self.tensor_parallel_size < 1:
+            raise RolloutError("--tp must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise RolloutError("--max-model-len must be at least 2")

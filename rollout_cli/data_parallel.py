@@ -82,8 +82,9 @@ def replica_device(device: str, group: ReplicaGroup) -> str:
     return device
 
 
-def launch_replicas(count: int, run_args: list[str]) -> int:
-    """Run `rollout run RUN_ARGS` as `count` local replicas under torch.distributed.run; returns the exit code."""
+def launch_replicas(count: int, run_args: list[str], what: str = "data-parallel replica") -> int:
+    """Run `rollout run RUN_ARGS` as `count` local processes under torch.distributed.run (replicas, or
+    tensor-parallel ranks); returns the exit code."""
     from torch.distributed.run import get_args_parser, run
 
     threads = max(1, (os.cpu_count() or 1) // count)
@@ -98,7 +99,7 @@ def launch_replicas(count: int, run_args: list[str]) -> int:
     except Exception as err:  # torch's ChildFailedError: the failing replica printed its own error
         failures = getattr(err, "failures", None) or {}
         codes = sorted({f.exitcode for f in failures.values()}) if failures else [1]
-        print(f"error: a data-parallel replica failed (exit {codes[0]}); its error is above. "
+        print(f"error: a {what} failed (exit {codes[0]}); its error is above. "
               "Finished rows are kept: fix the cause and run again with --resume", file=sys.stderr)
         return codes[0] if codes[0] > 0 else 1
     return 0

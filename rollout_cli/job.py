@@ -230,6 +230,7 @@ def _engine_settings(engine: Engine) -> dict:
         "max_running": cfg.max_running,
         "kv_cache_tokens": engine.num_kv_slots - 1,
         "enable_prefix_cache": cfg.enable_prefix_cache,
+        "tensor_parallel": cfg.tensor_parallel_size,
     }
 
 

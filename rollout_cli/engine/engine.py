@@ -111,6 +111,14 @@ def _attention_backend(name: str, device: torch.device) -> str:
     return name
 
 
+def _min_over_ranks(value: int, group) -> int:
+    import torch.distributed as dist
+
+    box = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    return int(box.item())
+
+
 class Engine:
     """Python API under the CLI.
 
@@ -130,6 +138,12 @@ class Engine:
         self.attention_backend = _attention_backend(cfg.attention_backend, self.device)
         self.tokenizer = _load_tokenizer(cfg.model)
         self.eos_token_ids = _eos_token_ids(cfg.model, self.hf_config, self.tokenizer)
+        self.tp = None  # models.tensor_parallel.TensorParallelGroup under --tp N > 1
+        if cfg.tensor_parallel_size > 1:
+            from rollout_cli.models.tensor_parallel import check_tensor_parallel, init_tensor_parallel
+
+            check_tensor_parallel(self.hf_config, cfg.tensor_parallel_size)
+            self.tp = init_tensor_parallel(cfg.tensor_parallel_size, self.device)
         self.memory = MemorySaver(self.device, cfg.weights_cpu_backup)
         with self.memory.region("weights"):
             self.model = build_model(cfg.model, self.hf_config, self.device, self.dtype,
@@ -152,7 +166,7 @@ class Engine:
         cfg, hf = self.config, self.hf_config
         # hybrid models keep KV for their full-attention layers only, and a linear-state pool beside it
         num_layers = getattr(self.model, "num_kv_layers", hf.num_hidden_layers)
-        num_kv_heads, head_dim = hf.num_key_value_heads, head_dim_of(hf)
+        num_kv_heads, head_dim = self._kv_heads_here(), head_dim_of(hf)
         state_shape = getattr(self.model, "linear_state_shape", None)
         bytes_per_token = KVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, self.dtype)
         activation = 0
@@ -168,11 +182,16 @@ class Engine:
             num_slots, state_slots = hybrid_pool_sizes(
                 kv_bytes_per_token=bytes_per_token, state_bytes_per_slot=state_shape.bytes_per_sequence,
                 linear_state_memory_ratio=cfg.linear_state_memory_ratio, **sizes)
+        if self.tp is not None:  # every rank needs the same slots: the scheduler on rank 0 hands them out
+            num_slots = _min_over_ranks(num_slots, self.tp)
         with self.memory.region("kv_cache"):  # the linear-attention states are cache memory too
             if state_shape is not None:
                 self.linear_states = LinearStatePool(state_shape, state_slots, self.device)
             self.kv = KVCache(num_layers, num_slots, num_kv_heads, head_dim, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.kv, cfg.max_running, self.max_model_len, self.device,
+        runner_class = ModelRunner
+        if self.tp is not None:
+            from rollout_cli.engine.tensor_parallel import TensorParallelRunner as runner_class
+        self.runner = runner_class(self.model, self.kv, cfg.max_running, self.max_model_len, self.device,
                                   self.attention_backend, self.linear_states)
         self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache,
                                    linear_state_slots=state_slots)
@@ -180,16 +199,22 @@ class Engine:
         # MoE models too: the Triton backend also switches the router and experts to the fused
         # kernels (enable_triton_kernels), which never read tensor values on the host. Not hybrid
         # models: the torch references of the linear-attention recurrences loop per sequence.
-        capturable = state_shape is None
+        capturable = state_shape is None and self.tp is None  # tensor parallel: eager steps for now
         if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs and capturable:
             self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256))
+
+    def _kv_heads_here(self) -> int:
+        """KV heads this process keeps in its pool: all of them, or this tensor-parallel rank's."""
+        if self.tp is None:
+            return self.hf_config.num_key_value_heads
+        return self.model.model.layers[0].self_attn.num_kv_heads
 
     def _profile_step(self) -> None:
         """One prefill chunk of max_batch_tokens over a throwaway KV pool, to measure activations."""
         hf = self.hf_config
         tokens = min(self.config.max_batch_tokens, self.max_model_len)
         num_layers = getattr(self.model, "num_kv_layers", hf.num_hidden_layers)
-        kv = KVCache(num_layers, tokens + 1, hf.num_key_value_heads, head_dim_of(hf), self.dtype, self.device)
+        kv = KVCache(num_layers, tokens + 1, self._kv_heads_here(), head_dim_of(hf), self.dtype, self.device)
         state_shape = getattr(self.model, "linear_state_shape", None)
         states = LinearStatePool(state_shape, 2, self.device) if state_shape is not None else None
         runner = ModelRunner(self.model, kv, 1, tokens, self.device, self.attention_backend, states)

@@ -19,6 +19,17 @@ from rollout_cli.models.layers import (
     SiluAndMul,
     VocabEmbedding,
 )
+from rollout_cli.models.tensor_parallel import (
+    HeadSplit,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel_gate_up,
+    column_parallel_qkv,
+    mark_vocab_rows,
+    tp_rank,
+    tp_size,
+    vocab_parallel_logits,
+)
 
 
 def head_dim_of(config) -> int:
@@ -29,12 +40,20 @@ class DecoderAttention(nn.Module):
     def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_positions: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        total = HeadSplit.of(config.num_attention_heads, config.num_key_value_heads, 1, 0)
+        if tp_size() == 1:
+            self.num_heads, self.num_kv_heads = total.num_heads, total.num_kv_heads
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            self.qkv_proj = FusedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
+            self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        else:  # this rank's heads (models/tensor_parallel.py); o_proj all-reduces
+            split = HeadSplit.of(total.num_heads, total.num_kv_heads, tp_size(), tp_rank())
+            self.num_heads, self.num_kv_heads = split.num_heads, split.num_kv_heads
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            self.qkv_proj = column_parallel_qkv(config.hidden_size, split, total, self.head_dim, qkv_bias)
+            self.o_proj = RowParallelLinear(total.num_heads * self.head_dim, config.hidden_size, tp_size(),
+                                            tp_rank(), bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = RotaryEmbedding(config, self.head_dim, max_positions)
@@ -57,8 +76,12 @@ class DecoderMLP(nn.Module):
     def __init__(self, config, bias: bool, intermediate_size: int | None = None):
         super().__init__()
         inter = intermediate_size or config.intermediate_size
-        self.gate_up_proj = FusedLinear(config.hidden_size, {0: inter, 1: inter}, bias=bias)
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        if tp_size() == 1:
+            self.gate_up_proj = FusedLinear(config.hidden_size, {0: inter, 1: inter}, bias=bias)
+            self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        else:  # this rank's slice of the intermediate size; down_proj all-reduces
+            self.gate_up_proj = column_parallel_gate_up(config.hidden_size, inter, tp_size(), tp_rank(), bias)
+            self.down_proj = RowParallelLinear(inter, config.hidden_size, tp_size(), tp_rank(), bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +113,10 @@ class DecoderModel(nn.Module):
     def __init__(self, config, flags: dict, max_positions: int, make_mlp=None):
         """make_mlp(layer_idx) -> the layer's MLP module, or None for the dense DecoderMLP."""
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        if tp_size() == 1:
+            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_size(), tp_rank())
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, flags, max_positions, make_mlp(i) if make_mlp else None)
             for i in range(config.num_hidden_layers)
@@ -135,8 +161,13 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
-        else:
+        elif tp_size() == 1:
             self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        else:  # the same rows of the vocabulary as the embedding
+            embed = self.model.embed_tokens
+            self.lm_head = Linear(config.hidden_size, embed.weight.shape[0])
+            self.lm_head.weight.data.zero_()
+            mark_vocab_rows(self.lm_head.weight, embed.start, embed.size, config.vocab_size)
 
     def make_mlp(self, config, layer_idx: int, flags: dict) -> nn.Module | None:
         """The MLP of layer `layer_idx`; None keeps the dense DecoderMLP (MoE models override)."""
@@ -150,7 +181,10 @@ class LlamaForCausalLM(nn.Module):
         """hidden [B, hidden_size] -> logits [B, vocab]: float32, or in the model dtype with
         upcast=False (the Triton sampler reads those and upcasts in registers)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight)
+        if tp_size() == 1:
+            logits = torch.nn.functional.linear(hidden, weight)
+        else:  # every rank computes its vocabulary rows and gathers the rest
+            logits = vocab_parallel_logits(hidden, weight, self.config.vocab_size)
         return logits.float() if upcast else logits
 
 

@@ -30,6 +30,8 @@ class TensorTarget:
     param_name: str
     shard_id: object  # None for unfused parameters
     dtype: str  # safetensors header dtype: "BF16", "F32", ...
+    # tensor parallel: (dim, start, size) of the checkpoint tensor this rank holds; None: all of it
+    tp_slice: tuple[int, int, int] | None = None
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -176,7 +178,8 @@ def plan_tensors(model, headers, require_all: bool = True) -> tuple[list[TensorT
         want = model_shard_shape(params[param_name], shard_id)
         if tuple(header.shape) != want:
             bad_shapes.append(f"{name} {tuple(header.shape)} (model: {want})")
-        targets.append(TensorTarget(name, header.file, param_name, shard_id, header.dtype))
+        targets.append(TensorTarget(name, header.file, param_name, shard_id, header.dtype,
+                                    tp_slice_of(params[param_name], shard_id)))
     found = {_canonical(model, t.checkpoint_name) for t in targets}
     layout_missing, mixed = _layout_problems(model, found)
     missing = sorted(_as_checkpoint(model, n) for n in (expected - found) | set(layout_missing))
@@ -208,13 +211,38 @@ def plan_checkpoint(model, model_dir: str) -> list[TensorTarget]:
 
 
 def model_shard_shape(param, shard_id) -> tuple[int, ...]:
-    """Shape of the checkpoint tensor that fills `shard_id` of `param`."""
+    """Shape of the checkpoint tensor that fills `shard_id` of `param` (the full tensor under
+    tensor parallelism: every rank checks the checkpoint against the whole model)."""
     if hasattr(param, "shard_shape"):  # parameters that compute it themselves (stacked experts)
         return tuple(param.shard_shape(shard_id))
     if shard_id is None:
-        return tuple(param.shape)
-    _, size = param.shard_offsets[shard_id]
-    return (size,) + tuple(param.shape[1:])
+        shape = list(param.shape)
+    else:
+        _, size = param.shard_offsets[shard_id]
+        shape = [size] + list(param.shape[1:])
+    split = getattr(param, "tp_split", None)
+    if split is not None:
+        dim, _, _, full = split[shard_id]
+        shape[dim] = full
+    return tuple(shape)
+
+
+def tp_slice_of(param, shard_id) -> tuple[int, int, int] | None:
+    """(dim, start, size) of the checkpoint tensor this tensor-parallel rank holds, or None (all of it)."""
+    split = getattr(param, "tp_split", None)
+    if split is None:
+        return None
+    dim, start, size, _ = split[shard_id]
+    return dim, start, size
+
+
+def _read(handle, target: TensorTarget) -> torch.Tensor:
+    """The target's tensor from an open safetensors file: only this rank's slice under tensor parallelism."""
+    if target.tp_slice is None:
+        return handle.get_tensor(target.checkpoint_name)
+    dim, start, size = target.tp_slice
+    index = (slice(None),) * dim + (slice(start, start + size),)
+    return handle.get_slice(target.checkpoint_name)[index]
 
 
 def read_checkpoint_tensors(targets: list[TensorTarget]):
@@ -229,15 +257,20 @@ def read_checkpoint_tensors(targets: list[TensorTarget]):
         try:
             with safe_open(path, framework="pt", device="cpu") as handle:
                 for target in file_targets:
-                    tensor = handle.get_tensor(target.checkpoint_name)
-                    yield target, tensor
+                    yield target, _read(handle, target)
         except Exception as err:  # safetensors raises its own error types
             raise RolloutError(f"cannot read {path}: {err}; the file is not valid safetensors") from err
 
 
 def copy_into_parameters(params: dict, target: TensorTarget, tensor: torch.Tensor) -> None:
-    """Copy one checkpoint tensor into (its shard of) the live parameter, in place."""
+    """Copy one checkpoint tensor into (its shard of) the live parameter, in place.
+
+    A whole tensor meant for a tensor-parallel rank (handed over in memory) is cut to the rank's slice."""
     param = params[target.param_name]
+    if target.tp_slice is not None:
+        dim, start, size = target.tp_slice
+        if tensor.shape[dim] != size:
+            tensor = tensor.narrow(dim, start, size)
     with torch.no_grad():
         param.weight_loader(param, tensor.to(param.dtype), target.shard_id)
 

@@ -1,0 +1,237 @@
+"""Tensor parallelism for the dense decoders: who this process is, and the split layers.
+
+`rollout run --tp N` starts N processes (torch.distributed.run); each builds the model with its
+share of the attention heads and of the MLP's intermediate size:
+
+    qkv_proj, gate_up_proj  column-parallel: the rank's rows of each fused shard (q heads, kv heads,
+                            gate / up slices); no communication
+    o_proj, down_proj       row-parallel: the rank's input columns, then an all-reduce of [T, hidden]
+    kv heads                split when N <= num_kv_heads; replicated when N > num_kv_heads: each rank
+                            keeps the one kv head its q heads use
+    embed_tokens, lm_head   vocab-parallel: each rank holds ceil(V / N) rows of the vocabulary (the last
+                            rank's tail zero-padded); the embedding looks up the ids it holds (others
+                            masked to zero) and all-reduces; the head all-gathers the logits
+
+The model files ask `tp_size()` / `tp_rank()` while they are built (1 / 0 unless `init_tensor_parallel`
+ran), so the single-process path builds the very same modules as before, with no collectives.
+
+Every split parameter carries `tp_split = {shard_id: (dim, start, size, full_size)}`: the slice of
+the checkpoint tensor this rank holds (shard_id None for unfused parameters). The loader checks the
+checkpoint against the full shapes and reads only the slice (models/loader.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rollout_cli.errors import RolloutError
+from rollout_cli.models.layers import FusedLinear, Linear, _copy_checked
+
+
+@dataclass
+class TensorParallelGroup:
+    """This process's place in the tensor-parallel group.
+
+    `group` carries the all-reduces of the forward (NCCL on CUDA, gloo on the CPU); `cpu_group` (gloo)
+    carries the per-step messages from rank 0 (pickled objects), so they never touch the GPU stream.
+    """
+
+    rank: int
+    size: int
+    group: object
+    cpu_group: object
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+
+_GROUP: TensorParallelGroup | None = None
+
+
+def tp_group() -> TensorParallelGroup | None:
+    return _GROUP
+
+
+def tp_size() -> int:
+    return 1 if _GROUP is None else _GROUP.size
+
+
+def tp_rank() -> int:
+    return 0 if _GROUP is None else _GROUP.rank
+
+
+def init_tensor_parallel(size: int, device: torch.device) -> TensorParallelGroup:
+    """Join the process group torchrun set up (WORLD_SIZE == size); idempotent."""
+    global _GROUP
+    import torch.distributed as dist
+
+    if _GROUP is not None:
+        return _GROUP
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != size or "RANK" not in os.environ:
+        raise RolloutError(f"--tp {size} needs {size} processes started by torch.distributed.run "
+                           f"(found WORLD_SIZE={world}); use `rollout run --tp {size}`")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's collectives run on the current device: this rank's GPU
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
+    _GROUP = TensorParallelGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, cpu_group)
+    return _GROUP
+
+
+def close_tensor_parallel() -> None:
+    global _GROUP
+    import torch.distributed as dist
+
+    _GROUP = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum x over the tensor-parallel ranks, in place."""
+    import torch.distributed as dist
+
+    dist.all_reduce(x, group=_GROUP.group)
+    return x
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """Which attention heads this rank computes.
+
+    q heads [q_start, q_start + num_heads); kv heads [kv_start, kv_start + num_kv_heads). With
+    tp > total kv heads, tp / total_kv ranks share (replicate) each kv head.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    q_start: int
+    kv_start: int
+
+    @classmethod
+    def of(cls, total_heads: int, total_kv_heads: int, size: int, rank: int) -> "HeadSplit":
+        if total_heads % size:
+            raise RolloutError(f"--tp {size} must divide the {total_heads} attention heads; choose a divisor")
+        heads = total_heads // size
+        if size <= total_kv_heads:
+            if total_kv_heads % size:
+                raise RolloutError(f"--tp {size} must divide the {total_kv_heads} kv heads; choose a divisor")
+            kv_heads = total_kv_heads // size
+            return cls(heads, kv_heads, rank * heads, rank * kv_heads)
+        if size % total_kv_heads:
+            raise RolloutError(f"--tp {size} must be a multiple of the {total_kv_heads} kv heads when it exceeds them")
+        # q head j uses kv head j // (total_heads // total_kv_heads); a rank's heads all share one
+        return cls(heads, 1, rank * heads, rank // (size // total_kv_heads))
+
+
+def column_parallel_qkv(hidden_size: int, split: HeadSplit, total: HeadSplit, head_dim: int,
+                        bias: bool) -> FusedLinear:
+    """qkv_proj holding this rank's q, k, v heads: weight [(hq + 2 hkv) * head_dim, hidden]."""
+    sizes = {"q": split.num_heads * head_dim, "k": split.num_kv_heads * head_dim,
+             "v": split.num_kv_heads * head_dim}
+    layer = FusedLinear(hidden_size, sizes, bias=bias)
+    full = {"q": total.num_heads * head_dim, "k": total.num_kv_heads * head_dim,
+            "v": total.num_kv_heads * head_dim}
+    starts = {"q": split.q_start * head_dim, "k": split.kv_start * head_dim, "v": split.kv_start * head_dim}
+    _mark(layer, {s: (0, starts[s], sizes[s], full[s]) for s in sizes})
+    return layer
+
+
+def column_parallel_gate_up(hidden_size: int, intermediate: int, size: int, rank: int, bias: bool) -> FusedLinear:
+    """gate_up_proj holding this rank's slice of the intermediate size: weight [2 * I / tp, hidden]."""
+    if intermediate % size:
+        raise RolloutError(f"--tp {size} must divide the intermediate size {intermediate}; choose a divisor")
+    local = intermediate // size
+    layer = FusedLinear(hidden_size, {0: local, 1: local}, bias=bias)
+    _mark(layer, {s: (0, rank * local, local, intermediate) for s in (0, 1)})
+    return layer
+
+
+class RowParallelLinear(Linear):
+    """y = all_reduce(x_local W_local^T) + b: W_local [out, in / tp] holds this rank's input columns;
+    the bias (replicated) is added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, size: int, rank: int, bias: bool = False):
+        if in_features % size:
+            raise RolloutError(f"--tp {size} must divide {in_features} (a row-parallel input size)")
+        local = in_features // size
+        super().__init__(local, out_features, bias)
+        self.weight.tp_split = {None: (1, rank * local, local, in_features)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))  # [T, out], summed over ranks
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """This rank's rows [start, start + size) of the [V, hidden] embedding, in a [rows, hidden] weight
+    (rows = ceil(V / tp); rows past `size` stay zero). Serves as the tied head too (`vocab_parallel_logits`)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, size: int, rank: int):
+        super().__init__()
+        rows = -(-vocab_size // size)
+        self.vocab_size, self.start = vocab_size, min(rank * rows, vocab_size)
+        self.size = min(rows, vocab_size - self.start)  # real rows here (fewer on the last rank)
+        self.weight = torch.nn.Parameter(torch.zeros(rows, hidden_size), requires_grad=False)
+        mark_vocab_rows(self.weight, self.start, self.size, vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]: each id's row from the rank that holds it, summed over ranks."""
+        here = (input_ids >= self.start) & (input_ids < self.start + self.size)  # [T] bool
+        local = torch.where(here, input_ids - self.start, torch.zeros_like(input_ids))
+        out = F.embedding(local, self.weight) * here.unsqueeze(1).to(self.weight.dtype)
+        return all_reduce(out)
+
+
+def mark_vocab_rows(weight: torch.nn.Parameter, start: int, size: int, vocab_size: int) -> None:
+    """Load rows [start, start + size) of a [V, hidden] checkpoint tensor into the top of `weight`."""
+    weight.tp_split = {None: (0, start, size, vocab_size)}
+
+    def load(param, tensor, shard_id=None):
+        _copy_checked(param.data.narrow(0, 0, size), tensor, getattr(param, "checkpoint_name", "weight"))
+
+    weight.weight_loader = load
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """hidden [B, hidden] x this rank's [rows, hidden] head -> the full logits [B, V] on every rank."""
+    import torch.distributed as dist
+
+    local = F.linear(hidden, weight).contiguous()  # [B, rows]
+    parts = [torch.empty_like(local) for _ in range(_GROUP.size)]
+    dist.all_gather(parts, local, group=_GROUP.group)
+    return torch.cat(parts, dim=-1)[:, :vocab_size]  # [B, V]: the padded rows dropped
+
+
+def _mark(layer: FusedLinear, split: dict) -> None:
+    for param in (layer.weight, layer.bias):
+        if param is not None:
+            param.tp_split = split  # a bias [out] splits along dim 0 like the weight's rows
+
+
+# Architectures whose layers are all built from the split layers above.
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def check_tensor_parallel(hf_config, size: int) -> None:
+    """Refuse, in one line, a model --tp N cannot split: MoE / hybrid models, or head counts and
+    sizes N does not divide."""
+    if size == 1:
+        return
+    from rollout_cli.models.registry import model_class_for
+
+    name = model_class_for(hf_config).__name__
+    if name not in DENSE_ARCHITECTURES:
+        raise RolloutError(f"--tp {size} supports the dense models ({', '.join(DENSE_ARCHITECTURES)}) for now; "
+                           f"{name} runs with --tp 1 (or --dp N)")
+    HeadSplit.of(hf_config.num_attention_heads, hf_config.num_key_value_heads, size, 0)
+    if hf_config.intermediate_size % size:
+        raise RolloutError(f"--tp {size} must divide the intermediate size {hf_config.intermediate_size}; "
+                           "choose a divisor")

@@ -1,0 +1,153 @@
+"""Tensor parallelism on the CPU (gloo, two processes): `rollout run --tp 2` writes the same greedy
+tokens as `--tp 1`, logprobs within 1e-5 in float32, and a reload under tp 2 equals tp 1 on the new
+weights. Rank slicing itself is unit-tested in tests/unit/test_tensor_parallel_loader.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rollout_cli import Engine
+
+LP_TOL = 1e-5  # the row-parallel all-reduce sums in another order than one matmul: last float32 bits move
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [[5, 9, 17, 33, 2], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [5, 9, 17, 40]]
+
+
+def _env() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.pop("ROLLOUT_ENGINE", None)
+    return env
+
+
+def _run(*args, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollout_cli.cli.main", "run", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env())
+
+
+def _rows(out: Path) -> list[dict]:
+    table = pq.read_table(out / "trajectories")
+    return table.sort_by([("prompt_index", "ascending"), ("sample_index", "ascending")]).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tp_prompts") / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": PROMPTS, "tag": ["a", "b", "c", "d"]}), path)
+    return path
+
+
+def _odd_vocabulary(src: str, dst: Path, vocab: int) -> str:
+    """The checkpoint with its vocabulary cut to `vocab` rows: the last rank's vocab slice is padded."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = tensors[name][:vocab].clone()
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["vocab_size"] = vocab
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("qwen3", ["--max-batch-tokens", "8"]),  # q/k norms, head_dim 32; chunked prefill, prefix sharing (--n 2)
+    ("llama_bias", []),  # attention and mlp biases: the split qkv bias and the row-parallel bias added once
+    ("llama3_scaled", []),  # untied head, cut to an odd vocabulary (319): padded vocab-parallel rows
+])
+def test_tp2_equals_tp1(tiny_checkpoints, prompts, tmp_path, name, extra):
+    model = tiny_checkpoints[name]
+    if name == "llama3_scaled":
+        model = _odd_vocabulary(model, tmp_path / "v319", 319)
+    args = ["--model", model, "--data", prompts, "--n", "2", "--max-new-tokens", "12",
+            "--temperature", "0", "--device", "cpu", "--kv-cache-tokens", "1024", "--quiet", *extra]
+    one = _run(*args, "--out", tmp_path / "one")
+    assert one.returncode == 0, one.stderr
+    two = _run(*args, "--out", tmp_path / "two", "--tp", "2")
+    assert two.returncode == 0, two.stderr
+    want, got = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert len(got) == len(want) == 8
+    assert len({tuple(r["response_token_ids"]) for r in want}) == 4  # the prompts' greedy outputs differ
+    for a, b in zip(got, want):
+        key = (a["prompt_index"], a["sample_index"])
+        assert a["response_token_ids"] == b["response_token_ids"], key
+        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=LP_TOL), key
+        assert a["tag"] == b["tag"] and a["finish_reason"] == b["finish_reason"], key
+    manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["engine"]["tensor_parallel"] == 2
+
+
+def _perturbed(src: str, dst: Path, scale: float) -> str:
+    """A copy of the checkpoint with other weights (same names and shapes)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    generator = torch.Generator().manual_seed(7)
+    tensors = {k: v + scale * torch.randn(v.shape, generator=generator) for k, v in tensors.items()}
+    save_file(tensors, str(dst / "model.safetensors"))
+    return str(dst)
+
+
+def test_reload_under_tp2_equals_tp1_on_the_new_weights(tiny_checkpoints, tmp_path):
+    model_a = tiny_checkpoints["qwen3"]
+    model_b = _perturbed(model_a, tmp_path / "b", 0.3)
+    bad = str(shutil.copytree(model_a, tmp_path / "bad"))
+    tensors = load_file(f"{bad}/model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"][:, :64].clone()
+    save_file(tensors, f"{bad}/model.safetensors")
+    out = tmp_path / "tp2.json"
+    driver = REPO / "tests" / "e2e" / "tp_reload_driver.py"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(driver), model_a, model_b, bad, str(out)],
+                            capture_output=True, text=True, timeout=300, cwd=REPO, env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(out.read_text())
+
+    sys.path.insert(0, str(driver.parent))
+    from tp_reload_driver import PROMPTS as DRIVER_PROMPTS, greedy  # noqa: E402
+
+    assert DRIVER_PROMPTS
+    want_a = greedy(Engine(model_a, device="cpu", max_model_len=64, max_batch_tokens=8))
+    want_b = greedy(Engine(model_b, device="cpu", max_model_len=64, max_batch_tokens=8))
+    assert [w[0] for w in want_a] != [w[0] for w in want_b]  # the reload changes the greedy outputs
+    assert "wrong shapes: model.layers.1.mlp.down_proj.weight (64, 64)" in got["refused"]
+    assert got["version_after_refusal"] == "0"
+    assert got["b_version"] == "1"
+    for key, want, version in (("a", want_a, "0"), ("a_again", want_a, "0"), ("b", want_b, "1")):
+        assert len(got[key]) == len(want) == 6
+        for (tokens, logprobs, v), (want_tokens, want_logprobs, _) in zip(got[key], want):
+            assert tokens == want_tokens, key
+            assert logprobs == pytest.approx(want_logprobs, abs=LP_TOL), key
+            assert v == version, key
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tp", "2", "--dp", "2"], "error: --tp with --dp is not supported yet; use one of them"),
+    (["--tp", "3"], "error: --tp 3 must divide the 4 attention heads; choose a divisor"),
+    (["--tp", "0"], "error: --tp must be >= 1"),
+    (["--tp", "2", "--engine", "/nonexistent/rollout.sock"],
+     "error: --tp starts an embedded engine: give --model (a daemon serves one engine)"),
+])
+def test_bad_tp_is_one_line(tiny_checkpoints, prompts, tmp_path, extra, message):
+    result = _run("--model", tiny_checkpoints["qwen3"], "--data", prompts, "--out", tmp_path / "o", "--device", "cpu",
+                  *extra)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [message]
+
+
+def test_moe_under_tp_is_refused(tiny_moe_checkpoints, prompts, tmp_path):
+    result = _run("--model", tiny_moe_checkpoints["qwen3_moe"], "--data", prompts, "--out", tmp_path / "o",
+                  "--device", "cpu", "--tp", "2")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: --tp 2 supports the dense models (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM) for now; "
+        "Qwen3MoeForCausalLM runs with --tp 1 (or --dp N)"]

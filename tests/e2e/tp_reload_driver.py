@@ -1,0 +1,50 @@
+"""Run by tests/e2e/test_cli_tensor_parallel.py under torch.distributed.run with 2 processes: greedy
+generation on checkpoint A under --tp 2, a refused reload, a reload of checkpoint B, greedy again.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tp_reload_driver.py A B BAD OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rollout_cli import Engine, SamplingParams
+from rollout_cli.engine.tensor_parallel import follow, reload_weights, stop_followers
+from rollout_cli.errors import RolloutError
+from rollout_cli.models.tensor_parallel import close_tensor_parallel
+
+PROMPTS = [[5, 9, 17, 33, 2], [7, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+PARAMS = SamplingParams(n=2, temperature=0.0, max_new_tokens=8)
+
+
+def greedy(engine: Engine) -> list:
+    return [(r.response_token_ids, r.response_logprobs, r.weight_version) for r in engine.generate(PROMPTS, PARAMS)]
+
+
+def main(model_a: str, model_b: str, bad: str, out: str) -> None:
+    engine = Engine(model_a, device="cpu", max_model_len=64, max_batch_tokens=8, tensor_parallel_size=2)
+    try:
+        if engine.tp.rank != 0:
+            follow(engine)
+            return
+        try:
+            results = {"a": greedy(engine)}
+            try:
+                reload_weights(engine, bad)
+            except RolloutError as err:
+                results["refused"] = str(err)
+            results["version_after_refusal"] = engine.weight_version
+            results["a_again"] = greedy(engine)
+            results["b_version"] = reload_weights(engine, model_b)
+            results["b"] = greedy(engine)
+        finally:
+            stop_followers(engine)
+        with open(out, "w") as f:
+            json.dump(results, f)
+    finally:
+        close_tensor_parallel()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
