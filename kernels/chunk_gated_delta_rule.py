@@ -23,7 +23,7 @@ a chunk starting from state S (what came before it) does
 Four kernels, in the structure of flash-linear-attention's chunk_gated_delta_rule
 (our own code):
   1. `_chunk_cumsum_kernel`     chunk-local cumsum of g                 grid (chunks, head blocks)
-  2. `_chunk_wy_kernel`         A, its inverse by forward substitution, w and u   grid (chunks, Hv)
+  2. `_chunk_wy_kernel`         A, its inverse (blocked forward substitution), w and u  grid (chunks, Hv)
   3. `_chunk_state_kernel`      sequential pass over a sequence's chunks: the state
                                 at each chunk start (h), v_new (over u, in place), final state
                                 back to the slot                        grid (sequences, Hv, dv blocks)
@@ -104,6 +104,29 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _unit_lower_inverse(a, ri, BT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """(I + a)^-1 for a [BT, BT] strictly lower triangular, in blocks of SB = min(16, BT) rows.
+
+        First the SB x SB diagonal blocks, by forward substitution run on all blocks at once (row r of
+        every block per step: r = 1 .. SB-1); then, with D that block-diagonal inverse and F the part of
+        a below the diagonal blocks, T = D - D F T block row by block row (F T of block row i only reads
+        block rows < i, already final). SB - 1 + 2 (BT / SB - 1) dots instead of BT - 1 row steps."""
+        SB: tl.constexpr = 16 if BT > 16 else BT
+        eye = tl.where(ri[:, None] == ri[None, :], 1.0, 0.0)
+        same_block = (ri[:, None] // SB) == (ri[None, :] // SB)
+        diag_part = tl.where(same_block, a, 0.0)
+        inv = eye
+        for r in range(1, SB):
+            step = eye - tl.dot(diag_part, inv, input_precision=DOT_PRECISION)
+            inv = tl.where((ri % SB == r)[:, None], step, inv)
+        below = tl.where(same_block, 0.0, a)
+        full = inv
+        for blk in range(1, BT // SB):
+            step = inv - tl.dot(inv, tl.dot(below, full, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+            full = tl.where((ri // SB == blk)[:, None], step, full)
+        return full
+
+    @triton.jit
     def _chunk_cumsum_kernel(g_ptr, out_ptr, start_ptr, len_ptr, sg0, so0, H,
                              BT: tl.constexpr, BH: tl.constexpr):
         # one program: chunk c, heads [hb * BH, hb * BH + BH); g [T, H] -> out [T, H] float32
@@ -138,12 +161,7 @@ if triton is not None:
         strictly_lower = ri[:, None] > ri[None, :]
         decay = tl.exp(tl.where(strictly_lower, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT], 0 on/above diag
         a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=DOT_PRECISION) * decay  # [BT, BT]
-        # T = (I + A)^-1 by forward substitution: row i = e_i - sum_{j<i} A[i, j] T[j, :]
-        inv = tl.where(ri[:, None] == ri[None, :], 1.0, 0.0)  # [BT, BT]
-        for i in range(1, BT):
-            a_i = tl.sum(tl.where(ri[:, None] == i, a, 0.0), axis=0)  # [BT]: row i of A, nonzero for j < i
-            row = tl.where(ri == i, 1.0, 0.0) - tl.sum(a_i[:, None] * inv, axis=0)
-            inv = tl.where(ri[:, None] == i, row[None, :], inv)
+        inv = _unit_lower_inverse(a, ri, BT, DOT_PRECISION)  # (I + A)^-1 [BT, BT]
         w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None], input_precision=DOT_PRECISION)  # [BT, BK]
         tl.store(w_ptr + rows[:, None] * sw0 + h * DK + kcols[None, :], w, mask=mask_r[:, None] & (kcols[None, :] < DK))
         for v0 in range(0, DV, BV):
