@@ -104,25 +104,25 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _unit_lower_inverse(a, ri, BT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """(I + a)^-1 for a [BT, BT] strictly lower triangular, in blocks of SB = min(16, BT) rows.
+    def _unit_lower_inverse(a, ri, BT: tl.constexpr, SB: tl.constexpr):
+        """(I + a)^-1 for a [BT, BT] strictly lower triangular, in blocks of SB rows (SB divides BT).
 
         First the SB x SB diagonal blocks, by forward substitution run on all blocks at once (row r of
         every block per step: r = 1 .. SB-1); then, with D that block-diagonal inverse and F the part of
         a below the diagonal blocks, T = D - D F T block row by block row (F T of block row i only reads
-        block rows < i, already final). SB - 1 + 2 (BT / SB - 1) dots instead of BT - 1 row steps."""
-        SB: tl.constexpr = 16 if BT > 16 else BT
+        block rows < i, already final). SB - 1 + 2 (BT / SB - 1) dots instead of BT - 1 row steps, in
+        full float32 (no tf32): errors of the inverse carry into every later chunk through the state."""
         eye = tl.where(ri[:, None] == ri[None, :], 1.0, 0.0)
         same_block = (ri[:, None] // SB) == (ri[None, :] // SB)
         diag_part = tl.where(same_block, a, 0.0)
         inv = eye
         for r in range(1, SB):
-            step = eye - tl.dot(diag_part, inv, input_precision=DOT_PRECISION)
+            step = eye - tl.dot(diag_part, inv, input_precision="ieee")
             inv = tl.where((ri % SB == r)[:, None], step, inv)
         below = tl.where(same_block, 0.0, a)
         full = inv
         for blk in range(1, BT // SB):
-            step = inv - tl.dot(inv, tl.dot(below, full, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+            step = inv - tl.dot(inv, tl.dot(below, full, input_precision="ieee"), input_precision="ieee")
             full = tl.where((ri // SB == blk)[:, None], step, full)
         return full
 
@@ -144,7 +144,7 @@ if triton is not None:
     def _chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, start_ptr, len_ptr,
                          sk0, sv0, sb0, sgc0, sw0, su0, DK, DV,
                          GROUP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         SB: tl.constexpr, L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr):
         # one program: chunk c, value head h. k [T, Hk, dk] (row stride sk0), v [T, Hv, dv], beta/gc [T, Hv]
         # -> w [T, Hv, dk], u [T, Hv, dv] float32 (head stride = head dim: contiguous per row)
         c = tl.program_id(0)
@@ -161,7 +161,7 @@ if triton is not None:
         strictly_lower = ri[:, None] > ri[None, :]
         decay = tl.exp(tl.where(strictly_lower, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT], 0 on/above diag
         a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=DOT_PRECISION) * decay  # [BT, BT]
-        inv = _unit_lower_inverse(a, ri, BT, DOT_PRECISION)  # (I + A)^-1 [BT, BT]
+        inv = _unit_lower_inverse(a, ri, BT, SB)  # (I + A)^-1 [BT, BT]
         w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None], input_precision=DOT_PRECISION)  # [BT, BK]
         tl.store(w_ptr + rows[:, None] * sw0 + h * DK + kcols[None, :], w, mask=mask_r[:, None] & (kcols[None, :] < DK))
         for v0 in range(0, DV, BV):
@@ -215,7 +215,7 @@ if triton is not None:
                              GROUP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                              L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr):
         # one program: chunk c, value head h, output columns [vb * BV, vb * BV + BV); u holds v_new
-        c = tl.program_id(0)
+        c = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         vcols = tl.program_id(2).to(tl.int64) * BV + tl.arange(0, BV)
         kcols = tl.arange(0, BK)
@@ -288,7 +288,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     u = torch.empty((T, Hv, dv), dtype=torch.float32, device=device)  # then v_new, in place
     _chunk_wy_kernel[(num_chunks, Hv)](k, v, beta, gcum, w, u, starts, lens, k.stride(0), v.stride(0),
                                        beta.stride(0), gcum.stride(0), w.stride(0), u.stride(0), dk, dv,
-                                       BV=BV, **common, num_warps=4)
+                                       BV=BV, SB=min(16, BT), **common, num_warps=4)
     hs = torch.empty((num_chunks, Hv, dk, dv), dtype=torch.float32, device=device)  # state at each chunk start
     _chunk_state_kernel[(B, Hv, triton.cdiv(dv, BV))](
         k, w, u, gcum, hs, ssm_states, state_indices, starts, lens, offsets,
@@ -328,6 +328,48 @@ def chunk_wy_repr(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gcum: to
         _chunk_wy_kernel[(starts.shape[0], Hv)](
             k, v, beta, gcum, w, u, starts, lens, k.stride(0), v.stride(0), beta.stride(0), gcum.stride(0),
             w.stride(0), u.stride(0), dk, dv, GROUP=Hv // Hk, BT=chunk_size, BK=max(16, triton.next_power_of_2(dk)),
-            BV=min(max(16, triton.next_power_of_2(dv)), 64), L2NORM=use_qk_l2norm,
+            BV=min(max(16, triton.next_power_of_2(dv)), 64), SB=min(16, chunk_size), L2NORM=use_qk_l2norm,
             DOT_PRECISION="ieee" if v.dtype == torch.float32 else "tf32", num_warps=4)
     return w, u
+
+
+def chunk_gated_delta_rule_flops(num_tokens: int, num_v_heads: int, k_dim: int, v_dim: int, chunk_size: int) -> int:
+    """Matmul FLOPs of the chunked form (the count FLA-style TFLOP/s figures use; the triangular
+    inverse is left out): per token and value head, K K^T, w, Q K^T (C dk each), u and the intra-chunk
+    output (C dv each), w S, the state update and Q S (dk dv each), 2 FLOPs per multiply-add."""
+    C = chunk_size
+    return 2 * num_tokens * num_v_heads * (3 * C * k_dim + 2 * C * v_dim + 3 * k_dim * v_dim)
+
+
+def benchmark_chunk_gated_delta_rule(num_seqs: int = 4, seq_len: int = 4096, num_k_heads: int = 16,
+                                     num_v_heads: int = 32, k_dim: int = 128, v_dim: int = 128,
+                                     dtype=torch.bfloat16, chunk_size: int = 64) -> dict:
+    """Time one chunk_gated_delta_rule_varlen call on CUDA (triton.testing.do_bench, median): num_seqs
+    prompts of seq_len tokens packed in one batch, each from its own state slot (Qwen3-Next's linear
+    layer shape by default: 16 key heads, 32 value heads, 128 x 128). TFLOP/s counts
+    chunk_gated_delta_rule_flops; the states keep advancing from call to call (the decay keeps them bounded)."""
+    assert torch.cuda.is_available(), "benchmark_chunk_gated_delta_rule needs a CUDA device"
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    T = num_seqs * seq_len
+    q = torch.randn((T, num_k_heads, k_dim), dtype=dtype, device=device, generator=gen)
+    k = torch.randn((T, num_k_heads, k_dim), dtype=dtype, device=device, generator=gen)
+    v = torch.randn((T, num_v_heads, v_dim), dtype=dtype, device=device, generator=gen)
+    g = -0.1 * torch.rand((T, num_v_heads), device=device, generator=gen)
+    beta = torch.rand((T, num_v_heads), dtype=dtype, device=device, generator=gen)
+    states = torch.randn((num_seqs + 1, num_v_heads, k_dim, v_dim), device=device, generator=gen) * 0.01
+    index = torch.arange(1, num_seqs + 1, device=device)
+    cu_seqlens = [i * seq_len for i in range(num_seqs + 1)]
+
+    def step():
+        chunk_gated_delta_rule_varlen(q, k, v, g, beta, states, index, cu_seqlens, chunk_size)
+
+    step()
+    seconds = triton.testing.do_bench(step, return_mode="median") * 1e-3
+    flops = chunk_gated_delta_rule_flops(T, num_v_heads, k_dim, v_dim, chunk_size)
+    return {
+        "num_seqs": num_seqs, "seq_len": seq_len, "num_k_heads": num_k_heads, "num_v_heads": num_v_heads,
+        "k_dim": k_dim, "v_dim": v_dim, "dtype": str(dtype).removeprefix("torch."), "chunk_size": chunk_size,
+        "time_us": seconds * 1e6, "flops": flops, "tflop_per_s": flops / seconds / 1e12,
+        "tokens_per_s": T / seconds,
+    }
