@@ -279,6 +279,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     BT, BK = chunk_size, max(16, triton.next_power_of_2(dk))
     BV = min(max(16, triton.next_power_of_2(dv)), 64)
     precision = "ieee" if v.dtype == torch.float32 else "tf32"
+    warps = 8 if BK >= 128 else 4  # [64, 128] float32 tiles: spread the registers (untuned, see the benchmark)
     common = dict(GROUP=Hv // Hk, BT=BT, BK=BK, L2NORM=use_qk_l2norm, DOT_PRECISION=precision)
     gcum = torch.empty((T, Hv), dtype=torch.float32, device=device)
     block_h = min(triton.next_power_of_2(Hv), 64)
@@ -288,15 +289,15 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     u = torch.empty((T, Hv, dv), dtype=torch.float32, device=device)  # then v_new, in place
     _chunk_wy_kernel[(num_chunks, Hv)](k, v, beta, gcum, w, u, starts, lens, k.stride(0), v.stride(0),
                                        beta.stride(0), gcum.stride(0), w.stride(0), u.stride(0), dk, dv,
-                                       BV=BV, SB=min(16, BT), **common, num_warps=4)
+                                       BV=BV, SB=min(16, BT), **common, num_warps=warps)
     hs = torch.empty((num_chunks, Hv, dk, dv), dtype=torch.float32, device=device)  # state at each chunk start
     _chunk_state_kernel[(B, Hv, triton.cdiv(dv, BV))](
         k, w, u, gcum, hs, ssm_states, state_indices, starts, lens, offsets,
         k.stride(0), w.stride(0), u.stride(0), gcum.stride(0), hs.stride(0),
-        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), dk, dv, BV=BV, **common, num_warps=4)
+        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), dk, dv, BV=BV, **common, num_warps=warps)
     _chunk_output_kernel[(num_chunks, Hv, triton.cdiv(dv, BV))](
         q, k, u, gcum, hs, out, starts, lens, q.stride(0), k.stride(0), u.stride(0), gcum.stride(0), hs.stride(0),
-        out.stride(0), out.stride(1), dk ** -0.5, dk, dv, BV=BV, **common, num_warps=4)
+        out.stride(0), out.stride(1), dk ** -0.5, dk, dv, BV=BV, **common, num_warps=warps)
     return out
 
 
