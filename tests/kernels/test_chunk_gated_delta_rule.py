@@ -128,3 +128,20 @@ def test_split_prefill_carries_the_state():
     second = chunk_gated_delta_rule_varlen(q[21:], k[21:], v[21:], g[21:], beta[21:], split_pool, index, [0, 29], 16)
     torch.testing.assert_close(torch.cat((first, second)), whole, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(split_pool, pool, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_qwen3_next_shape_bf16():
+    """Qwen3-Next's linear-layer heads (16 key, 32 value, 128 x 128), chunk 64, bf16 inputs (tf32 dots)."""
+    _, _, index, _, got, want, pool, want_pool = _run_both([1, 100, 1000, 64], 16, 32, 128, 128, torch.bfloat16,
+                                                           64, seed=11)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(pool[index], want_pool[index], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_benchmark_runs():
+    from rollout_kernels.chunk_gated_delta_rule import benchmark_chunk_gated_delta_rule
+
+    result = benchmark_chunk_gated_delta_rule(num_seqs=2, seq_len=512)
+    assert result["time_us"] > 0 and result["tflop_per_s"] > 0
