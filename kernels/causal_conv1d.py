@@ -141,7 +141,8 @@ def _token_blocks(cu_seqlens: list[int], block: int, device) -> tuple[torch.Tens
             starts.append(r)
             lens.append(min(block, cu_seqlens[b + 1] - r))
             seqs.append(b)
-    return (torch.tensor(starts, dtype=torch.int64, device=device), torch.tensor(lens, dtype=torch.int32, device=device),
+    return (torch.tensor(starts, dtype=torch.int64, device=device),
+            torch.tensor(lens, dtype=torch.int32, device=device),
             torch.tensor(seqs, dtype=torch.int32, device=device))
 
 

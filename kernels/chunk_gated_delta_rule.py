@@ -51,7 +51,8 @@ def chunk_plan(cu_seqlens: list[int], chunk_size: int, device) -> tuple[torch.Te
             starts.append(c)
             lens.append(min(chunk_size, e - c))
         offsets.append(len(starts))
-    return (torch.tensor(starts, dtype=torch.int64, device=device), torch.tensor(lens, dtype=torch.int32, device=device),
+    return (torch.tensor(starts, dtype=torch.int64, device=device),
+            torch.tensor(lens, dtype=torch.int32, device=device),
             torch.tensor(offsets, dtype=torch.int64, device=device))
 
 
