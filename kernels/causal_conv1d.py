@@ -8,8 +8,8 @@ token per sequence. The state must hold zeros for a sequence starting at
 position 0 (the engine zeroes fresh slots).
 
 The `_ref` functions are plain torch (what the engine runs today);
-`causal_conv1d_update` is the Triton decode kernel with its reference's
-arguments (the varlen prefill kernel is the next slice). triton is optional
+`causal_conv1d_update` is the Triton decode kernel and `causal_conv1d_varlen`
+the Triton prefill, each with its reference's arguments. triton is optional
 (the test extra): without it the references still import.
 """
 
@@ -129,5 +129,122 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), out.stride(0), C,
         WIDTH=width, BW=triton.next_power_of_2(width), BC=block_c, HAS_BIAS=bias is not None,
         SILU=activation is not None, num_warps=4,
+    )
+    return out
+
+
+def _token_blocks(cu_seqlens: list[int], block: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (first row [N] int64, rows [N] int32, sequence [N] int32) of each block of <= `block` rows."""
+    starts, lens, seqs = [], [], []
+    for b in range(len(cu_seqlens) - 1):
+        for r in range(cu_seqlens[b], cu_seqlens[b + 1], block):
+            starts.append(r)
+            lens.append(min(block, cu_seqlens[b + 1] - r))
+            seqs.append(b)
+    return (torch.tensor(starts, dtype=torch.int64, device=device),
+            torch.tensor(lens, dtype=torch.int32, device=device),
+            torch.tensor(seqs, dtype=torch.int32, device=device))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _window_tap(x_ptr, state_ptr, pos, seq_start, slot, cols, mask_c, mask_r, sx0, ss0, ss1,
+                    WIDTH: tl.constexpr):
+        """Inputs at sequence positions pos [BT] for channels cols [BC] -> [BT, BC] float32: x's row
+        seq_start + pos when pos >= 0, else the stored left context conv_states[slot, c, WIDTH - 1 + pos]."""
+        from_x = mask_r & (pos >= 0)
+        from_s = mask_r & (pos < 0)
+        xv = tl.load(x_ptr + (seq_start + pos)[:, None] * sx0 + cols[None, :], mask=from_x[:, None] & mask_c[None, :],
+                     other=0.0).to(tl.float32)
+        sv = tl.load(state_ptr + slot * ss0 + cols[None, :] * ss1 + (WIDTH - 1 + pos)[:, None],
+                     mask=from_s[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        return xv + sv
+
+    @triton.jit
+    def _causal_conv1d_varlen_kernel(
+        x_ptr, w_ptr, b_ptr, state_ptr, index_ptr, cu_ptr, start_ptr, len_ptr, seq_ptr, o_ptr,
+        sx0, sw0, ss0, ss1, so0, C,
+        WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    ):
+        # one program: a block of <= BT rows of one sequence, channels [cb * BC, cb * BC + BC);
+        # out[t] = sum_j w[:, j] * input[t - (WIDTH - 1) + j], the input before the sequence's first row
+        # coming from its conv state. Reads the state only: _conv_state_write_kernel updates it afterwards.
+        blk = tl.program_id(0)
+        cols = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
+        mask_c = cols < C
+        start = tl.load(start_ptr + blk).to(tl.int64)
+        n = tl.load(len_ptr + blk)
+        seq = tl.load(seq_ptr + blk)
+        seq_start = tl.load(cu_ptr + seq).to(tl.int64)
+        slot = tl.load(index_ptr + seq).to(tl.int64)
+        ri = tl.arange(0, BT)
+        mask_r = ri < n
+        pos = start - seq_start + ri.to(tl.int64)  # [BT] positions in the sequence
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(WIDTH):
+            tap = _window_tap(x_ptr, state_ptr, pos - (WIDTH - 1) + j, seq_start, slot, cols, mask_c, mask_r,
+                              sx0, ss0, ss1, WIDTH)
+            acc += tap * tl.load(w_ptr + cols * sw0 + j, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        rows = start + ri.to(tl.int64)
+        tl.store(o_ptr + rows[:, None] * so0 + cols[None, :], acc.to(o_ptr.dtype.element_ty),
+                 mask=mask_r[:, None] & mask_c[None, :])
+
+    @triton.jit
+    def _conv_state_write_kernel(x_ptr, state_ptr, index_ptr, cu_ptr, sx0, ss0, ss1, C,
+                                 WIDTH: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr):
+        # one program: sequence b, channels [cb * BC, cb * BC + BC): state <- the last WIDTH - 1 inputs
+        # (positions L - (WIDTH - 1) .. L - 1, older ones from the old state when L < WIDTH - 1)
+        b = tl.program_id(0)
+        cols = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
+        mask_c = cols < C
+        seq_start = tl.load(cu_ptr + b).to(tl.int64)
+        length = tl.load(cu_ptr + b + 1).to(tl.int64) - seq_start
+        slot = tl.load(index_ptr + b).to(tl.int64)
+        taps = tl.arange(0, BW)
+        mask_t = taps < WIDTH - 1
+        window = _window_tap(x_ptr, state_ptr, length - (WIDTH - 1) + taps.to(tl.int64), seq_start, slot, cols,
+                             mask_c, mask_t, sx0, ss0, ss1, WIDTH)  # [BW, BC], loaded before any store
+        tl.store(state_ptr + slot * ss0 + cols[None, :] * ss1 + taps[:, None],
+                 window.to(state_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_states: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: list[int],
+                         activation: str | None = "silu") -> torch.Tensor:
+    """Triton prefill, as causal_conv1d_varlen_ref (float32 math): x [T, C] (may be a row-strided view;
+    sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]); weight [C, K]; bias [C] or None; conv_states
+    [S, C, K-1] updated in place at state_indices [B] int64 (distinct, >= 0) -> out [T, C] in x's dtype."""
+    assert triton is not None, "causal_conv1d_varlen needs triton"
+    assert activation in (None, "silu", "swish"), f"unsupported conv activation {activation!r}"
+    T, C = x.shape
+    width = weight.shape[1]
+    assert weight.shape == (C, width) and weight.stride(1) == 1, f"weight must be [C, K] row-major, got {weight.shape}"
+    assert width >= 2, "a conv of width 1 keeps no state"
+    assert bias is None or (bias.shape == (C,) and bias.stride(0) == 1)
+    assert conv_states.dim() == 3 and conv_states.shape[1:] == (C, width - 1) and conv_states.stride(2) == 1, \
+        f"conv_states must be [S, C, K-1] contiguous in the last dim, got {tuple(conv_states.shape)}"
+    assert x.stride(1) == 1, "x must be contiguous in channels"
+    B = len(cu_seqlens) - 1
+    assert state_indices.shape == (B,) and state_indices.dtype == torch.int64, "state_indices must be [B] int64"
+    assert cu_seqlens[0] == 0 and cu_seqlens[-1] == T, f"cu_seqlens must run from 0 to T={T}, got {cu_seqlens}"
+    out = torch.empty((T, C), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    block_t, block_c = 64, min(triton.next_power_of_2(C), 128)
+    starts, lens, seqs = _token_blocks(cu_seqlens, block_t, x.device)
+    cu = torch.tensor(cu_seqlens, dtype=torch.int64, device=x.device)
+    _causal_conv1d_varlen_kernel[(starts.shape[0], triton.cdiv(C, block_c))](
+        x, weight, bias if bias is not None else weight, conv_states, state_indices, cu, starts, lens, seqs, out,
+        x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), out.stride(0), C,
+        WIDTH=width, BT=block_t, BC=block_c, HAS_BIAS=bias is not None, SILU=activation is not None, num_warps=4,
+    )
+    _conv_state_write_kernel[(B, triton.cdiv(C, block_c))](
+        x, conv_states, state_indices, cu, x.stride(0), conv_states.stride(0), conv_states.stride(1), C,
+        WIDTH=width, BW=max(2, triton.next_power_of_2(width - 1)), BC=block_c, num_warps=4,
     )
     return out

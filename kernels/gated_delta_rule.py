@@ -17,7 +17,8 @@ its state across them. The `_ref` functions are plain torch, the same math as
 HF transformers' torch fallback (`torch_chunk_gated_delta_rule`,
 `torch_recurrent_gated_delta_rule`), and what the engine runs today.
 `recurrent_gated_delta_rule_update` is the Triton decode kernel (same
-arguments as its reference; the chunked prefill kernel is the next slice).
+arguments as its reference); the Triton chunked prefill is
+`chunk_gated_delta_rule.chunk_gated_delta_rule_varlen`.
 triton is optional (the test extra): without it the references still import.
 """
 

@@ -12,7 +12,10 @@ step first applies the scheduler's ordered state copies (prefix snapshots
 taken, snapshots forked into samples), zeroes the slots of entries starting
 at position 0, then runs the forward, whose linear layers read and update
 their slots through `LinearBatch` (decodes: one recurrent step each, batched;
-prefill chunks: chunked delta rule per sequence).
+prefill chunks: chunked delta rule per sequence). The torch references run by
+default; `triton_kernels=True` (the model runner sets it on the Triton backend
+on CUDA only, and the engine still keeps hybrid models off that backend) runs
+the Triton kernels of rollout_kernels instead, same arguments.
 """
 
 from __future__ import annotations
@@ -49,10 +52,11 @@ class LinearBatch:
     each, the first `num_decodes` rows), then prefill chunks at rows cu_seqlens[b]:cu_seqlens[b+1]
     of the prefill part."""
 
-    def __init__(self, pool: LinearStatePool, entries, device):
+    def __init__(self, pool: LinearStatePool, entries, device, triton_kernels: bool = False):
         from rollout_kernels import causal_conv1d, gated_delta_rule
 
         self._conv_ops, self._delta_ops = causal_conv1d, gated_delta_rule
+        self.triton_kernels = triton_kernels
         self.pool = pool
         decodes = [e for e in entries if e.num_new_tokens == 1]
         prefills = [e for e in entries if e.num_new_tokens > 1]
@@ -68,25 +72,30 @@ class LinearBatch:
         """x [T, C] -> causal conv + activation [T, C], each sequence continuing from its conv state."""
         D, states = self.num_decodes, self.pool.conv[layer]  # states [S, C, K-1], updated in place
         out = torch.empty_like(x)
+        ops = self._conv_ops
+        update, varlen = ((ops.causal_conv1d_update, ops.causal_conv1d_varlen) if self.triton_kernels
+                          else (ops.causal_conv1d_update_ref, ops.causal_conv1d_varlen_ref))
         if D:
-            out[:D] = self._conv_ops.causal_conv1d_update_ref(x[:D], weight, bias, states, self.decode_slots,
-                                                              activation)
+            out[:D] = update(x[:D], weight, bias, states, self.decode_slots, activation)
         if len(self.cu_seqlens) > 1:
-            out[D:] = self._conv_ops.causal_conv1d_varlen_ref(x[D:], weight, bias, states, self.prefill_slots,
-                                                              self.cu_seqlens, activation)
+            out[D:] = varlen(x[D:], weight, bias, states, self.prefill_slots, self.cu_seqlens, activation)
         return out
 
     def delta_rule(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
         """q/k [T, Hk, dk], v [T, Hv, dv], g/beta [T, Hv] -> o [T, Hv, dv], states advanced in place."""
         D, states = self.num_decodes, self.pool.ssm[layer]  # [S, Hv, dk, dv]
         out = torch.empty_like(v)
-        ops = self._delta_ops
+        if self.triton_kernels:
+            from rollout_kernels.chunk_gated_delta_rule import chunk_gated_delta_rule_varlen
+
+            update, varlen = self._delta_ops.recurrent_gated_delta_rule_update, chunk_gated_delta_rule_varlen
+        else:
+            update = self._delta_ops.recurrent_gated_delta_rule_update_ref
+            varlen = self._delta_ops.chunk_gated_delta_rule_varlen_ref
         if D:
-            out[:D] = ops.recurrent_gated_delta_rule_update_ref(q[:D], k[:D], v[:D], g[:D], beta[:D], states,
-                                                                self.decode_slots)
+            out[:D] = update(q[:D], k[:D], v[:D], g[:D], beta[:D], states, self.decode_slots)
         if len(self.cu_seqlens) > 1:
-            out[D:] = ops.chunk_gated_delta_rule_varlen_ref(q[D:], k[D:], v[D:], g[D:], beta[D:], states,
-                                                            self.prefill_slots, self.cu_seqlens)
+            out[D:] = varlen(q[D:], k[D:], v[D:], g[D:], beta[D:], states, self.prefill_slots, self.cu_seqlens)
         return out
 
 
@@ -102,9 +111,9 @@ class HybridBatch:
         return self.attn.forward(layer_idx, q, k, v)
 
 
-def begin_step(pool: LinearStatePool, out, device) -> LinearBatch:
+def begin_step(pool: LinearStatePool, out, device, triton_kernels: bool = False) -> LinearBatch:
     """Apply the step's state copies, zero the states of sequences starting at position 0, and
     describe the batch (entries already sorted decodes first)."""
     pool.copy(out.state_copies)
     pool.zero([e.request.state_slot for e in out.entries if e.start == 0])
-    return LinearBatch(pool, out.entries, device)
+    return LinearBatch(pool, out.entries, device, triton_kernels)

@@ -162,7 +162,10 @@ class ModelRunner:
         if self.linear_states is not None:
             from rollout_cli.engine.linear_state import HybridBatch, begin_step
 
-            attn = HybridBatch(attn, begin_step(self.linear_states, out, self.device))
+            # Triton recurrences only on the Triton backend on CUDA (the engine keeps hybrid models off it
+            # for now); the CPU and the torch backend run the references
+            triton_kernels = self.attention_backend == "triton" and torch.device(self.device).type == "cuda"
+            attn = HybridBatch(attn, begin_step(self.linear_states, out, self.device, triton_kernels))
         hidden = self.model(input_ids, positions, attn)  # [T, hidden]
         last_rows, offset = [], 0
         for e in out.entries:
