@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call for issue 8's kernels (a few minutes): the hybrid kernels' tests on the GPU (the
+# interpreter-tested ones run natively in float32/float16, plus the bf16 GPU tests), then the chunked
+# delta-rule prefill benchmark at Qwen3-Next's linear-layer shape. Logs go to $OUT.
+set -uo pipefail
+mkdir -p /tmp/rollout_path && ln -sfn "$PWD/kernels" /tmp/rollout_path/rollout_kernels
+export PYTHONPATH=$PWD:/tmp/rollout_path PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_chunk_gated_delta_rule.py \
+    tests/kernels/test_causal_conv1d_varlen.py tests/kernels/test_linear_state_triton.py \
+    $(ls tests/kernels/test_gated_delta_rule*.py tests/kernels/test_causal_conv1d.py 2>/dev/null) \
+    2>&1 | tee "$OUT/hybrid_kernel_tests.log" | tail -8
+timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/chunk_gdr_bench.log"
+from rollout_kernels.chunk_gated_delta_rule import benchmark_chunk_gated_delta_rule
+for seq_len in (1024, 4096):
+    print(seq_len, benchmark_chunk_gated_delta_rule(num_seqs=4, seq_len=seq_len))
+PY
