@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_chunk_gated_delta_rule.py \
     tests/kernels/test_causal_conv1d_varlen.py tests/kernels/test_linear_state_triton.py \
-    $(ls tests/kernels/test_gated_delta_rule*.py tests/kernels/test_causal_conv1d.py 2>/dev/null) \
+    tests/kernels/test_gated_delta_rule_decode.py tests/kernels/test_causal_conv1d_decode.py \
     2>&1 | tee "$OUT/hybrid_kernel_tests.log" | tail -8
 timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/chunk_gdr_bench.log"
 from rollout_kernels.chunk_gated_delta_rule import benchmark_chunk_gated_delta_rule
