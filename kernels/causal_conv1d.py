@@ -103,15 +103,10 @@ if triton is not None:
         tl.store(o_ptr + b * so0 + cols, y.to(o_ptr.dtype.element_ty), mask=mask_c)
 
 
-def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         conv_states: torch.Tensor, state_indices: torch.Tensor,
-                         activation: str | None = "silu") -> torch.Tensor:
-    """Triton decode step, as causal_conv1d_update_ref (float32 math): x [B, C] (may be a strided view);
-    weight [C, K]; bias [C] or None; conv_states [S, C, K-1] updated in place at state_indices [B] int64
-    (a negative index skips the row, its output left unwritten) -> out [B, C] in x's dtype."""
-    assert triton is not None, "causal_conv1d_update needs triton"
+def _check_conv_args(x, weight, bias, conv_states, activation) -> tuple[int, int, int]:
+    """The checks both Triton launchers share; x [rows, C], weight [C, K] -> (rows, C, K)."""
     assert activation in (None, "silu", "swish"), f"unsupported conv activation {activation!r}"
-    B, C = x.shape
+    rows, C = x.shape
     width = weight.shape[1]
     assert weight.shape == (C, width) and weight.stride(1) == 1, f"weight must be [C, K] row-major, got {weight.shape}"
     assert width >= 2, "a conv of width 1 keeps no state"
@@ -119,6 +114,17 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     assert conv_states.dim() == 3 and conv_states.shape[1:] == (C, width - 1) and conv_states.stride(2) == 1, \
         f"conv_states must be [S, C, K-1] contiguous in the last dim, got {tuple(conv_states.shape)}"
     assert x.stride(1) == 1, "x must be contiguous in channels"
+    return rows, C, width
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_states: torch.Tensor, state_indices: torch.Tensor,
+                         activation: str | None = "silu") -> torch.Tensor:
+    """Triton decode step, as causal_conv1d_update_ref (float32 math): x [B, C] (may be a strided view);
+    weight [C, K]; bias [C] or None; conv_states [S, C, K-1] updated in place at state_indices [B] int64
+    (a negative index skips the row, its output left unwritten) -> out [B, C] in x's dtype."""
+    assert triton is not None, "causal_conv1d_update needs triton"
+    B, C, width = _check_conv_args(x, weight, bias, conv_states, activation)
     assert state_indices.shape == (B,) and state_indices.dtype == torch.int64, "state_indices must be [B] int64"
     out = torch.empty((B, C), dtype=x.dtype, device=x.device)
     if B == 0:
@@ -220,15 +226,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]); weight [C, K]; bias [C] or None; conv_states
     [S, C, K-1] updated in place at state_indices [B] int64 (distinct, >= 0) -> out [T, C] in x's dtype."""
     assert triton is not None, "causal_conv1d_varlen needs triton"
-    assert activation in (None, "silu", "swish"), f"unsupported conv activation {activation!r}"
-    T, C = x.shape
-    width = weight.shape[1]
-    assert weight.shape == (C, width) and weight.stride(1) == 1, f"weight must be [C, K] row-major, got {weight.shape}"
-    assert width >= 2, "a conv of width 1 keeps no state"
-    assert bias is None or (bias.shape == (C,) and bias.stride(0) == 1)
-    assert conv_states.dim() == 3 and conv_states.shape[1:] == (C, width - 1) and conv_states.stride(2) == 1, \
-        f"conv_states must be [S, C, K-1] contiguous in the last dim, got {tuple(conv_states.shape)}"
-    assert x.stride(1) == 1, "x must be contiguous in channels"
+    T, C, width = _check_conv_args(x, weight, bias, conv_states, activation)
     B = len(cu_seqlens) - 1
     assert state_indices.shape == (B,) and state_indices.dtype == torch.int64, "state_indices must be [B] int64"
     assert cu_seqlens[0] == 0 and cu_seqlens[-1] == T, f"cu_seqlens must run from 0 to T={T}, got {cu_seqlens}"

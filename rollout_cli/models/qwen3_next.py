@@ -23,7 +23,7 @@ from torch import nn
 
 from rollout_cli.models.gated_deltanet import GatedDeltaNet, linear_state_shape
 from rollout_cli.models.layers import FusedLinear, Linear, RotaryEmbedding, VocabEmbedding
-from rollout_cli.models.llama import DecoderMLP, LlamaForCausalLM, head_dim_of
+from rollout_cli.models.llama import DecoderMLP, DecoderModel, LlamaForCausalLM, head_dim_of
 from rollout_cli.models.moe import MoeMixin, SparseMoeBlock
 from rollout_cli.models.norms import ZeroCentredRMSNorm
 
@@ -89,22 +89,11 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, attn):
-        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden_size]
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, attn)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    forward = DecoderModel.forward  # embed, the layers with a carried residual, final norm: the same stack
 
 
 class Qwen3NextForCausalLM(MoeMixin, nn.Module):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping  # fused qkv of full attention, gate_up
     checkpoint_ignored_prefixes = ("mtp.",)  # the multi-token-prediction head HF also skips
     grouped_checkpoint = True  # in_proj_qkvz / in_proj_ba rows grouped per key head
 
