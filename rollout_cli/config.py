@@ -45,6 +45,9 @@ class EngineConfig:
     """auto (triton on CUDA, torch on the CPU), torch (SDPA over gathered KV), or triton."""
     cuda_graphs: bool = True
     """On CUDA with the triton backend, replay captured graphs for decode steps."""
+    overlap_schedule: bool = True
+    """Schedule and launch the next decode step while the current one runs on the GPU (the host's
+    per-step work hides behind the device's); off: schedule, run, post-process one step at a time."""
     tensor_parallel_size: int = 1
     """Tensor parallel ranks (`rollout run --tp N`): processes started by torch.distributed.run, one per GPU."""
 

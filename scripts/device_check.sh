@@ -1,30 +1,47 @@
 #!/usr/bin/env bash
-# One device call for issues 3 and 4 (about 8 minutes): GPU engine, memory, weight-update and
-# sampler tests, then one `rollout bench` per line of docs/benchmarks.md (Qwen3-0.6B fixed with
-# HF, mixed lengths, GRPO shape; Qwen3-8B fixed with HF), then the control-plane timings on the
-# Qwen3-8B shape (reload, CUDA IPC update, release / resume). Logs and JSON go to $OUT.
-# MoE (issue 5): scripts/moe_device_check.sh and scripts/device_check_moe_bench.sh.
+# Device calls for docs/benchmarks.md: GPU tests, then one `rollout bench` per line of its newest
+# section, then the control-plane timings. Name the parts to run (default: all, about 12 minutes,
+# more than one device call allows: split it), e.g.
+#   bash scripts/device_check.sh tests b06 b8 mixed grpo moe30     # issues 3 and 5, one call
+#   bash scripts/device_check.sh moe30hf control                     # the slow HF MoE baseline, issue 4
+# Parts: tests (GPU engine + MoE engine tests), b06 (Qwen3-0.6B fixed, HF baseline), b8 (Qwen3-8B
+# fixed, HF baseline), mixed, grpo, moe30 (Qwen3-30B-A3B, capture off/on/on/off), moe30hf (the same
+# with the HF baseline), control (reload, CUDA IPC, release / resume on the 8B shape), memtests
+# (memory, weight-update and sampler GPU tests). Logs and JSON go to $OUT.
 # torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
 set -uo pipefail
 # kernels/ installs as rollout_kernels; without installing, a link on PYTHONPATH gives the same name.
 mkdir -p /tmp/rollout_path && ln -sfn "$PWD/kernels" /tmp/rollout_path/rollout_kernels
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
 export PYTHONPATH=$PWD:/tmp/rollout_path:/tmp/site PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-bench() { COLUMNS=200 python3 -m rollout_cli.cli.main bench --load-format dummy "$@" 2>&1; }
+PARTS=${*:-tests b06 b8 mixed grpo moe30 moe30hf control memtests}
+Q06=recipes/configs/qwen3-0.6b Q8=recipes/configs/qwen3-8b Q30=recipes/configs/qwen3-30b-a3b
+bench() {  # NAME TIMEOUT ARGS...: one bench, its table to the log and the reply, its JSON to $OUT
+    local name=$1 limit=$2; shift 2
+    echo "== $name: rollout bench $*"
+    COLUMNS=200 timeout "$limit" python3 -m rollout_cli.cli.main bench --load-format dummy "$@" \
+        --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -E "│|limit tok/s" | grep -vE "requests /|preemptions|peak memory"
+}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-timeout 200 python3 -m pytest -q -m gpu tests/e2e/test_gpu_engine.py tests/e2e/test_gpu_memory.py \
-    tests/e2e/test_gpu_weight_updates.py tests/kernels/test_sampling.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -6
-Q06=recipes/configs/qwen3-0.6b
-echo "== 0.6B fixed 256x256x512, HF baseline"
-timeout 150 bash -c "$(declare -f bench); bench --model $Q06 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --json $OUT/b06_fixed.json" | tee "$OUT/b06_fixed.log" | head -19
-echo "== 0.6B mixed lengths"
-timeout 60 bash -c "$(declare -f bench); bench --model $Q06 --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --temperature 0.6 --json $OUT/b06_mixed.json" | sed -n 3,14p
-echo "== 0.6B GRPO 64 x n16, 512 in, 1024 out"
-timeout 70 bash -c "$(declare -f bench); bench --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 --json $OUT/b06_grpo.json" | sed -n 3,16p
-echo "== 8B fixed 256x256x512, HF baseline"
-timeout 200 bash -c "$(declare -f bench); bench --model recipes/configs/qwen3-8b --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --json $OUT/b8_fixed.json" | tee "$OUT/b8_fixed.log" | sed -n 3,20p
-echo "== control plane, Qwen3-8B shape"
-timeout 200 python3 scripts/control_plane_bench.py --config recipes/configs/qwen3-8b --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12
+for part in $PARTS; do
+    case $part in
+    tests) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_gpu_engine.py \
+               tests/e2e/test_gpu_moe_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+           grep -q " failed" "$OUT/gpu_tests.log" && { echo "GPU tests failed: no benches"; exit 1; } ;;
+    memtests) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_gpu_memory.py \
+               tests/e2e/test_gpu_weight_updates.py tests/kernels/test_sampling.py 2>&1 | tee "$OUT/gpu_memtests.log" | tail -4 ;;
+    b06) bench b06_fixed 150 --model $Q06 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --profile ;;
+    b8) bench b8_fixed 200 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --profile ;;
+    mixed) bench b06_mixed 60 --model $Q06 --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --temperature 0.6 ;;
+    grpo) bench b06_grpo 70 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 ;;
+    moe30) bench b30_capture 150 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --capture-routing compare ;;
+    moe30hf) bench b30_hf 300 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf ;;
+    control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;
+    *) echo "unknown part $part" ;;
+    esac
+done

@@ -29,6 +29,7 @@ KvCacheTokens = Annotated[Optional[int], typer.Option(help="Exact KV cache size 
 LoadFormat = Annotated[str, typer.Option(help="auto (safetensors) or dummy (random weights from config.json).", rich_help_panel=ENGINE)]
 NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="Disable prefix sharing through the radix cache.", rich_help_panel=ENGINE)]
 AttentionBackend = Annotated[str, typer.Option(help="torch, or triton (kernels + CUDA graphs; CUDA only); auto = triton on CUDA, torch on the CPU.", rich_help_panel=ENGINE)]
+NoOverlapSchedule = Annotated[bool, typer.Option("--no-overlap-schedule", help="Plan each step after the previous one finished, instead of while it runs on the GPU.", rich_help_panel=ENGINE)]
 NoCudaGraphs = Annotated[bool, typer.Option("--no-cuda-graphs", help="Run decode steps eagerly instead of replaying CUDA graphs.", rich_help_panel=ENGINE)]
 WeightVersion = Annotated[str, typer.Option(help="Weight version recorded on every trajectory.", rich_help_panel=ENGINE)]
 
@@ -51,6 +52,7 @@ ENGINE_OPTIONS = (
     ("no_prefix_cache", NoPrefixCache, False),
     ("attention_backend", AttentionBackend, "auto"),
     ("no_cuda_graphs", NoCudaGraphs, False),
+    ("no_overlap_schedule", NoOverlapSchedule, False),
     ("weight_version", WeightVersion, "0"),
 )
 ENGINE_DEFAULTS = {name: default for name, _, default in ENGINE_OPTIONS}
@@ -85,7 +87,7 @@ def with_engine_options(exclude: tuple[str, ...] = ()):
 
 def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_running, kv_memory_fraction,
                   kv_cache_tokens, load_format, no_prefix_cache, attention_backend="auto", no_cuda_graphs=False,
-                  weight_version="0", linear_state_memory_ratio=0.5):
+                  weight_version="0", linear_state_memory_ratio=0.5, no_overlap_schedule=False):
     from rollout_cli.config import EngineConfig
 
     return EngineConfig(
@@ -93,7 +95,7 @@ def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_
         max_batch_tokens=max_batch_tokens, max_running=max_running, kv_memory_fraction=kv_memory_fraction,
         kv_cache_tokens=kv_cache_tokens, load_format=load_format, enable_prefix_cache=not no_prefix_cache,
         attention_backend=attention_backend, cuda_graphs=not no_cuda_graphs, weight_version=weight_version,
-        linear_state_memory_ratio=linear_state_memory_ratio,
+        linear_state_memory_ratio=linear_state_memory_ratio, overlap_schedule=not no_overlap_schedule,
     )
 
 

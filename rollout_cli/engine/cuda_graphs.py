@@ -30,8 +30,10 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(set(buckets + [max_batch]))
 
 
-# rows of the int64 input buffer: the step's inputs, then the sampler's keys and top-k
-_TOKEN, _POSITION, _ROW, _SLOT, _SEED, _PROMPT, _SAMPLE, _KEY_POSITION, _TOP_K = range(9)
+# rows of the int64 input buffer: the step's inputs, then the sampler's keys and top-k, then the
+# row of the previous replay's tokens to decode (-1: the token in _TOKEN)
+_TOKEN, _POSITION, _ROW, _SLOT, _SEED, _PROMPT, _SAMPLE, _KEY_POSITION, _TOP_K, _SOURCE = range(10)
+_NUM_INT_ROWS = 10
 # rows of the float32 input buffer: per-row sampling settings (raw logprobs as 1.0 / 0.0)
 _TEMPERATURE, _TOP_P, _MIN_P, _RAW = range(4)
 
@@ -51,12 +53,19 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         device = req_to_token.device
-        self.ints = torch.zeros((9, self.max_batch), dtype=torch.int64, device=device)
+        self.ints = torch.zeros((_NUM_INT_ROWS, self.max_batch), dtype=torch.int64, device=device)
         self.floats = torch.zeros((4, self.max_batch), dtype=torch.float32, device=device)
         self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)  # int32 for the kernel
-        self.staging_ints = torch.zeros((9, self.max_batch), dtype=torch.int64).pin_memory()
-        self.staging_floats = torch.zeros((4, self.max_batch), dtype=torch.float32).pin_memory()
-        self.staging_seq_lens = torch.ones(self.max_batch, dtype=torch.int32).pin_memory()
+        # [max_batch] int64: the tokens the last replay sampled, the input of a step scheduled ahead
+        self.last_tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
+        # Two of each host buffer: while step k runs, step k + 1 is prepared (and step k - 1's
+        # results read); a buffer is rewritten only after the step that used it was collected.
+        self.staging_ints = [torch.zeros((_NUM_INT_ROWS, self.max_batch), dtype=torch.int64).pin_memory()
+                             for _ in range(2)]
+        self.staging_floats = [torch.zeros((4, self.max_batch), dtype=torch.float32).pin_memory() for _ in range(2)]
+        self.staging_seq_lens = [torch.ones(self.max_batch, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self.results = [torch.zeros(2 * self.max_batch, dtype=torch.float64).pin_memory() for _ in range(2)]
+        self._parity = 0  # which of the two buffer sets this replay uses
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.replays = 0  # decode steps served by a replay (tests check graphs really ran)
@@ -67,7 +76,9 @@ class DecodeGraphs:
     def _forward(self, batch: int) -> torch.Tensor:
         from rollout_kernels.sampling import sample
 
-        ids, positions, rows, slots = (self.ints[i, :batch] for i in (_TOKEN, _POSITION, _ROW, _SLOT))
+        given, positions, rows, slots = (self.ints[i, :batch] for i in (_TOKEN, _POSITION, _ROW, _SLOT))
+        source = self.ints[_SOURCE, :batch]
+        ids = torch.where(source >= 0, self.last_tokens[source.clamp(min=0)], given)  # [batch]
         self.req_to_token[rows, positions] = slots.to(torch.int32)  # this step's slots, inside the graph
         attn = TritonAttentionBatch(self.kv, self.req_to_token, slots, rows, self.seq_lens[:batch], None, self.scale)
         logits = self.model.compute_logits(self.model(ids, positions, attn), upcast=False)  # [batch, vocab]
@@ -75,6 +86,7 @@ class DecodeGraphs:
         keys = tuple(self.ints[i, :batch] for i in (_SEED, _PROMPT, _SAMPLE, _KEY_POSITION))
         tokens, logprobs = sample(logits, f[_TEMPERATURE, :batch], self.ints[_TOP_K, :batch], f[_TOP_P, :batch],
                                   f[_MIN_P, :batch], f[_RAW, :batch] > 0.5, keys=keys)
+        self.last_tokens[:batch].copy_(tokens)
         # float64 holds both the token ids and the float32 logprobs exactly
         return torch.stack((tokens.double(), logprobs.double()))  # [2, batch]
 
@@ -95,6 +107,7 @@ class DecodeGraphs:
     def _capture(self, warm_up: bool) -> None:
         start = time.monotonic()
         self.ints[_ROW].fill_(self.pad_row)
+        self.ints[_SOURCE].fill_(-1)
         self.floats[_TOP_P].fill_(1.0)
         if warm_up:
             side = torch.cuda.Stream()
@@ -119,8 +132,10 @@ class DecodeGraphs:
     def can_run(self, entries) -> bool:
         return 0 < len(entries) <= self.max_batch and all(e.num_new_tokens == 1 and e.sample for e in entries)
 
-    def run(self, entries) -> torch.Tensor:
-        """Replay for a decode-only step; returns (token ids, logprobs) as float64 [2, len(entries)].
+    def run(self, entries, tokens_on_device: bool = False) -> torch.Tensor:
+        """Replay for a decode-only step; returns (token ids, logprobs) as float64 [2, len(entries)],
+        valid until the next replay. With `tokens_on_device`, entries whose `source_row` is set decode
+        the token the previous replay sampled in that row (a step scheduled ahead of its inputs).
 
         Padding rows (bucket past the batch) decode token 0 at position 0 in slot 0 and sample greedily."""
         batch = len(entries)
@@ -135,9 +150,13 @@ class DecodeGraphs:
                 return [value_of(shared)] * batch + pad
             return [value_of(p) for p in params] + pad
 
+        sources = [e.source_row for e in entries] if tokens_on_device else [-1] * batch
+        self._parity ^= 1
+        ints, floats, seq_lens = (buffers[self._parity] for buffers in
+                                  (self.staging_ints, self.staging_floats, self.staging_seq_lens))
         # Plain lists, then one host copy and one device copy per buffer.
-        self.staging_ints[:, :bucket] = torch.tensor([
-            [e.token_ids[0] for e in entries] + pad,
+        ints[:, :bucket] = torch.tensor([
+            [max(e.token_ids[0], 0) for e in entries] + pad,  # a PENDING token (-1) comes from `sources`
             [e.start for e in entries] + pad,
             [e.table_row for e in entries] + [self.pad_row] * len(pad),
             [e.new_slots[0] for e in entries] + pad,
@@ -146,21 +165,32 @@ class DecodeGraphs:
             [r.sample_index for r in requests] + pad,
             [e.start + 1 for e in entries] + pad,  # the sampled token's position: the key of its draw
             per_row(lambda p: p.top_k),
+            sources + [-1] * len(pad),
         ], dtype=torch.int64)
-        self.staging_floats[:, :bucket] = torch.tensor([
+        floats[:, :bucket] = torch.tensor([
             per_row(lambda p: p.temperature), per_row(lambda p: p.top_p), per_row(lambda p: p.min_p),
             per_row(lambda p: float(p.logprobs_mode == "raw")),
         ], dtype=torch.float32)
         if pad:  # padding rows: greedy, no filters (top-p 1)
-            self.staging_floats[_TOP_P, batch:bucket] = 1.0
-        self.staging_seq_lens[:bucket] = torch.tensor([e.start + 1 for e in entries] + [1] * len(pad), dtype=torch.int32)
-        self.ints[:, :bucket].copy_(self.staging_ints[:, :bucket], non_blocking=True)
-        self.floats[:, :bucket].copy_(self.staging_floats[:, :bucket], non_blocking=True)
-        self.seq_lens[:bucket].copy_(self.staging_seq_lens[:bucket], non_blocking=True)
+            floats[_TOP_P, batch:bucket] = 1.0
+        seq_lens[:bucket] = torch.tensor([e.start + 1 for e in entries] + [1] * len(pad), dtype=torch.int32)
+        self.ints[:, :bucket].copy_(ints[:, :bucket], non_blocking=True)
+        self.floats[:, :bucket].copy_(floats[:, :bucket], non_blocking=True)
+        self.seq_lens[:bucket].copy_(seq_lens[:bucket], non_blocking=True)
         graph, packed = self.graphs[bucket]
         graph.replay()
         self.replays += 1
+        self._last_replay = (packed, batch)
         return packed[:, :batch]
+
+    def results_to_host(self) -> torch.Tensor:
+        """Queue the copy of the last replay's results to pinned memory; returns its [2, batch] view
+        there, to read once the stream got past the copy. Both sides are contiguous [2, bucket]
+        buffers, so the copy is one asynchronous DMA (a strided copy would stage through the host)."""
+        packed, batch = self._last_replay
+        host = self.results[self._parity][: packed.numel()].view(packed.shape)
+        host.copy_(packed, non_blocking=True)
+        return host[:, :batch]
 
     def routing_rows(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """After `run` of `batch` entries: (KV slots [batch], expert ids [batch, num_moe_layers, top_k])."""

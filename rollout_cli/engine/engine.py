@@ -1,7 +1,8 @@
 """The engine: load a checkpoint once, then turn prompts into trajectories.
 
 The loop is the three calls of shared/DESIGN.md: scheduler.schedule() ->
-runner.run() -> scheduler.postprocess(). Prompts are pulled lazily from the
+runner.launch() -> scheduler.postprocess(), overlapped in the steady state: the next decode step
+is scheduled and launched before the running one is post-processed (see _stream). Prompts are pulled lazily from the
 caller's iterator, so a million-row prompt file never sits in memory.
 """
 
@@ -160,6 +161,7 @@ class Engine:
         self._build_cache()
         self._request_ids = itertools.count()
         self.routing_pool = None  # models.moe.RoutingPool once routing capture was turned on
+        self._idle_routing_pool = None  # the pool while capture is turned off again (bench compare)
         self.weight_update_groups = {}  # group name -> engine.weight_group.WeightGroup
 
     def _build_cache(self) -> None:
@@ -240,11 +242,25 @@ class Engine:
                 raise RolloutError("cannot turn routing capture on while requests are in flight")
             if self.scheduler.cache is not None:
                 self.scheduler.cache.reset()
-            self.routing_pool = RoutingPool(self.kv.num_slots, len(moe_layers), self.model.top_k,
-                                            self.model.num_experts, self.device)
+            self.routing_pool = self._idle_routing_pool or RoutingPool(
+                self.kv.num_slots, len(moe_layers), self.model.top_k, self.model.num_experts, self.device)
+            self._idle_routing_pool = None
             set_routing_recorder(self.model, self.routing_pool)
             self.runner.routing_pool = self.routing_pool
         return str(self.routing_pool.ids.dtype).removeprefix("torch.")
+
+    def disable_routing_capture(self) -> None:
+        """Stop recording expert ids (`rollout bench --capture-routing compare` alternates runs with
+        and without). The pool is kept for the next enable_routing_capture, which empties the prefix
+        cache again: prefixes cached meanwhile have no routing."""
+        from rollout_cli.models.moe import set_routing_recorder
+
+        if self.scheduler.has_work():
+            raise RolloutError("cannot turn routing capture off while requests are in flight")
+        if self.routing_pool is not None:
+            set_routing_recorder(self.model, None)
+            self._idle_routing_pool, self.routing_pool = self.routing_pool, None
+            self.runner.routing_pool = None
 
     def release_memory(self, tags=None) -> dict:
         """Free GPU memory for a trainer (tags: weights, kv_cache, cuda_graph; default all). See engine.memory_saver."""
@@ -337,38 +353,73 @@ class Engine:
             self.scheduler.abort_all()
 
     def _stream(self, prompts, params, skip, on_step) -> Iterator[Trajectory]:
+        """The step loop. With overlap (the default), while a decode step runs on the GPU the next one
+        is scheduled ahead of its results (Scheduler.schedule_ahead) and launched behind it; then the
+        running step's results are post-processed. Otherwise: schedule, launch, post-process."""
         source = iter(prompts)
         exhausted = False
         queue_target = 2 * self.config.max_running  # requests kept waiting: enough to fill the batch
-        scheduler = self.scheduler
-        while True:
-            while not exhausted and len(scheduler.waiting) < queue_target:
-                prompt = next(source, None)
-                if prompt is None:
-                    exhausted = True
-                    break
-                self._add_prompt(prompt, params, skip)
-            if not scheduler.has_work():
-                return
-            step_start = time.perf_counter()
-            out = scheduler.schedule()
-            if not out:
-                raise RuntimeError("scheduler produced an empty step with work pending")
-            tokens, logprobs = self.runner.run(out)
-            finished = scheduler.postprocess(out, tokens, logprobs)
-            traffic = self.runner.traffic
-            if self.runner.last_step_timed:
-                traffic.wall_seconds += time.perf_counter() - step_start
-            elif self.runner.last_step_prefilled:
-                traffic.prefill_steps += 1
-                traffic.prefill_wall_seconds += time.perf_counter() - step_start
-            # Gather finished requests' routing before the next forward can reuse their slots.
-            routing = self.routing_pool.gather([r.final_slots for r in finished]) if (
-                finished and self.routing_pool is not None) else [None] * len(finished)
-            for request, routed in zip(finished, routing):
-                yield self._trajectory(request, routed)
-            if on_step is not None:
-                on_step()
+        scheduler, runner = self.scheduler, self.runner
+        inflight = None  # the launched step not yet post-processed (a model_runner.StepHandle)
+        uncommitted = None  # a step scheduled ahead whose commit_ahead has not run yet
+        self._last_step_done = time.perf_counter()
+        try:
+            while True:
+                while not exhausted and len(scheduler.waiting) < queue_target:
+                    prompt = next(source, None)
+                    if prompt is None:
+                        exhausted = True
+                        break
+                    self._add_prompt(prompt, params, skip)
+                ahead = None
+                if inflight is not None and self.config.overlap_schedule:
+                    ahead = scheduler.schedule_ahead(inflight.out)
+                if ahead is not None:
+                    uncommitted = ahead  # its slots are outside every request until commit_ahead
+                    handle = runner.launch(ahead, prev=inflight)
+                    yield from self._complete(inflight, ahead)
+                elif inflight is not None:
+                    yield from self._complete(inflight)
+                    inflight = None
+                    continue  # plan the next step on the post-processed state
+                elif not scheduler.has_work():
+                    return
+                else:
+                    out = scheduler.schedule()
+                    if not out:
+                        raise RuntimeError("scheduler produced an empty step with work pending")
+                    handle = runner.launch(out)
+                inflight = handle
+                if on_step is not None:
+                    on_step()
+        finally:
+            if uncommitted is not None and not uncommitted.committed:
+                scheduler.cancel_ahead(uncommitted)
+            if inflight is not None:  # an abandoned or failed job: let its last step finish on the device
+                runner.collect(inflight)
+
+    def _complete(self, handle, ahead=None) -> Iterator[Trajectory]:
+        """Post-process a launched step (waiting for its results), commit the step scheduled ahead of
+        it, if any, and yield the requests it finished."""
+        tokens, logprobs = self.runner.collect(handle)
+        finished = self.scheduler.postprocess(handle.out, tokens, logprobs)
+        if ahead is not None:
+            self.scheduler.commit_ahead(ahead)
+        now = time.perf_counter()
+        wall = now - max(handle.launch_time, self._last_step_done)  # the step's share of wall time
+        self._last_step_done = now
+        traffic = self.runner.traffic
+        if handle.timing is not None:
+            traffic.wall_seconds += wall
+        elif handle.prefilled:
+            traffic.prefill_steps += 1
+            traffic.prefill_wall_seconds += wall
+        # Gather finished requests' routing before a later step can reuse their slots (the step in
+        # flight writes only slots it was given).
+        routing = self.routing_pool.gather([r.final_slots for r in finished]) if (
+            finished and self.routing_pool is not None) else [None] * len(finished)
+        for request, routed in zip(finished, routing):
+            yield self._trajectory(request, routed)
 
     def _add_prompt(self, prompt: PromptInput, params: SamplingParams, skip) -> None:
         ids = prompt.prompt_token_ids

@@ -8,7 +8,8 @@ padding row of CUDA-graph batches) and, on CUDA, the decode graphs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +35,22 @@ class DecodeTraffic:
     prefill_wall_seconds: float = 0.0
 
 
+@dataclass
+class StepHandle:
+    """A launched step. Eager steps carry their results; graph steps fill `host` ([2, B] float64,
+    pinned: token ids, logprobs) behind the `ready` event, read by ModelRunner.collect."""
+
+    out: ScheduleOutput
+    tokens: list[int] | None = None
+    logprobs: list[float] | None = None
+    prefilled: bool = False  # the step ran prompt tokens
+    graph_step: bool = False  # replayed a decode graph: its sampled tokens are also on the device
+    host: torch.Tensor | None = None
+    ready: object = None  # torch.cuda.Event recorded after the copy to `host`
+    timing: tuple | None = None  # (start, end) timing events around the replay (time_decode_steps)
+    launch_time: float = field(default_factory=time.perf_counter)
+
+
 class ModelRunner:
     def __init__(self, model, kv: KVCache, max_running: int, max_model_len: int, device: torch.device,
                  attention_backend: str = "torch", linear_states=None):
@@ -56,8 +73,6 @@ class ModelRunner:
         self.graphs_dropped = False  # dropped by a memory release, to be re-captured on resume
         self.traffic = DecodeTraffic()
         self.time_decode_steps = False  # `rollout bench` turns this on to measure GPU idle time
-        self.last_step_timed = False
-        self.last_step_prefilled = False  # whether the last step ran prompt tokens
         self.routing_pool = None  # a models.moe.RoutingPool while routing capture is on (Engine sets it)
 
     def capture_cuda_graphs(self, max_batch: int, warm_up: bool = True) -> float:
@@ -98,19 +113,55 @@ class ModelRunner:
             self.traffic.tokens += len(decodes)
             self.traffic.context_tokens += sum(e.start + 1 for e in decodes)
 
-    @torch.inference_mode()
-    def run(self, out: ScheduleOutput) -> tuple[list[int], list[float]]:
-        """One forward over all entries; returns the sampled token and its logprob per sampling entry.
+    # ---- one step: launch, then collect ------------------------------------------------------
 
-        Reorders `out.entries` decodes first (the attention kernels want them
-        so); results follow that order, which postprocess then walks.
+    def run(self, out: ScheduleOutput) -> tuple[list[int], list[float]]:
+        """One step, start to finish: the sampled token and its logprob per sampling entry."""
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: ScheduleOutput, prev: StepHandle | None = None) -> StepHandle:
+        """Start one forward over all entries; `collect` returns its sampled tokens.
+
+        A CUDA-graph decode step returns before the GPU is done (its results travel to pinned host
+        memory behind it), so the host can plan and launch the next step meanwhile; eager steps
+        finish here. Entries scheduled ahead (token PENDING) take `prev`'s sampled tokens: on the
+        device when both steps replay graphs, else from `prev`'s host results.
+        Reorders `out.entries` decodes first (the attention kernels want them so); results follow
+        that order, which postprocess then walks.
         """
         out.entries.sort(key=lambda e: e.num_new_tokens > 1)
         self._count_traffic(out)
-        self.last_step_prefilled = bool(out.entries) and out.entries[-1].num_new_tokens > 1
-        self.last_step_timed = False
+        prefilled = bool(out.entries) and out.entries[-1].num_new_tokens > 1
+        pending = prev is not None and any(e.source_row >= 0 for e in out.entries)
         if self.graphs is not None and self.graphs.can_run(out.entries):
-            return self._run_graph(out)
+            on_device = pending and prev.graph_step
+            if pending and not on_device:
+                self._resolve_pending(out, prev)
+            return self._launch_graph(out, tokens_on_device=on_device)
+        if pending:
+            self._resolve_pending(out, prev)
+        tokens, logprobs = self._run_eager(out)
+        return StepHandle(out, tokens=tokens, logprobs=logprobs, prefilled=prefilled)
+
+    def collect(self, handle: StepHandle) -> tuple[list[int], list[float]]:
+        """The step's (tokens, logprobs), waiting for the GPU if it is still running."""
+        if handle.tokens is None:
+            handle.ready.synchronize()
+            token_values, logprob_values = handle.host.tolist()
+            handle.tokens, handle.logprobs = [int(t) for t in token_values], logprob_values
+            if handle.timing is not None:
+                self.traffic.timed_steps += 1
+                self.traffic.gpu_seconds += handle.timing[0].elapsed_time(handle.timing[1]) / 1e3
+        return handle.tokens, handle.logprobs
+
+    def _resolve_pending(self, out: ScheduleOutput, prev: StepHandle) -> None:
+        tokens, _ = self.collect(prev)
+        for e in out.entries:
+            if e.source_row >= 0:
+                e.token_ids = [tokens[e.source_row]]
+
+    def _run_eager(self, out: ScheduleOutput) -> tuple[list[int], list[float]]:
         to_sample = [(e.request, e.start + e.num_new_tokens) for e in out.entries if e.sample]
         self._write_table(out.entries)
         logits = self._eager_logits(out)
@@ -127,26 +178,25 @@ class ModelRunner:
         token_values, logprob_values = torch.stack((tokens.double(), logprobs.double())).tolist()
         return [int(t) for t in token_values], logprob_values
 
-    def _run_graph(self, out: ScheduleOutput) -> tuple[list[int], list[float]]:
+    def _launch_graph(self, out: ScheduleOutput, tokens_on_device: bool) -> StepHandle:
         """A decode-only step by graph replay (forward and sampling); every entry samples."""
         # the graph writes each entry's new slot into req_to_token; older slots that a
         # prefix-cache merge changed (table_start < start) are written here first
         self._write_table([e for e in out.entries if e.table_start < e.start])
-        events = None
+        timing = None
         if self.time_decode_steps:
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
-        packed = self.graphs.run(out.entries)  # [2, B] float64: token ids, logprobs
+            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timing[0].record()
+        self.graphs.run(out.entries, tokens_on_device)
         if self.routing_pool is not None:  # the graph recorded this step's ids; eager steps record directly
             self.routing_pool.store(*self.graphs.routing_rows(len(out.entries)))
-        if events is not None:
-            events[1].record()
-        token_values, logprob_values = packed.tolist()
-        if events is not None:
-            self.traffic.timed_steps += 1
-            self.traffic.gpu_seconds += events[0].elapsed_time(events[1]) / 1e3
-            self.last_step_timed = True
-        return [int(t) for t in token_values], logprob_values
+        if timing is not None:
+            timing[1].record()
+        # Copied out before the next replay can overwrite the graph's output (graphs share one pool).
+        host = self.graphs.results_to_host()
+        ready = torch.cuda.Event()
+        ready.record()
+        return StepHandle(out, host=host, ready=ready, timing=timing, graph_step=True)
 
     def _eager_logits(self, out: ScheduleOutput) -> torch.Tensor | None:
         input_ids = torch.tensor([t for e in out.entries for t in e.token_ids], device=self.device)

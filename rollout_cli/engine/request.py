@@ -79,6 +79,10 @@ class Request:
             return self.output_token_ids[start - split : end - split]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - split]
 
+    def finishes_by_length_after_next_token(self) -> bool:
+        """Whether the next appended token ends the sample by length, whatever the token (append_token's rule)."""
+        return len(self.output_token_ids) + 1 >= self.params.max_new_tokens or self.num_tokens + 1 >= self.max_model_len
+
     def append_token(self, token_id: int, logprob: float) -> None:
         """Record one sampled token and set finish_reason if it ends the sample."""
         self.output_token_ids.append(token_id)

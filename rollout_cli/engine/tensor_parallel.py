@@ -51,11 +51,10 @@ def _wire(entry: BatchEntry) -> BatchEntry:
 class TensorParallelRunner(ModelRunner):
     """ModelRunner of one tensor-parallel rank (eager forward only: no CUDA graphs in this slice)."""
 
-    def run(self, out: ScheduleOutput) -> tuple[list[int], list[float]]:
-        """Rank 0: send the step to the followers, then run it like a single-process runner."""
-        out.entries.sort(key=lambda e: e.num_new_tokens > 1)  # the order run() uses, on every rank
+    def _run_eager(self, out: ScheduleOutput) -> tuple[list[int], list[float]]:
+        """Rank 0: send the step (sorted by launch(), input tokens known) to the followers, then run it."""
         _broadcast(tp_group(), (STEP, [_wire(e) for e in out.entries]))
-        return super().run(out)
+        return super()._run_eager(out)
 
     @torch.inference_mode()
     def follow_step(self, entries: list[BatchEntry]) -> None:

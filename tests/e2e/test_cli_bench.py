@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "recipes" / "example_model"
 
@@ -50,8 +52,10 @@ def test_routing_capture_compare_on_a_moe_model(tiny_moe_checkpoints, tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(report_path.read_text())
     assert report["rollout_capture"]["output_tokens"] == report["rollout"]["output_tokens"] == 24
-    assert report["capture_overhead"] == 1 - (report["rollout_capture"]["output_tokens_per_s"]
-                                              / report["rollout"]["output_tokens_per_s"])
+    runs = report["capture_runs"]
+    assert [r["capture"] for r in runs] == ["off", "on", "on", "off"]
+    off, on = runs[0]["seconds"] + runs[3]["seconds"], runs[1]["seconds"] + runs[2]["seconds"]
+    assert report["capture_overhead"] == pytest.approx(1 - off / on)
     assert "capture overhead" in result.stdout
 
 

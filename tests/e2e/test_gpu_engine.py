@@ -59,3 +59,54 @@ def test_triton_backend_agrees_with_torch_backend_bfloat16(tiny_checkpoints):
         runs[backend] = engine.generate(prompts, params)
     agree = sum(a.response_token_ids[:4] == b.response_token_ids[:4] for a, b in zip(runs["torch"], runs["triton"]))
     assert agree >= 4  # bf16 rounding may flip a near-tie late; the first tokens must agree
+
+
+def _overlap_runs(model_dir, dtype, params, prompts_of, eos_every=None):
+    """(sequential, overlapped) results of one workload, and the overlapped run's steps scheduled ahead."""
+    runs, ahead = [], []
+    for overlap in (False, True):
+        engine = _engine(model_dir, dtype=dtype, attention_backend="triton", overlap_schedule=overlap,
+                         max_batch_tokens=64, max_running=12)
+        if eos_every:
+            engine.eos_token_ids = frozenset(range(5, engine.hf_config.vocab_size, eos_every))
+        real = engine.scheduler.schedule_ahead
+        engine.scheduler.schedule_ahead = lambda prev: ahead.append(real(prev)) or ahead[-1]
+        results = sorted(engine.stream(prompts_of(engine), params), key=lambda t: (t.prompt_index, t.sample_index))
+        runs.append([(r.response_token_ids, r.response_logprobs, r.finish_reason) for r in results])
+        assert engine.runner.graphs.replays > 0
+    return runs, [out for out in ahead if out is not None]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_overlapped_graph_steps_equal_sequential_ones(tiny_checkpoints, dtype):
+    """Graph steps scheduled ahead take the previous replay's tokens on the device. Mixed lengths
+    (samples leave the batch by length, queued prompts join it in eager mixed steps) give the same
+    batches both ways, so the same bits."""
+    from rollout_cli import PromptInput
+
+    def prompts_of(engine):
+        for i, prompt in enumerate(_prompts(engine.hf_config.vocab_size, 20, seed=4)):
+            yield PromptInput(i, prompt, params=SamplingParams(n=2, temperature=1.0, seed=9, ignore_eos=True,
+                                                               max_new_tokens=8 + 5 * (i % 7)))
+
+    (sequential, overlapped), ahead = _overlap_runs(tiny_checkpoints["qwen3"], dtype, SamplingParams(), prompts_of)
+    assert len(ahead) > 10
+    assert overlapped == sequential
+
+
+def test_overlapped_steps_drop_the_samples_that_stopped(tiny_checkpoints):
+    """A sample that samples eos while its next step is already queued on the GPU: that row is computed
+    and dropped (a ghost); tokens equal one step at a time (float32: batch sizes differ by the ghosts)."""
+    from rollout_cli import PromptInput
+
+    def prompts_of(engine):
+        return [PromptInput(i, p) for i, p in enumerate(_prompts(engine.hf_config.vocab_size, 16, seed=5))]
+
+    params = SamplingParams(n=2, temperature=1.0, seed=9, max_new_tokens=40)
+    (sequential, overlapped), ahead = _overlap_runs(tiny_checkpoints["qwen3"], "float32", params, prompts_of,
+                                                    eos_every=23)
+    assert any(e.ghost for out in ahead for e in out.entries)
+    assert {reason for _, _, reason in sequential} == {"stop", "length"}
+    for (tokens, logprobs, reason), (want_tokens, want_logprobs, want_reason) in zip(overlapped, sequential):
+        assert (tokens, reason) == (want_tokens, want_reason)
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-4

@@ -167,7 +167,7 @@ def test_interrupted_stream_leaks_nothing_into_the_next_job(tiny_checkpoints, hf
     with pytest.raises(RolloutError):
         list(engine.stream(jobs[:3] + [PromptInput(3, [])], params))
     # 3. the forward itself fails mid-step
-    real_run, calls = engine.runner.run, []
+    real_run, calls = engine.runner._run_eager, []
 
     def failing_run(out):
         calls.append(1)
@@ -175,10 +175,10 @@ def test_interrupted_stream_leaks_nothing_into_the_next_job(tiny_checkpoints, hf
             raise RuntimeError("simulated device failure")
         return real_run(out)
 
-    engine.runner.run = failing_run
+    engine.runner._run_eager = failing_run
     with pytest.raises(RuntimeError, match="simulated"):
         list(engine.stream(jobs, params))
-    engine.runner.run = real_run
+    engine.runner._run_eager = real_run
     sched = engine.scheduler
     assert not sched.has_work()
     assert sched.allocator.num_free + sched.cache.total_size == engine.num_kv_slots - 1

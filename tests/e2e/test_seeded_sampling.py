@@ -158,3 +158,39 @@ def test_logprobs_modes_at_temperature(model_dir, hf_ref):
         assert traj.response_logprobs == pytest.approx(want_p, abs=1e-4)
         assert raw[key].response_logprobs == pytest.approx(want_r, abs=1e-4)
         assert max(abs(a - b) for a, b in zip(want_p, want_r)) > 1e-2  # the two modes differ here
+
+
+@pytest.mark.parametrize("layout", [(4096, 64, 2000), (16, 3, 2000), (16, 8, 48)],
+                         ids=["roomy", "queued", "preempting"])
+def test_overlap_schedule_changes_no_token(model_dir, layout):
+    """Decode steps scheduled ahead of their inputs (the default) give the tokens, logprobs and finish
+    reasons of one-step-at-a-time scheduling, also when samples stop on eos mid-batch (their step
+    ahead is computed and dropped), requests queue for rows, or the KV pool preempts."""
+    max_batch_tokens, max_running, kv_tokens = layout
+    inputs = [PromptInput(i, p) for i, p in enumerate(PROMPTS + _prompts([5, 13, 3], seed=12))]
+    params = SamplingParams(n=3, max_new_tokens=14, temperature=1.0, seed=77)
+    runs = {}
+    for overlap in (False, True):
+        engine = Engine(model=model_dir, device="cpu", dtype="float32", max_model_len=40, kv_cache_tokens=kv_tokens,
+                        max_batch_tokens=max_batch_tokens, max_running=max_running, overlap_schedule=overlap)
+        engine.eos_token_ids = frozenset(range(3, 300, 9))  # about one token in nine ends a sample
+        steps_ahead = []
+        real = engine.scheduler.schedule_ahead
+        engine.scheduler.schedule_ahead = lambda prev: steps_ahead.append(real(prev)) or steps_ahead[-1]
+        runs[overlap] = {(t.prompt_index, t.sample_index): t for t in engine.stream(inputs, params)}
+        scheduled_ahead = [out for out in steps_ahead if out is not None]
+        if overlap:
+            assert scheduled_ahead, "no step was scheduled ahead"
+            assert any(e.ghost for out in scheduled_ahead for e in out.entries), "no sample stopped mid-batch"
+        else:
+            assert not steps_ahead
+        sched = engine.scheduler
+        assert sched.allocator.num_free + sched.cache.total_size == engine.num_kv_slots - 1
+        assert (sched.stats.preemptions > 0) == (kv_tokens == 48)
+    sequential, overlapped = runs[False], runs[True]
+    assert set(overlapped) == set(sequential)
+    assert {t.finish_reason for t in sequential.values()} == {"stop", "length"}
+    for key, want in sequential.items():
+        got = overlapped[key]
+        assert (got.response_token_ids, got.finish_reason) == (want.response_token_ids, want.finish_reason), key
+        assert got.response_logprobs == pytest.approx(want.response_logprobs, abs=LP_TOL), key
