@@ -7,7 +7,7 @@ context and writes the last K-1 inputs back; decode does the same for one
 token per sequence. The state must hold zeros for a sequence starting at
 position 0 (the engine zeroes fresh slots).
 
-The `_ref` functions are plain torch (what the engine runs today);
+The `_ref` functions are plain torch (what the engine runs on the torch path);
 `causal_conv1d_update` is the Triton decode kernel and `causal_conv1d_varlen`
 the Triton prefill, each with its reference's arguments. triton is optional
 (the test extra): without it the references still import.

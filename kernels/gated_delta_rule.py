@@ -15,7 +15,7 @@ chunks), decode one recurrent step. Both read a sequence's state from its
 slot and write it back, so a prompt prefilled in several engine steps carries
 its state across them. The `_ref` functions are plain torch, the same math as
 HF transformers' torch fallback (`torch_chunk_gated_delta_rule`,
-`torch_recurrent_gated_delta_rule`), and what the engine runs today.
+`torch_recurrent_gated_delta_rule`), and what the engine runs on the torch path.
 `recurrent_gated_delta_rule_update` is the Triton decode kernel (same
 arguments as its reference); the Triton chunked prefill is
 `chunk_gated_delta_rule.chunk_gated_delta_rule_varlen`.

@@ -4,6 +4,7 @@ Reports output and total tokens/s, time to first token, peak memory, and how
 close decode came to the limit set by memory bandwidth:
 
     decode bytes  = sum over decode steps of (weight bytes + KV bytes per token x context tokens attended)
+                    + decode tokens x 2 x linear-state bytes per sequence (hybrid models: read and written)
     limit tok/s   = decode tokens / (decode bytes / measured HBM bandwidth)
     fraction      = measured output tok/s / limit tok/s
 
@@ -210,11 +211,19 @@ def bandwidth_limit(engine: Engine, measured_tok_s: float, hbm_bytes_per_s: floa
     traffic = engine.runner.traffic
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     kv_bytes_per_token = engine.kv.bytes_per_token_of_pool
-    decode_bytes = traffic.steps * weight_bytes + traffic.context_tokens * kv_bytes_per_token
+    # hybrid models: every decode token also reads and writes its sequence's float32 linear-attention state
+    state_shape = getattr(engine.model, "linear_state_shape", None)
+    state_bytes_per_token = 2 * state_shape.bytes_per_sequence if state_shape is not None else 0
+    decode_bytes = (traffic.steps * weight_bytes + traffic.context_tokens * kv_bytes_per_token
+                    + traffic.tokens * state_bytes_per_token)
+    formula = "limit tok/s = decode tokens / ((steps x weight bytes + context tokens x KV bytes/token"
+    if state_bytes_per_token:
+        formula += " + decode tokens x 2 x linear-state bytes/sequence"
     report = {
-        "formula": "limit tok/s = decode tokens / ((steps x weight bytes + context tokens x KV bytes/token) / HBM B/s)",
+        "formula": formula + ") / HBM B/s)",
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_bytes_per_token,
+        "linear_state_bytes_per_token": state_bytes_per_token,
         "decode_steps": traffic.steps,
         "decode_tokens": traffic.tokens,
         "decode_context_tokens": traffic.context_tokens,

@@ -8,6 +8,10 @@ Bucket entries past B are padding: they use row `pad_row` of req_to_token
 (slot 0), attend one key, and write their k/v into slot 0, which the slot
 allocator never hands out. Prefill steps run eagerly.
 
+Hybrid linear-attention models also read each row's state slot from the ints buffer (row
+`_STATE_SLOT`; padding rows use slot 0, the pool's reserved padding slot) through a decode-only
+`LinearBatch`; the runner applies the step's state copies and zeroing before the replay.
+
 MoE models record their expert ids into a `GraphRoutingBuffer` while the graphs are captured
 (rows [0, B) after a replay of B tokens), whatever recorder the model has outside the graphs;
 `routing_rows` hands them to the runner, which stores them in the routing pool when capture is on.
@@ -19,6 +23,7 @@ import time
 
 import torch
 
+from rollout_cli.engine.linear_state import HybridBatch, LinearBatch
 from rollout_cli.engine.sampler import _as_int64
 from rollout_cli.engine.triton_attention import TritonAttentionBatch, warm_decode_splits
 from rollout_cli.models.moe import GraphRoutingBuffer, SparseMoeBlock
@@ -31,11 +36,17 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 # rows of the int64 input buffer: the step's inputs, then the sampler's keys and top-k, then the
-# row of the previous replay's tokens to decode (-1: the token in _TOKEN)
-_TOKEN, _POSITION, _ROW, _SLOT, _SEED, _PROMPT, _SAMPLE, _KEY_POSITION, _TOP_K, _SOURCE = range(10)
-_NUM_INT_ROWS = 10
+# row of the previous replay's tokens to decode (-1: the token in _TOKEN), the linear-state slot
+# (hybrid models; -1 for other models, which never read it)
+_TOKEN, _POSITION, _ROW, _SLOT, _SEED, _PROMPT, _SAMPLE, _KEY_POSITION, _TOP_K, _SOURCE, _STATE_SLOT = range(11)
+_NUM_INT_ROWS = 11
 # rows of the float32 input buffer: per-row sampling settings (raw logprobs as 1.0 / 0.0)
 _TEMPERATURE, _TOP_P, _MIN_P, _RAW = range(4)
+
+
+def _attention_heads(model) -> int:
+    """Query heads of the model's (full) attention layers; a hybrid model's first layer may be linear."""
+    return next(layer.self_attn for layer in model.model.layers if getattr(layer, "self_attn", None)).num_heads
 
 
 class DecodeGraphs:
@@ -44,9 +55,11 @@ class DecodeGraphs:
     host reads with a single device-to-host copy. Sampling inside the graph removes the launches
     and the host-to-device copies that would otherwise sit between the forward and the read."""
 
-    def __init__(self, model, kv, req_to_token: torch.Tensor, pad_row: int, scale: float, max_batch: int):
+    def __init__(self, model, kv, req_to_token: torch.Tensor, pad_row: int, scale: float, max_batch: int,
+                 linear_states=None):
         self.model = model
         self.kv = kv
+        self.linear_states = linear_states  # hybrid models: engine.linear_state.LinearStatePool
         self.req_to_token = req_to_token
         self.pad_row = pad_row
         self.scale = scale
@@ -81,6 +94,9 @@ class DecodeGraphs:
         ids = torch.where(source >= 0, self.last_tokens[source.clamp(min=0)], given)  # [batch]
         self.req_to_token[rows, positions] = slots.to(torch.int32)  # this step's slots, inside the graph
         attn = TritonAttentionBatch(self.kv, self.req_to_token, slots, rows, self.seq_lens[:batch], None, self.scale)
+        if self.linear_states is not None:  # hybrid: state slots from the static buffer, filled before each replay
+            linear = LinearBatch(self.linear_states, self.ints[_STATE_SLOT, :batch], triton_kernels=True)
+            attn = HybridBatch(attn, linear)
         logits = self.model.compute_logits(self.model(ids, positions, attn), upcast=False)  # [batch, vocab]
         f = self.floats
         keys = tuple(self.ints[i, :batch] for i in (_SEED, _PROMPT, _SAMPLE, _KEY_POSITION))
@@ -115,9 +131,8 @@ class DecodeGraphs:
             with torch.cuda.stream(side):  # compiles the kernels, initialises cuBLAS, settles the allocator
                 for batch in self.buckets:
                     self._forward(batch)
-                attn = self.model.model.layers[0].self_attn
                 warm_decode_splits(self.kv, self.req_to_token, self.pad_row, self.scale, self.kv.k.dtype,
-                                   attn.num_heads)  # eager mixed steps use split counts no bucket has
+                                   _attention_heads(self.model))  # eager mixed steps use split counts no bucket has
             torch.cuda.current_stream().wait_stream(side)
         pool = None
         for batch in reversed(self.buckets):  # largest first so smaller graphs reuse its pool
@@ -166,6 +181,7 @@ class DecodeGraphs:
             [e.start + 1 for e in entries] + pad,  # the sampled token's position: the key of its draw
             per_row(lambda p: p.top_k),
             sources + [-1] * len(pad),
+            [r.state_slot for r in requests] + pad,  # padding rows: linear-state slot 0
         ], dtype=torch.int64)
         floats[:, :bucket] = torch.tensor([
             per_row(lambda p: p.temperature), per_row(lambda p: p.top_p), per_row(lambda p: p.min_p),

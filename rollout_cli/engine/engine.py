@@ -103,7 +103,8 @@ def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
 
 def _attention_backend(name: str, device: torch.device) -> str:
     # auto: the Triton kernels and CUDA graphs on a GPU (tests/e2e/test_gpu_engine.py passed on the
-    # H200: graph replay equals eager, greedy tokens equal the torch path), the torch path on the CPU.
+    # H200: graph replay equals eager, greedy tokens equal the torch path; hybrid models: tests/e2e/
+    # test_gpu_hybrid.py), the torch path on the CPU.
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
     # Under Triton's interpreter (TRITON_INTERPRET=1) the kernels run on the CPU: slow, but how CI tests them.
@@ -150,11 +151,6 @@ class Engine:
             self.model = build_model(cfg.model, self.hf_config, self.device, self.dtype,
                                      max_positions=self.max_model_len, load_format=cfg.load_format)
         self.memory.keep_only_parameters(self.model)
-        if self.attention_backend == "triton" and getattr(self.model, "linear_state_shape", None) is not None:
-            if cfg.attention_backend != "auto":
-                raise RolloutError("hybrid linear-attention models run on --attention-backend torch until their "
-                                   "Triton kernels land (issue 8); drop --attention-backend triton")
-            self.attention_backend = "torch"  # auto: the torch path until the hybrid kernels are in
         if self.attention_backend == "triton":
             enable_triton_kernels(self.model)
         self.weight_version = cfg.weight_version
@@ -199,9 +195,9 @@ class Engine:
                                    linear_state_slots=state_slots)
         self.cuda_graph_capture_seconds = None
         # MoE models too: the Triton backend also switches the router and experts to the fused
-        # kernels (enable_triton_kernels), which never read tensor values on the host. Not hybrid
-        # models: the torch references of the linear-attention recurrences loop per sequence.
-        capturable = state_shape is None and self.tp is None  # tensor parallel: eager steps for now
+        # kernels (enable_triton_kernels), which never read tensor values on the host. Hybrid models
+        # too: their decode steps read state slots from a static buffer (engine/linear_state.py).
+        capturable = self.tp is None  # tensor parallel: eager steps for now
         if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs and capturable:
             self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256))
 

@@ -9,13 +9,18 @@ prefix snapshot, see engine/state_slots.py), slot 0 reserved as padding:
 
 A request's state is valid after its first `num_computed_tokens` tokens. A
 step first applies the scheduler's ordered state copies (prefix snapshots
-taken, snapshots forked into samples), zeroes the slots of entries starting
-at position 0, then runs the forward, whose linear layers read and update
-their slots through `LinearBatch` (decodes: one recurrent step each, batched;
-prefill chunks: chunked delta rule per sequence). The torch references run by
-default; `triton_kernels=True` (the model runner sets it on the Triton backend
-on CUDA only, and the engine still keeps hybrid models off that backend) runs
-the Triton kernels of rollout_kernels instead, same arguments.
+taken, snapshots forked into samples) and zeroes the slots of entries starting
+at position 0 (`prepare_step`), then runs the forward, whose linear layers read
+and update their slots through `LinearBatch` (decodes: one recurrent step each,
+batched; prefill chunks: chunked delta rule per sequence). The torch references
+run by default; `triton_kernels=True` (the model runner sets it on the Triton
+backend: CUDA, or the interpreter on the CPU) runs the Triton kernels of
+rollout_kernels instead, same arguments.
+
+CUDA graphs (engine/cuda_graphs.py) capture decode steps with a `LinearBatch`
+whose decode slots are a view of a static device buffer that DecodeGraphs fills
+before each replay (padding rows: slot 0); copies and zeroing run before the
+replay, outside the graph, and nothing inside reads a tensor on the host.
 """
 
 from __future__ import annotations
@@ -48,54 +53,74 @@ class LinearStatePool:
 
 
 class LinearBatch:
-    """Which state slot each sequence of the flat batch uses. Entries come decodes first (one token
+    """Which state slot each sequence of the flat batch uses. Rows come decodes first (one token
     each, the first `num_decodes` rows), then prefill chunks at rows cu_seqlens[b]:cu_seqlens[b+1]
-    of the prefill part."""
+    of the prefill part.
 
-    def __init__(self, pool: LinearStatePool, entries, device, triton_kernels: bool = False):
+    decode_slots [D] int64 on the device (a CUDA graph passes a view of its static buffer: the
+    layers then build no tensor and read nothing on the host); prefill_slots [P] int64 with
+    cu_seqlens (P + 1 host ints from 0), or None for a decode-only step."""
+
+    def __init__(self, pool: LinearStatePool, decode_slots: torch.Tensor, prefill_slots: torch.Tensor | None = None,
+                 cu_seqlens: list[int] | None = None, triton_kernels: bool = False):
         from rollout_kernels import causal_conv1d, gated_delta_rule
 
         self._conv_ops, self._delta_ops = causal_conv1d, gated_delta_rule
+        if triton_kernels:
+            from rollout_kernels.chunk_gated_delta_rule import chunk_gated_delta_rule_varlen
+
+            self._chunk_delta_rule = chunk_gated_delta_rule_varlen
         self.triton_kernels = triton_kernels
         self.pool = pool
+        self.num_decodes = decode_slots.shape[0]
+        self.decode_slots = decode_slots
+        self.prefill_slots = prefill_slots
+        self.cu_seqlens = cu_seqlens if prefill_slots is not None else [0]
+        assert prefill_slots is None or len(self.cu_seqlens) == prefill_slots.shape[0] + 1
+
+    @classmethod
+    def from_entries(cls, pool: LinearStatePool, entries, device, triton_kernels: bool = False) -> "LinearBatch":
+        """An eager step's batch from its entries (sorted decodes first, as ModelRunner.run does)."""
         decodes = [e for e in entries if e.num_new_tokens == 1]
         prefills = [e for e in entries if e.num_new_tokens > 1]
         assert entries[:len(decodes)] == decodes, "entries must come decodes first (ModelRunner.run sorts them)"
-        self.num_decodes = len(decodes)
-        self.decode_slots = torch.tensor([e.request.state_slot for e in decodes], dtype=torch.long, device=device)
-        self.prefill_slots = torch.tensor([e.request.state_slot for e in prefills], dtype=torch.long, device=device)
-        self.cu_seqlens = [0]
+        cu_seqlens = [0]
         for e in prefills:
-            self.cu_seqlens.append(self.cu_seqlens[-1] + e.num_new_tokens)
+            cu_seqlens.append(cu_seqlens[-1] + e.num_new_tokens)
+
+        def slots(group):
+            return torch.tensor([e.request.state_slot for e in group], dtype=torch.long, device=device)
+
+        return cls(pool, slots(decodes), slots(prefills) if prefills else None, cu_seqlens, triton_kernels)
 
     def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -> torch.Tensor:
         """x [T, C] -> causal conv + activation [T, C], each sequence continuing from its conv state."""
         D, states = self.num_decodes, self.pool.conv[layer]  # states [S, C, K-1], updated in place
-        out = torch.empty_like(x)
         ops = self._conv_ops
         update, varlen = ((ops.causal_conv1d_update, ops.causal_conv1d_varlen) if self.triton_kernels
                           else (ops.causal_conv1d_update_ref, ops.causal_conv1d_varlen_ref))
+        if self.prefill_slots is None:  # decodes only (every graph step): no joint output to copy into
+            return update(x, weight, bias, states, self.decode_slots, activation)
+        out = torch.empty_like(x)
         if D:
             out[:D] = update(x[:D], weight, bias, states, self.decode_slots, activation)
-        if len(self.cu_seqlens) > 1:
-            out[D:] = varlen(x[D:], weight, bias, states, self.prefill_slots, self.cu_seqlens, activation)
+        out[D:] = varlen(x[D:], weight, bias, states, self.prefill_slots, self.cu_seqlens, activation)
         return out
 
     def delta_rule(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
         """q/k [T, Hk, dk], v [T, Hv, dv], g/beta [T, Hv] -> o [T, Hv, dv], states advanced in place."""
         D, states = self.num_decodes, self.pool.ssm[layer]  # [S, Hv, dk, dv]
-        out = torch.empty_like(v)
         if self.triton_kernels:
-            from rollout_kernels.chunk_gated_delta_rule import chunk_gated_delta_rule_varlen
-
-            update, varlen = self._delta_ops.recurrent_gated_delta_rule_update, chunk_gated_delta_rule_varlen
+            update, varlen = self._delta_ops.recurrent_gated_delta_rule_update, self._chunk_delta_rule
         else:
             update = self._delta_ops.recurrent_gated_delta_rule_update_ref
             varlen = self._delta_ops.chunk_gated_delta_rule_varlen_ref
+        if self.prefill_slots is None:
+            return update(q, k, v, g, beta, states, self.decode_slots)
+        out = torch.empty_like(v)
         if D:
             out[:D] = update(q[:D], k[:D], v[:D], g[:D], beta[:D], states, self.decode_slots)
-        if len(self.cu_seqlens) > 1:
-            out[D:] = varlen(q[D:], k[D:], v[D:], g[D:], beta[D:], states, self.prefill_slots, self.cu_seqlens)
+        out[D:] = varlen(q[D:], k[D:], v[D:], g[D:], beta[D:], states, self.prefill_slots, self.cu_seqlens)
         return out
 
 
@@ -111,9 +136,14 @@ class HybridBatch:
         return self.attn.forward(layer_idx, q, k, v)
 
 
-def begin_step(pool: LinearStatePool, out, device, triton_kernels: bool = False) -> LinearBatch:
-    """Apply the step's state copies, zero the states of sequences starting at position 0, and
-    describe the batch (entries already sorted decodes first)."""
+def prepare_step(pool: LinearStatePool, out) -> None:
+    """Before a step's forward (eager, or a graph replay): apply its state copies in order, then
+    zero the states of sequences starting at position 0."""
     pool.copy(out.state_copies)
     pool.zero([e.request.state_slot for e in out.entries if e.start == 0])
-    return LinearBatch(pool, out.entries, device, triton_kernels)
+
+
+def begin_step(pool: LinearStatePool, out, device, triton_kernels: bool = False) -> LinearBatch:
+    """prepare_step, then describe the eager batch (entries already sorted decodes first)."""
+    prepare_step(pool, out)
+    return LinearBatch.from_entries(pool, out.entries, device, triton_kernels)

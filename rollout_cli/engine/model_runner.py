@@ -80,7 +80,8 @@ class ModelRunner:
         from rollout_cli.engine.cuda_graphs import DecodeGraphs
 
         assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
-        self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.pad_row, self.scale, max_batch)
+        self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.pad_row, self.scale, max_batch,
+                                   self.linear_states)
         self.graphs.capture(warm_up)
         self._graph_max_batch = max_batch
         self.graphs_dropped = False
@@ -183,6 +184,10 @@ class ModelRunner:
         # the graph writes each entry's new slot into req_to_token; older slots that a
         # prefix-cache merge changed (table_start < start) are written here first
         self._write_table([e for e in out.entries if e.table_start < e.start])
+        if self.linear_states is not None:  # state copies and zeroing stay outside the graph
+            from rollout_cli.engine.linear_state import prepare_step
+
+            prepare_step(self.linear_states, out)
         timing = None
         if self.time_decode_steps:
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -212,9 +217,8 @@ class ModelRunner:
         if self.linear_states is not None:
             from rollout_cli.engine.linear_state import HybridBatch, begin_step
 
-            # Triton recurrences only on the Triton backend on CUDA (the engine keeps hybrid models off it
-            # for now); the CPU and the torch backend run the references
-            triton_kernels = self.attention_backend == "triton" and torch.device(self.device).type == "cuda"
+            # the Triton backend (CUDA, or the interpreter on the CPU) runs the Triton recurrences; torch the references
+            triton_kernels = self.attention_backend == "triton"
             attn = HybridBatch(attn, begin_step(self.linear_states, out, self.device, triton_kernels))
         hidden = self.model(input_ids, positions, attn)  # [T, hidden]
         last_rows, offset = [], 0

@@ -6,17 +6,15 @@ prefix sharing and decode (CUDA graphs are covered by tests/e2e/test_gpu_engine.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
-import torch
 
-from rollout_cli import Engine, SamplingParams
+from backends import assert_same_samples, generate_on_both_backends, interpreter_only
+from rollout_cli import SamplingParams
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="CPU interpreter variant; the GPU variant lives in tests/e2e/test_gpu_engine.py")
+@interpreter_only
 @pytest.mark.parametrize("params", [
     SamplingParams(n=2, temperature=0.0, max_new_tokens=5),
     # seeded sampling: the Triton sampler draws the same uniforms on the device as the host does
@@ -26,11 +24,5 @@ def test_triton_backend_matches_torch_backend(tiny_checkpoints, params):
     model_dir = tiny_checkpoints["qwen2"]
     rng = random.Random(0)
     prompts = [[rng.randrange(400) for _ in range(rng.randint(3, 40))] for _ in range(3)]
-    runs = {}
-    for backend in ("torch", "triton"):
-        engine = Engine(model_dir, device="cpu", attention_backend=backend, max_model_len=128, max_batch_tokens=16)
-        runs[backend] = engine.generate(prompts, params)
-    assert engine.runner.attention_backend == "triton"
-    for a, b in zip(runs["torch"], runs["triton"]):
-        assert a.response_token_ids == b.response_token_ids
-        assert max(abs(x - y) for x, y in zip(a.response_logprobs, b.response_logprobs)) < 1e-4
+    runs, _ = generate_on_both_backends(model_dir, prompts, params, max_model_len=128, max_batch_tokens=16)
+    assert_same_samples(runs)

@@ -34,7 +34,7 @@ def test_triton_linear_batch_matches_reference_step():
     beta = torch.rand(T, hv, generator=gen, device=DEV)
     outs = []
     for pool, triton_kernels in zip(pools, (False, True)):
-        batch = LinearBatch(pool, entries, DEV, triton_kernels=triton_kernels)
+        batch = LinearBatch.from_entries(pool, entries, DEV, triton_kernels=triton_kernels)
         mixed = batch.conv(1, x, weight, None, "silu")  # [T, conv_dim]
         q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
         out = batch.delta_rule(1, q.reshape(T, hk, dk), k.reshape(T, hk, dk), v.reshape(T, hv, dv), g, beta)
@@ -44,3 +44,57 @@ def test_triton_linear_batch_matches_reference_step():
     torch.testing.assert_close(pools[1].conv, pools[0].conv, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pools[1].ssm, pools[0].ssm, atol=1e-4, rtol=1e-4)
     assert not torch.equal(pools[0].ssm, init_ssm)  # the step did advance the states
+
+
+def _decode_inputs(batch: int, hk: int, hv: int, dk: int, dv: int, gen):
+    conv_dim = 2 * hk * dk + hv * dv
+    x = torch.randn(batch, conv_dim, generator=gen, device=DEV)
+    g = -0.3 * torch.rand(batch, hv, generator=gen, device=DEV)
+    beta = torch.rand(batch, hv, generator=gen, device=DEV)
+    return x, g, beta
+
+
+def _run_layer(batch: LinearBatch, x, weight, g, beta, hk, hv, dk, dv):
+    T = x.shape[0]
+    mixed = batch.conv(0, x, weight, None, "silu")
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    return mixed, batch.delta_rule(0, q.reshape(T, hk, dk), k.reshape(T, hk, dk), v.reshape(T, hv, dv), g, beta)
+
+
+def test_graph_decode_batch_reads_slots_from_its_static_buffer(monkeypatch):
+    # What DecodeGraphs captures: one LinearBatch over a view of a static slot buffer, built once;
+    # each "replay" refills the buffer (real rows, then padding rows on slot 0) and runs the layer
+    # again. Real rows must equal an eager batch of those requests; only slot 0 may differ.
+    hk, hv, dk, dv, width, bucket = 1, 2, 16, 16, 4, 4
+    conv_dim = 2 * hk * dk + hv * dv
+    shape = LinearStateShape(1, conv_dim, width, hv, dk, dv)
+    graph_pool, eager_pool = LinearStatePool(shape, 8, DEV), LinearStatePool(shape, 8, DEV)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    for name in ("conv", "ssm"):
+        init = torch.randn(getattr(graph_pool, name).shape, generator=gen, device=DEV)
+        getattr(graph_pool, name).copy_(init)
+        getattr(eager_pool, name).copy_(init)
+    weight = torch.randn(conv_dim, width, generator=gen, device=DEV)
+    static_slots = torch.zeros(8, dtype=torch.int64, device=DEV)  # a row of DecodeGraphs.ints
+    captured = LinearBatch(graph_pool, static_slots[:bucket], triton_kernels=True)
+    assert captured.num_decodes == bucket and captured.prefill_slots is None
+
+    def no_host_data(*args, **kwargs):
+        raise AssertionError("a graph step must not build tensors from host data or read tensors on the host")
+
+    for step_slots in ([3, 6], [5, 2, 7]):  # two replays of the same batch object
+        batch = len(step_slots)
+        static_slots[:bucket].copy_(torch.tensor(step_slots + [0] * (bucket - batch)))  # padding: slot 0
+        x, g, beta = _decode_inputs(bucket, hk, hv, dk, dv, gen)
+        with monkeypatch.context() as m:
+            for owner, attr in ((torch, "tensor"), (torch.Tensor, "tolist"), (torch.Tensor, "item")):
+                m.setattr(owner, attr, no_host_data)
+            mixed, out = _run_layer(captured, x, weight, g, beta, hk, hv, dk, dv)
+        entries = [SimpleNamespace(num_new_tokens=1, request=SimpleNamespace(state_slot=s)) for s in step_slots]
+        eager = LinearBatch.from_entries(eager_pool, entries, DEV)  # torch references
+        want_mixed, want_out = _run_layer(eager, x[:batch], weight, g[:batch], beta[:batch], hk, hv, dk, dv)
+        torch.testing.assert_close(mixed[:batch], want_mixed, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[:batch], want_out, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(graph_pool.conv[:, 1:], eager_pool.conv[:, 1:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(graph_pool.ssm[:, 1:], eager_pool.ssm[:, 1:], atol=1e-4, rtol=1e-4)
+    assert not torch.equal(graph_pool.ssm[:, 0], eager_pool.ssm[:, 0])  # the padding rows wrote slot 0 only
