@@ -29,6 +29,11 @@ part() {
     shift 3
     local left=$(( DEADLINE - $(date +%s) ))
     local limit=$(( max < left ? max : left ))
+    if [[ " ${SKIP:-} " == *" $name "* ]]; then  # SKIP="kernel_tests ..." leaves parts out
+        echo "== $name: skipped (SKIP)"
+        printf '%s\tskipped\t0\n' "$name" >> "$OUT/parts.tsv"
+        return
+    fi
     if (( limit < 30 )); then
         echo "== $name: skipped (${left} s of the budget left)"
         printf '%s\tskipped\t0\n' "$name" >> "$OUT/parts.tsv"
