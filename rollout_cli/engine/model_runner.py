@@ -48,7 +48,7 @@ class StepHandle:
     host: torch.Tensor | None = None
     ready: object = None  # torch.cuda.Event recorded after the copy to `host`
     timing: tuple | None = None  # (start, end) timing events around the replay (time_decode_steps)
-    launch_time: float = field(default_factory=time.perf_counter)
+    launch_time: float = field(default_factory=time.perf_counter)  # when launch() began
 
 
 class ModelRunner:
@@ -131,6 +131,7 @@ class ModelRunner:
         Reorders `out.entries` decodes first (the attention kernels want them so); results follow
         that order, which postprocess then walks.
         """
+        started = time.perf_counter()
         out.entries.sort(key=lambda e: e.num_new_tokens > 1)
         self._count_traffic(out)
         prefilled = bool(out.entries) and out.entries[-1].num_new_tokens > 1
@@ -139,11 +140,11 @@ class ModelRunner:
             on_device = pending and prev.graph_step
             if pending and not on_device:
                 self._resolve_pending(out, prev)
-            return self._launch_graph(out, tokens_on_device=on_device)
+            return self._launch_graph(out, tokens_on_device=on_device, started=started)
         if pending:
             self._resolve_pending(out, prev)
         tokens, logprobs = self._run_eager(out)
-        return StepHandle(out, tokens=tokens, logprobs=logprobs, prefilled=prefilled)
+        return StepHandle(out, tokens=tokens, logprobs=logprobs, prefilled=prefilled, launch_time=started)
 
     def collect(self, handle: StepHandle) -> tuple[list[int], list[float]]:
         """The step's (tokens, logprobs), waiting for the GPU if it is still running."""
@@ -179,7 +180,7 @@ class ModelRunner:
         token_values, logprob_values = torch.stack((tokens.double(), logprobs.double())).tolist()
         return [int(t) for t in token_values], logprob_values
 
-    def _launch_graph(self, out: ScheduleOutput, tokens_on_device: bool) -> StepHandle:
+    def _launch_graph(self, out: ScheduleOutput, tokens_on_device: bool, started: float) -> StepHandle:
         """A decode-only step by graph replay (forward and sampling); every entry samples."""
         # the graph writes each entry's new slot into req_to_token; older slots that a
         # prefix-cache merge changed (table_start < start) are written here first
@@ -201,7 +202,7 @@ class ModelRunner:
         host = self.graphs.results_to_host()
         ready = torch.cuda.Event()
         ready.record()
-        return StepHandle(out, host=host, ready=ready, timing=timing, graph_step=True)
+        return StepHandle(out, host=host, ready=ready, timing=timing, graph_step=True, launch_time=started)
 
     def _eager_logits(self, out: ScheduleOutput) -> torch.Tensor | None:
         input_ids = torch.tensor([t for e in out.entries for t in e.token_ids], device=self.device)
