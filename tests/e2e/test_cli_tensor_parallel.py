@@ -30,9 +30,9 @@ def _env() -> dict:
     return env
 
 
-def _run(*args, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout_cli.cli.main", "run", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env())
+def _run(*args, timeout: float = 240, command: str = "run", env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollout_cli.cli.main", command, *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**_env(), **(env or {})})
 
 
 def _rows(out: Path) -> list[dict]:
@@ -144,10 +144,61 @@ def test_bad_tp_is_one_line(tiny_checkpoints, prompts, tmp_path, extra, message)
     assert result.stderr.strip().splitlines() == [message]
 
 
-def test_moe_under_tp_is_refused(tiny_moe_checkpoints, prompts, tmp_path):
-    result = _run("--model", tiny_moe_checkpoints["qwen3_moe"], "--data", prompts, "--out", tmp_path / "o",
+def _routing(out: Path) -> dict:
+    rows = pq.read_table(out / "routing").to_pylist()
+    return {(r["prompt_index"], r["sample_index"]): r for r in rows}
+
+
+@pytest.mark.parametrize("name", [
+    "qwen3_moe",  # 8 experts top-2 of width 32 (16 per rank), layer 1 dense: split like a dense MLP
+    "qwen2_moe",  # plus the shared expert (48 -> 24 per rank) summed into the block's one all-reduce; qkv bias
+    "mixtral",  # block_sparse_moe.experts.E.w1/w3/w2 names, every layer sparse, untied head
+])
+def test_moe_tp2_equals_tp1_with_routing(tiny_moe_checkpoints, prompts, tmp_path, name):
+    args = ["--model", tiny_moe_checkpoints[name], "--data", prompts, "--n", "2", "--max-new-tokens", "10",
+            "--temperature", "0", "--device", "cpu", "--kv-cache-tokens", "1024", "--max-batch-tokens", "16",
+            "--capture-routing", "--quiet"]
+    one = _run(*args, "--out", tmp_path / "one")
+    assert one.returncode == 0, one.stderr
+    two = _run(*args, "--out", tmp_path / "two", "--tp", "2")
+    assert two.returncode == 0, two.stderr
+    want, got = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert len(got) == len(want) == 8
+    assert len({tuple(r["response_token_ids"]) for r in want}) == 4
+    for a, b in zip(got, want):
+        key = (a["prompt_index"], a["sample_index"])
+        assert a["response_token_ids"] == b["response_token_ids"], key
+        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=LP_TOL), key
+    routing_one, routing_two = _routing(tmp_path / "one"), _routing(tmp_path / "two")
+    assert routing_two.keys() == routing_one.keys() and len(routing_two) == 8
+    for key, row in routing_two.items():  # the replicated router picks the same experts on every rank
+        assert row == routing_one[key], key
+    assert len(set(routing_one[(2, 0)]["routed_experts"])) > 2  # the routing varies between tokens
+    manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert manifest["engine"]["tensor_parallel"] == 2
+
+
+def test_moe_tp2_on_the_triton_kernels(tiny_moe_checkpoints, prompts, tmp_path):
+    """The fused MoE kernels (the CUDA path; here under Triton's interpreter) on each rank's [E, 2I/2, H] and
+    [E, H, I/2] expert slices: the tokens and routing of the one-process torch path."""
+    args = ["--model", tiny_moe_checkpoints["qwen2_moe"], "--data", prompts, "--max-new-tokens", "4",
+            "--temperature", "0", "--device", "cpu", "--max-model-len", "64", "--capture-routing", "--quiet"]
+    one = _run(*args, "--out", tmp_path / "one")
+    assert one.returncode == 0, one.stderr
+    two = _run(*args, "--out", tmp_path / "two", "--tp", "2", "--attention-backend", "triton",
+               env={"TRITON_INTERPRET": "1"})
+    assert two.returncode == 0, two.stderr
+    for a, b in zip(_rows(tmp_path / "two"), _rows(tmp_path / "one"), strict=True):
+        assert a["response_token_ids"] == b["response_token_ids"]
+        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=1e-4)  # kernels vs torch
+    assert _routing(tmp_path / "two") == _routing(tmp_path / "one")
+
+
+def test_hybrid_under_tp_is_refused(tiny_hybrid_checkpoints, prompts, tmp_path):
+    result = _run("--model", tiny_hybrid_checkpoints["qwen3_next"], "--data", prompts, "--out", tmp_path / "o",
                   "--device", "cpu", "--tp", "2")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "error: --tp 2 supports the dense models (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM) for now; "
-        "Qwen3MoeForCausalLM runs with --tp 1 (or --dp N)"]
+        "error: --tp 2 supports the dense and MoE decoders (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+        "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM) for now; Qwen3NextForCausalLM runs with "
+        "--tp 1 (or --dp N)"]
