@@ -202,3 +202,29 @@ def test_hybrid_under_tp_is_refused(tiny_hybrid_checkpoints, prompts, tmp_path):
         "error: --tp 2 supports the dense and MoE decoders (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
         "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM) for now; Qwen3NextForCausalLM runs with "
         "--tp 1 (or --dp N)"]
+
+
+def test_bench_under_tp2_reports_from_rank_0(tiny_moe_checkpoints, tmp_path):
+    report_path = tmp_path / "bench.json"
+    result = _run("--model", tiny_moe_checkpoints["qwen3_moe"], "--device", "cpu", "--num-prompts", 4,
+                  "--input-len", 10, "--output-len", 6, "--n", 2, "--capture-routing", "compare", "--tp", 2,
+                  "--json", report_path, command="bench", env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    assert report["engine_settings"]["tensor_parallel"] == 2
+    for run in (report["rollout"], report["rollout_capture"]):
+        assert run["requests"] == 8 and run["output_tokens"] == 8 * 6  # eos ignored
+        assert abs(run["prefix_hit_rate"] - 9 / 20) < 1e-9  # the second sample reuses 9 of the 10 prompt tokens
+    assert report["bandwidth"]["decode_steps"] > 0
+    assert result.stdout.count("rollout bench") == 1 and "capture overhead" in result.stdout  # one report
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tp", "2", "--baseline", "hf"], "error: --baseline hf runs transformers in one process; compare it with --tp 1"),
+    (["--tp", "3"], "error: --tp 3 must divide the 4 attention heads; choose a divisor"),
+])
+def test_bad_bench_tp_is_one_line(tiny_checkpoints, extra, message):
+    result = _run("--model", tiny_checkpoints["qwen3"], "--device", "cpu", "--num-prompts", 2, *extra,
+                  command="bench")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [message]
