@@ -25,11 +25,15 @@ def is_rank() -> bool:
     return "RANK" in os.environ
 
 
-def launch_ranks(tp: int, command: str) -> None:
-    """The command the user typed, its inputs checked: run it again as `tp` ranks; exits with their code."""
+def launch_ranks(tp: int, command: str, signal_exit_code: int | None = None) -> None:
+    """The command the user typed, its inputs checked: run it again as `tp` ranks; exits with their code
+    (`signal_exit_code`, if given, after SIGINT / SIGTERM: a daemon's normal way out)."""
     from rollout_cli.data_parallel import launch_replicas
 
-    raise typer.Exit(launch_replicas(tp, sys.argv[2:], what="tensor-parallel rank", command=command))
+    code = launch_replicas(tp, sys.argv[2:], what="tensor-parallel rank", command=command)
+    if signal_exit_code is not None and code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        code = signal_exit_code
+    raise typer.Exit(code)
 
 
 def rank_config(config, tp: int):
@@ -62,17 +66,12 @@ def follow_leader(config, daemon: bool = False) -> None:
 @contextlib.contextmanager
 def leading(engine):
     """Rank 0's engine for the length of the command: the followers are released at the end, also on errors."""
-    from rollout_cli.engine.tensor_parallel import stop_followers
-    from rollout_cli.models.tensor_parallel import close_tensor_parallel
+    from rollout_cli.engine.tensor_parallel import release_followers
 
     try:
         yield engine
     finally:
-        if engine.tp is not None:
-            try:
-                stop_followers(engine)
-            finally:
-                close_tensor_parallel()
+        release_followers(engine)
 
 
 def tensor_parallel_run(tp: int, engine_options: dict, quiet: bool, out: str, job_args: dict, sampling: dict,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +44,9 @@ from rollout_cli.models.layers import FusedLinear, Linear, _copy_checked
 class TensorParallelGroup:
     """This process's place in the tensor-parallel group.
 
-    `group` carries the all-reduces of the forward (NCCL on CUDA, gloo on the CPU); `cpu_group` (gloo)
-    carries the per-step messages from rank 0 (pickled objects), so they never touch the GPU stream.
+    `group` carries the all-reduces of the forward (NCCL on CUDA, gloo on the CPU); `cpu_group` (gloo,
+    its own group on the CPU too) carries the messages from rank 0 (pickled objects), so they never
+    touch the GPU stream, and waits for them as long as a daemon idles (FOLLOWER_WAIT).
     """
 
     rank: int
@@ -58,6 +60,7 @@ class TensorParallelGroup:
 
 
 _GROUP: TensorParallelGroup | None = None
+FOLLOWER_WAIT = timedelta(days=365)  # gloo's default, 30 minutes, would end an idle `serve --tp` daemon
 
 
 def tp_group() -> TensorParallelGroup | None:
@@ -87,7 +90,8 @@ def init_tensor_parallel(size: int, device: torch.device) -> TensorParallelGroup
         torch.cuda.set_device(device)  # NCCL's collectives run on the current device: this rank's GPU
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
+    # the followers wait on this group for rank 0's next message, however long a daemon sits idle
+    cpu_group = dist.new_group(backend="gloo", timeout=FOLLOWER_WAIT)
     _GROUP = TensorParallelGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, cpu_group)
     return _GROUP
 
