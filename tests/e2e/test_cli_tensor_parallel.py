@@ -60,17 +60,9 @@ def _odd_vocabulary(src: str, dst: Path, vocab: int) -> str:
     return str(dst)
 
 
-@pytest.mark.parametrize("name, extra", [
-    ("qwen3", ["--max-batch-tokens", "8"]),  # q/k norms, head_dim 32; chunked prefill, prefix sharing (--n 2)
-    ("llama_bias", []),  # attention and mlp biases: the split qkv bias and the row-parallel bias added once
-    ("llama3_scaled", []),  # untied head, cut to an odd vocabulary (319): padded vocab-parallel rows
-])
-def test_tp2_equals_tp1(tiny_checkpoints, prompts, tmp_path, name, extra):
-    model = tiny_checkpoints[name]
-    if name == "llama3_scaled":
-        model = _odd_vocabulary(model, tmp_path / "v319", 319)
-    args = ["--model", model, "--data", prompts, "--n", "2", "--max-new-tokens", "12",
-            "--temperature", "0", "--device", "cpu", "--kv-cache-tokens", "1024", "--quiet", *extra]
+def _tp1_and_tp2(args: list, tmp_path: Path) -> tuple[list[dict], list[dict]]:
+    """`rollout run ARGS` into tmp_path/one and, with --tp 2, into tmp_path/two: (rows of one, rows of two),
+    checked to hold the same greedy tokens and logprobs within LP_TOL (4 prompts x 2 samples)."""
     one = _run(*args, "--out", tmp_path / "one")
     assert one.returncode == 0, one.stderr
     two = _run(*args, "--out", tmp_path / "two", "--tp", "2")
@@ -82,7 +74,23 @@ def test_tp2_equals_tp1(tiny_checkpoints, prompts, tmp_path, name, extra):
         key = (a["prompt_index"], a["sample_index"])
         assert a["response_token_ids"] == b["response_token_ids"], key
         assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=LP_TOL), key
-        assert a["tag"] == b["tag"] and a["finish_reason"] == b["finish_reason"], key
+    return want, got
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("qwen3", ["--max-batch-tokens", "8"]),  # q/k norms, head_dim 32; chunked prefill, prefix sharing (--n 2)
+    ("llama_bias", []),  # attention and mlp biases: the split qkv bias and the row-parallel bias added once
+    ("llama3_scaled", []),  # untied head, cut to an odd vocabulary (319): padded vocab-parallel rows
+])
+def test_tp2_equals_tp1(tiny_checkpoints, prompts, tmp_path, name, extra):
+    model = tiny_checkpoints[name]
+    if name == "llama3_scaled":
+        model = _odd_vocabulary(model, tmp_path / "v319", 319)
+    want, got = _tp1_and_tp2(["--model", model, "--data", prompts, "--n", "2", "--max-new-tokens", "12",
+                              "--temperature", "0", "--device", "cpu", "--kv-cache-tokens", "1024", "--quiet", *extra],
+                             tmp_path)
+    for a, b in zip(got, want):
+        assert a["tag"] == b["tag"] and a["finish_reason"] == b["finish_reason"], a["prompt_index"]
     manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["engine"]["tensor_parallel"] == 2
 
@@ -122,7 +130,9 @@ def test_reload_under_tp2_equals_tp1_on_the_new_weights(tiny_checkpoints, tmp_pa
     assert "wrong shapes: model.layers.1.mlp.down_proj.weight (64, 64)" in got["refused"]
     assert got["version_after_refusal"] == "0"
     assert got["b_version"] == "1"
-    for key, want, version in (("a", want_a, "0"), ("a_again", want_a, "0"), ("b", want_b, "1")):
+    assert got["stale"] and got["a_tensors_version"] == "2"
+    for key, want, version in (("a", want_a, "0"), ("a_again", want_a, "0"), ("b", want_b, "1"),
+                               ("a_tensors", want_a, "2")):
         assert len(got[key]) == len(want) == 6
         for (tokens, logprobs, v), (want_tokens, want_logprobs, _) in zip(got[key], want):
             assert tokens == want_tokens, key
@@ -155,20 +165,9 @@ def _routing(out: Path) -> dict:
     "mixtral",  # block_sparse_moe.experts.E.w1/w3/w2 names, every layer sparse, untied head
 ])
 def test_moe_tp2_equals_tp1_with_routing(tiny_moe_checkpoints, prompts, tmp_path, name):
-    args = ["--model", tiny_moe_checkpoints[name], "--data", prompts, "--n", "2", "--max-new-tokens", "10",
-            "--temperature", "0", "--device", "cpu", "--kv-cache-tokens", "1024", "--max-batch-tokens", "16",
-            "--capture-routing", "--quiet"]
-    one = _run(*args, "--out", tmp_path / "one")
-    assert one.returncode == 0, one.stderr
-    two = _run(*args, "--out", tmp_path / "two", "--tp", "2")
-    assert two.returncode == 0, two.stderr
-    want, got = _rows(tmp_path / "one"), _rows(tmp_path / "two")
-    assert len(got) == len(want) == 8
-    assert len({tuple(r["response_token_ids"]) for r in want}) == 4
-    for a, b in zip(got, want):
-        key = (a["prompt_index"], a["sample_index"])
-        assert a["response_token_ids"] == b["response_token_ids"], key
-        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=LP_TOL), key
+    _tp1_and_tp2(["--model", tiny_moe_checkpoints[name], "--data", prompts, "--n", "2", "--max-new-tokens", "10",
+                  "--temperature", "0", "--device", "cpu", "--kv-cache-tokens", "1024", "--max-batch-tokens", "16",
+                  "--capture-routing", "--quiet"], tmp_path)
     routing_one, routing_two = _routing(tmp_path / "one"), _routing(tmp_path / "two")
     assert routing_two.keys() == routing_one.keys() and len(routing_two) == 8
     for key, row in routing_two.items():  # the replicated router picks the same experts on every rank

@@ -24,8 +24,7 @@ from safetensors.torch import load_file, save_file
 from rollout_cli import Engine, SamplingParams
 from rollout_cli.engine.weight_group import broadcast_metadata, broadcast_tensors, open_weight_group
 from rollout_cli.errors import RolloutError
-from rollout_cli.server.client import EngineClient
-from weight_trainers import broadcast_order, checkpoint_tensors, free_port, perturbed_checkpoint
+from weight_trainers import broadcast_order, checkpoint_tensors, free_port, perturbed_checkpoint, wait_for_daemon
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "rollout_cli.cli.main"]
@@ -49,8 +48,7 @@ def _cli(*args, timeout: float = 120) -> subprocess.CompletedProcess:
 def daemon(tiny_moe_checkpoints, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve_tp")
     base = tiny_moe_checkpoints["qwen2_moe"]
-    ckpts = {"a": base, "b": perturbed_checkpoint(base, work / "b", seed=1),
-             "c": perturbed_checkpoint(base, work / "c", seed=2)}
+    ckpts = {"a": base, **{name: perturbed_checkpoint(base, work / name, seed) for name, seed in (("b", 1), ("c", 2))}}
     bad = Path(shutil.copytree(base, work / "bad"))
     tensors = load_file(str(bad / "model.safetensors"))
     name = "model.layers.1.mlp.experts.2.down_proj.weight"  # [64, 32] cut to one rank's columns
@@ -63,16 +61,7 @@ def daemon(tiny_moe_checkpoints, tmp_path_factory):
                                    "--kv-cache-tokens", "1024", "--max-batch-tokens", "16", "--socket", str(sock)],
                             stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=REPO, env=_env())
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            try:
-                client = EngineClient(str(sock))
-                client.get("/health")
-                break
-            except RolloutError:
-                time.sleep(0.2)
+        client = wait_for_daemon(proc, sock, log)
         yield dict(client=client, proc=proc, sock=sock, log=log, ckpts=ckpts, bad=str(bad), data=data, work=work)
         client.close()
     finally:
@@ -111,6 +100,8 @@ def test_job_equals_one_process(daemon):
     info = daemon["client"].get("/get_server_info")
     assert info["tensor_parallel"] == 2 and info["state"] == "serving"
     assert "over 2 tensor-parallel ranks" in daemon["log"].read_text()
+    status = _cli("status", "--engine", daemon["sock"])
+    assert status.returncode == 0 and "tensor parallel 2 ranks" in status.stdout, status.stderr
     _job_equals(daemon, "a", daemon["ckpts"]["a"], "0")
     assert [t for t, _ in _one_process(daemon["ckpts"]["a"])] != [t for t, _ in _one_process(daemon["ckpts"]["b"])]
 
