@@ -82,9 +82,10 @@ def replica_device(device: str, group: ReplicaGroup) -> str:
     return device
 
 
-def launch_replicas(count: int, run_args: list[str], what: str = "data-parallel replica") -> int:
-    """Run `rollout run RUN_ARGS` as `count` local processes under torch.distributed.run (replicas, or
-    tensor-parallel ranks); returns the exit code."""
+def launch_replicas(count: int, run_args: list[str], what: str = "data-parallel replica", command: str = "run") -> int:
+    """Run `rollout COMMAND RUN_ARGS` as `count` local processes under torch.distributed.run (replicas, or
+    tensor-parallel ranks of run, bench and serve); returns the exit code (128 + N after signal N)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
     threads = max(1, (os.cpu_count() or 1) // count)
@@ -93,14 +94,16 @@ def launch_replicas(count: int, run_args: list[str], what: str = "data-parallel 
         ["--standalone", "--nnodes", "1", "--nproc-per-node", str(count), "--module", "rollout_cli.cli.main"]
     )
     # set after parsing: torchrun's parser would read `--n 4` of the run arguments as its own abbreviation
-    args.training_script_args = ["run", *run_args]
+    args.training_script_args = [command, *run_args]
     try:
         run(args)
+    except SignalException as err:  # SIGINT / SIGTERM to the launcher: it passed the signal on to every process
+        return 128 + int(err.sigval)
     except Exception as err:  # torch's ChildFailedError: the failing replica printed its own error
         failures = getattr(err, "failures", None) or {}
         codes = sorted({f.exitcode for f in failures.values()}) if failures else [1]
-        print(f"error: a {what} failed (exit {codes[0]}); its error is above. "
-              "Finished rows are kept: fix the cause and run again with --resume", file=sys.stderr)
+        hint = " Finished rows are kept: fix the cause and run again with --resume" if command == "run" else ""
+        print(f"error: a {what} failed (exit {codes[0]}); its error is above.{hint}", file=sys.stderr)
         return codes[0] if codes[0] > 0 else 1
     return 0
 

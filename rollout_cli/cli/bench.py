@@ -33,6 +33,7 @@ def bench_command(
     capture_routing: Annotated[str, typer.Option(help="MoE models: off, on (record every token's experts in the timed run), or compare (a run without, then one with: the cost of capture).")] = "off",
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the full report to this JSON file.")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Afterwards, profile a short run and print the top kernels.")] = False,
+    tp: Annotated[int, typer.Option(help="Tensor parallel: split the model over N GPUs (N processes on the CPU), as `rollout run --tp`; rank 0 reports.", rich_help_panel=opt.ENGINE)] = 1,
     engine_options: Optional[dict] = None,  # filled by with_engine_options
 ) -> None:
     """Measure output tokens/s, TTFT, memory and the bandwidth-limit fraction.
@@ -40,11 +41,13 @@ def bench_command(
     Example:
 
         rollout bench --model ckpt/ --load-format dummy --num-prompts 256 --input-len 256 --output-len 512 --baseline hf
+
+    One model over 2 GPUs:
+
+        rollout bench --model ckpt/ --load-format dummy --num-prompts 256 --tp 2
     """
-    from rollout_cli.bench import (
-        BenchConfig, bandwidth_limit, make_workload, measure_hbm_bandwidth, profile_decode, run_engine,
-        run_hf_baseline,
-    )
+    from rollout_cli.bench import BenchConfig, make_workload, measure_hbm_bandwidth, run_hf_baseline
+    from rollout_cli.cli.tensor_parallel_run import leading
     from rollout_cli.engine.engine import Engine
     from rollout_cli.models.build import load_model_config, resolve_device, resolve_dtype
 
@@ -56,6 +59,10 @@ def bench_command(
                           capture_routing=capture_routing)
         engine_config = opt.engine_config(model=model, **engine_options)
         hf_config = load_model_config(model)
+        if tp != 1:
+            engine_config = _tensor_parallel_rank(engine_config, hf_config, tp, cfg)
+            if engine_config is None:
+                return  # a follower: rank 0 ran the benchmark
         torch_device = resolve_device(engine_config.device)
         data_prompts = _read_prompts(data, prompt_key, model) if data else None
         workload = make_workload(cfg, hf_config.vocab_size, data_prompts)
@@ -67,28 +74,59 @@ def bench_command(
                                                resolve_dtype(engine_config.dtype, torch_device), workload, cfg)
         with console.status("loading engine"):
             engine = Engine(engine_config)
-        report["engine_settings"] = {"device": str(engine.device), "dtype": str(engine.dtype),
-                                     "kv_cache_tokens": engine.num_kv_slots - 1}
-        if capture_routing == "on":
-            engine.enable_routing_capture()  # a dense model is refused here, before any timing
-        elif capture_routing == "compare" and not getattr(engine.model, "moe_layers", None):
-            engine.enable_routing_capture()  # refuses with the one-line reason
-        if capture_routing == "compare":
-            report.update(_compare_capture(engine, workload, cfg, console))
-        else:
-            with console.status("engine"):
-                report["rollout"] = run_engine(engine, workload, cfg)
-        report["bandwidth"] = bandwidth_limit(engine, report["rollout"]["output_tokens_per_s"], hbm)
-        if "hf" in report:
-            report["speedup_vs_hf"] = report["rollout"]["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"]
-        report["versions"] = _versions(engine.device)
-        if json_path:
-            with open(json_path, "w") as f:
-                json.dump(report, f, indent=2, default=str)
-        console.print(_table(report))
-        console.print(f"[dim]{report['bandwidth']['formula']}[/dim]")
-        if profile:
-            console.print(profile_decode(engine, workload, cfg), soft_wrap=True)
+        with leading(engine):
+            _bench_engine(engine, workload, cfg, hbm, report, json_path, profile, console)
+
+
+def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg):
+    """--tp N: in the command typed, check and start the ranks (exits); in a rank, its engine config,
+    or None on the followers once they followed rank 0's benchmark to its end."""
+    from rollout_cli.cli.tensor_parallel_run import follow_leader, is_rank, launch_ranks, rank_config
+    from rollout_cli.errors import RolloutError
+    from rollout_cli.models.tensor_parallel import check_tensor_parallel
+
+    if tp < 1:
+        raise RolloutError("--tp must be >= 1")
+    if cfg.baseline != "none":
+        raise RolloutError(f"--baseline {cfg.baseline} runs transformers in one process; compare it with --tp 1")
+    if not is_rank():
+        check_tensor_parallel(hf_config, tp)
+        launch_ranks(tp, "bench")
+    engine_config, rank = rank_config(engine_config, tp)
+    if rank != 0:
+        follow_leader(engine_config)
+        return None
+    return engine_config
+
+
+def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: bool, console) -> None:
+    """The timed runs on a loaded engine, then the report (rank 0 of --tp N: the followers run the same steps)."""
+    from rollout_cli.bench import bandwidth_limit, profile_decode, run_engine
+
+    capture_routing = cfg.capture_routing
+    report["engine_settings"] = {"device": str(engine.device), "dtype": str(engine.dtype),
+                                 "kv_cache_tokens": engine.num_kv_slots - 1,
+                                 "tensor_parallel": engine.config.tensor_parallel_size}
+    if capture_routing == "on":
+        engine.enable_routing_capture()  # a dense model is refused here, before any timing
+    elif capture_routing == "compare" and not getattr(engine.model, "moe_layers", None):
+        engine.enable_routing_capture()  # refuses with the one-line reason
+    if capture_routing == "compare":
+        report.update(_compare_capture(engine, workload, cfg, console))
+    else:
+        with console.status("engine"):
+            report["rollout"] = run_engine(engine, workload, cfg)
+    report["bandwidth"] = bandwidth_limit(engine, report["rollout"]["output_tokens_per_s"], hbm)
+    if "hf" in report:
+        report["speedup_vs_hf"] = report["rollout"]["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"]
+    report["versions"] = _versions(engine.device)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    console.print(_table(report))
+    console.print(f"[dim]{report['bandwidth']['formula']}[/dim]")
+    if profile:
+        console.print(profile_decode(engine, workload, cfg), soft_wrap=True)
 
 
 def _compare_capture(engine, workload, cfg, console) -> dict:

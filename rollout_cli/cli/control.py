@@ -156,6 +156,8 @@ def status_command(
         f"weight version  {info['weight_version']}",
         f"state           {info['state']}",
     ]
+    if info.get("tensor_parallel", 1) > 1:
+        lines.append(f"tensor parallel {info['tensor_parallel']} ranks (memory below: rank 0's)")
     if memory:
         held = memory["weights_bytes"] + memory["kv_cache_bytes"]
         line = (f"memory held     {held / 2**20:.1f} MiB on {memory['device']} "

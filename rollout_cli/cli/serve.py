@@ -20,6 +20,7 @@ def serve_command(
     port: Annotated[Optional[int], typer.Option(help="TCP port (with --host, default 127.0.0.1).", rich_help_panel=LISTEN)] = None,
     token_file: Annotated[Optional[str], typer.Option(help="TCP: file with the bearer token every request must carry.", rich_help_panel=LISTEN)] = None,
     weights_cpu_backup: Annotated[bool, typer.Option("--weights-cpu-backup", help="Keep a host copy of the weights while release-memory has freed them, so resume-memory restores them (else reload weights after resuming).", rich_help_panel=opt.ENGINE)] = False,
+    tp: Annotated[int, typer.Option(help="Tensor parallel: split the model over N GPUs (N processes on the CPU), as `rollout run --tp`; rank 0 serves, the other ranks follow its steps, reloads and memory releases.", rich_help_panel=opt.ENGINE)] = 1,
     engine_options: Optional[dict] = None,  # filled by with_engine_options
 ) -> None:
     """Load a model once and serve generation jobs and weight reloads until rollout shutdown.
@@ -30,6 +31,8 @@ def serve_command(
         rollout run --data recipes/prompts.parquet --out traj/ --n 4
         rollout reload-weights ckpt_1/
         rollout shutdown
+
+    One model over 2 GPUs: rollout serve --model ckpt/ --tp 2 &
     """
     from rollout_cli.errors import RolloutError
     from rollout_cli.server.address import default_socket_path
@@ -42,10 +45,37 @@ def serve_command(
                                             weights_cpu_backup=weights_cpu_backup)
         from rollout_cli.models.build import load_model_config
 
-        load_model_config(model)  # a bad --model fails here, before the socket is claimed
+        hf_config = load_model_config(model)  # a bad --model fails here, before the socket is claimed
         if host is None and port is None and socket is None:
             socket = default_socket_path()
+        if tp != 1:
+            engine_config = _tensor_parallel_rank(engine_config, hf_config, tp, socket)
+            if engine_config is None:
+                raise typer.Exit(0)  # a follower: rank 0 served and stopped it
         code = serve(engine_config, socket, host, port, token_file)
     except RolloutError as err:
         fail(str(err))
     raise typer.Exit(code)
+
+
+def _tensor_parallel_rank(engine_config, hf_config, tp: int, socket: str | None):
+    """--tp N: in the command typed, check and start the ranks (exits: 0 after a shutdown, SIGINT or
+    SIGTERM); in a rank, rank 0's engine config, or None on a follower once rank 0 stopped it."""
+    from rollout_cli.cli.tensor_parallel_run import follow_leader, is_rank, launch_ranks, rank_config
+    from rollout_cli.errors import RolloutError
+    from rollout_cli.models.tensor_parallel import check_tensor_parallel
+    from rollout_cli.server.address import socket_is_live
+
+    if tp < 1:
+        raise RolloutError("--tp must be >= 1")
+    if not is_rank():
+        check_tensor_parallel(hf_config, tp)
+        if socket is not None and socket_is_live(socket):
+            raise RolloutError(f"an engine is already serving on {socket}; stop it with "
+                               f"rollout shutdown --engine {socket}, or pass another --socket")
+        launch_ranks(tp, "serve", signal_exit_code=0)
+    engine_config, rank = rank_config(engine_config, tp)
+    if rank != 0:
+        follow_leader(engine_config, daemon=True)
+        return None
+    return engine_config

@@ -1,13 +1,16 @@
-"""`rollout run --tp N`: one engine split over N processes (rollout_cli.engine.tensor_parallel).
+"""`--tp N` for run, bench and serve: one engine split over N processes (rollout_cli.engine.tensor_parallel).
 
-The command re-starts itself as N ranks under torch.distributed.run, as `--dp` does; rank 0 runs
-the job (scheduler, sampler, writer, progress bar) and the other ranks follow its steps.
+The command re-starts itself as N ranks under torch.distributed.run, as `--dp` does; rank 0 does the
+command's work (the job with its progress bar, the benchmark and its report, the daemon) and the
+other ranks build their shards of the engine and follow rank 0's steps and control operations.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import sys
 
 import typer
@@ -17,40 +20,85 @@ from rollout_cli.cli import options as opt
 from rollout_cli.cli.errors import user_errors
 
 
+def is_rank() -> bool:
+    """Whether this process is one of the ranks torch.distributed.run started (else: the command typed)."""
+    return "RANK" in os.environ
+
+
+def launch_ranks(tp: int, command: str, signal_exit_code: int | None = None) -> None:
+    """The command the user typed, its inputs checked: run it again as `tp` ranks; exits with their code
+    (`signal_exit_code`, if given, after SIGINT / SIGTERM: a daemon's normal way out)."""
+    from rollout_cli.data_parallel import launch_replicas
+
+    code = launch_replicas(tp, sys.argv[2:], what="tensor-parallel rank", command=command)
+    if signal_exit_code is not None and code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        code = signal_exit_code
+    raise typer.Exit(code)
+
+
+def rank_config(config, tp: int):
+    """(this rank's engine config: --tp and its device, rank) inside a process torch.distributed.run started."""
+    from rollout_cli.data_parallel import ReplicaGroup, replica_device
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    device = replica_device(config.device, ReplicaGroup(rank, tp, local_rank))
+    return dataclasses.replace(config, tensor_parallel_size=tp, device=device), rank
+
+
+def follow_leader(config, daemon: bool = False) -> None:
+    """A rank other than 0: build its shard of the engine, then follow rank 0 until it sends stop.
+
+    Under a daemon (serve) SIGINT and SIGTERM are left to rank 0, which ends the job, answers its
+    clients and then stops the followers; a follower dies on its own only if rank 0 disappears."""
+    from rollout_cli.engine.engine import Engine
+    from rollout_cli.engine.tensor_parallel import follow
+    from rollout_cli.models.tensor_parallel import close_tensor_parallel
+
+    if daemon:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+    try:
+        follow(Engine(config))
+    finally:
+        close_tensor_parallel()
+
+
+@contextlib.contextmanager
+def leading(engine):
+    """Rank 0's engine for the length of the command: the followers are released at the end, also on errors."""
+    from rollout_cli.engine.tensor_parallel import release_followers
+
+    try:
+        yield engine
+    finally:
+        release_followers(engine)
+
+
 def tensor_parallel_run(tp: int, engine_options: dict, quiet: bool, out: str, job_args: dict, sampling: dict,
                         model: str) -> None:
     from rollout_cli.cli.run import _progress_bar, _summary_table
-    from rollout_cli.data_parallel import ReplicaGroup, launch_replicas, replica_device
     from rollout_cli.engine.engine import Engine
     from rollout_cli.engine.sampling_params import SamplingParams
-    from rollout_cli.engine.tensor_parallel import follow, stop_followers
     from rollout_cli.job import JobConfig, check_job_inputs, run_job
     from rollout_cli.models.build import load_model_config
-    from rollout_cli.models.tensor_parallel import check_tensor_parallel, close_tensor_parallel
+    from rollout_cli.models.tensor_parallel import check_tensor_parallel
 
     with user_errors():
         params = SamplingParams(**sampling)
-        config = dataclasses.replace(opt.engine_config(model=model, **engine_options), tensor_parallel_size=tp)
+        config = opt.engine_config(model=model, **engine_options)
         job = JobConfig(**job_args)
-        if "RANK" not in os.environ:  # the command the user typed: check the inputs, then start the ranks
+        if not is_rank():  # the command the user typed: check the inputs, then start the ranks
             check_job_inputs(job)
             check_tensor_parallel(load_model_config(model), tp)
-            raise typer.Exit(launch_replicas(tp, sys.argv[2:], what="tensor-parallel rank"))
-        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-        config = dataclasses.replace(config, device=replica_device(config.device, ReplicaGroup(rank, tp, local_rank)))
-        console = Console(stderr=True, quiet=quiet or rank != 0)
-        try:
-            with console.status("loading model"):
-                engine = Engine(config)
-            if rank != 0:
-                follow(engine)
-                return
-            try:
-                with _progress_bar(console) as (_, update):
-                    manifest = run_job(engine, params, job, on_progress=update)
-            finally:
-                stop_followers(engine)
-        finally:
-            close_tensor_parallel()
+            launch_ranks(tp, "run")
+        config, rank = rank_config(config, tp)
+        if rank != 0:
+            follow_leader(config)
+            return
+        console = Console(stderr=True, quiet=quiet)
+        with console.status("loading model"):
+            engine = Engine(config)
+        with leading(engine), _progress_bar(console) as (_, update):
+            manifest = run_job(engine, params, job, on_progress=update)
         if not quiet:
             console.print(_summary_table(manifest, out))

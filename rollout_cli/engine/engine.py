@@ -259,16 +259,17 @@ class Engine:
             self.runner.routing_pool = None
 
     def release_memory(self, tags=None) -> dict:
-        """Free GPU memory for a trainer (tags: weights, kv_cache, cuda_graph; default all). See engine.memory_saver."""
-        from rollout_cli.engine.memory_saver import release_memory
+        """Free GPU memory for a trainer (tags: weights, kv_cache, cuda_graph; default all). See engine.memory_saver.
+        Under --tp on every rank (engine.tensor_parallel.on_every_rank), as are the weight updates below."""
+        from rollout_cli.engine.tensor_parallel import on_every_rank
 
-        return release_memory(self, tags)
+        return on_every_rank(self, "release_memory", tags)
 
     def resume_memory(self, tags=None) -> dict:
         """Take released memory back; without --weights-cpu-backup new weights must be loaded before generating."""
-        from rollout_cli.engine.memory_saver import resume_memory
+        from rollout_cli.engine.tensor_parallel import on_every_rank
 
-        return resume_memory(self, tags)
+        return on_every_rank(self, "resume_memory", tags)
 
     @property
     def num_kv_slots(self) -> int:
@@ -280,29 +281,31 @@ class Engine:
         """New weights from (name, tensor) pairs, a dict, a FlattenedBucket (engine.tensor_bucket) or the
         text of tensor_ipc.serialize_named_tensors (another process: CUDA IPC / shared memory).
         HF checkpoint names; all of them unless partial=True. Returns the new weight version."""
-        from rollout_cli.engine.weight_updates import update_weights_from_tensor
+        from rollout_cli.engine.tensor_parallel import update_weights_from_tensor
 
         return update_weights_from_tensor(self, named_tensors, version, partial)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str | None = None, timeout_seconds: float = 600.0) -> None:
-        """Join the trainer's broadcast group as rank `rank_offset` (nccl on CUDA, gloo on the CPU by default)."""
-        from rollout_cli.engine.weight_updates import init_weights_update_group
+        """Join the trainer's broadcast group as rank `rank_offset` (nccl on CUDA, gloo on the CPU by default);
+        under --tp N rank r joins as rank_offset + r."""
+        from rollout_cli.engine.tensor_parallel import on_every_rank
 
-        init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend,
-                                  timeout_seconds)
+        on_every_rank(self, "init_weights_update_group", master_address, master_port, rank_offset, world_size,
+                      group_name, backend, timeout_seconds)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list, group_name: str,
                                         version: str | None = None, partial: bool = False) -> str:
         """Receive tensors broadcast by the trainer's rank 0 (in `names` order); returns the new weight version."""
-        from rollout_cli.engine.weight_updates import update_weights_from_distributed
+        from rollout_cli.engine.tensor_parallel import on_every_rank
 
-        return update_weights_from_distributed(self, names, dtypes, shapes, group_name, version, partial)
+        return on_every_rank(self, "update_weights_from_distributed", names, dtypes, shapes, group_name, version,
+                             partial)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
-        from rollout_cli.engine.weight_updates import destroy_weights_update_group
+        from rollout_cli.engine.tensor_parallel import on_every_rank
 
-        destroy_weights_update_group(self, group_name)
+        on_every_rank(self, "destroy_weights_update_group", group_name)
 
     # ---- prompts -------------------------------------------------------------
 

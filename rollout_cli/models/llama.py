@@ -73,7 +73,10 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config, bias: bool, intermediate_size: int | None = None):
+    """SwiGLU MLP. Under --tp, reduce=False leaves the all-reduce to the caller (the MoE block sums its
+    shared expert's partial output with the routed experts' and reduces once)."""
+
+    def __init__(self, config, bias: bool, intermediate_size: int | None = None, reduce: bool = True):
         super().__init__()
         inter = intermediate_size or config.intermediate_size
         if tp_size() == 1:
@@ -81,7 +84,8 @@ class DecoderMLP(nn.Module):
             self.down_proj = Linear(inter, config.hidden_size, bias=bias)
         else:  # this rank's slice of the intermediate size; down_proj all-reduces
             self.gate_up_proj = column_parallel_gate_up(config.hidden_size, inter, tp_size(), tp_rank(), bias)
-            self.down_proj = RowParallelLinear(inter, config.hidden_size, tp_size(), tp_rank(), bias=bias)
+            self.down_proj = RowParallelLinear(inter, config.hidden_size, tp_size(), tp_rank(), bias=bias,
+                                               reduce=reduce)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,6 +176,11 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, config, layer_idx: int, flags: dict) -> nn.Module | None:
         """The MLP of layer `layer_idx`; None keeps the dense DecoderMLP (MoE models override)."""
         return None
+
+    @staticmethod
+    def mlp_widths(config) -> dict[str, int]:
+        """The MLP widths --tp N splits (each must divide by N), by name for the error message."""
+        return {"intermediate size": config.intermediate_size}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions [T] -> hidden [T, hidden_size]."""

@@ -32,6 +32,9 @@ class TensorTarget:
     dtype: str  # safetensors header dtype: "BF16", "F32", ...
     # tensor parallel: (dim, start, size) of the checkpoint tensor this rank holds; None: all of it
     tp_slice: tuple[int, int, int] | None = None
+    # the sliced dim is this many equal blocks and the rank holds [start, start + size) of each
+    # (stacked experts' fused gate_up_proj: the gate rows, then the up rows)
+    tp_blocks: int = 1
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -179,7 +182,7 @@ def plan_tensors(model, headers, require_all: bool = True) -> tuple[list[TensorT
         if tuple(header.shape) != want:
             bad_shapes.append(f"{name} {tuple(header.shape)} (model: {want})")
         targets.append(TensorTarget(name, header.file, param_name, shard_id, header.dtype,
-                                    tp_slice_of(params[param_name], shard_id)))
+                                    *_tp_target_fields(params[param_name], shard_id)))
     found = {_canonical(model, t.checkpoint_name) for t in targets}
     layout_missing, mixed = _layout_problems(model, found)
     missing = sorted(_as_checkpoint(model, n) for n in (expected - found) | set(layout_missing))
@@ -227,22 +230,35 @@ def model_shard_shape(param, shard_id) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def tp_slice_of(param, shard_id) -> tuple[int, int, int] | None:
-    """(dim, start, size) of the checkpoint tensor this tensor-parallel rank holds, or None (all of it)."""
+def _tp_target_fields(param, shard_id) -> tuple[tuple[int, int, int] | None, int]:
+    """(tp_slice, tp_blocks) of a TensorTarget: the part of the checkpoint tensor this tensor-parallel
+    rank holds ((dim, start, size) in each of `blocks` blocks of dim), or (None, 1): all of it."""
     split = getattr(param, "tp_split", None)
     if split is None:
-        return None
-    dim, start, size, _ = split[shard_id]
-    return dim, start, size
+        return None, 1
+    dim, start, size, _, *blocks = split[shard_id]
+    return (dim, start, size), (blocks[0] if blocks else 1)
+
+
+def _rank_ranges(target: TensorTarget, length: int) -> list[tuple[int, int]]:
+    """(start, size) along the split dim of each piece this rank holds, for a dim of `length`."""
+    _, start, size = target.tp_slice
+    block = length // target.tp_blocks
+    return [(b * block + start, size) for b in range(target.tp_blocks)]
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def _read(handle, target: TensorTarget) -> torch.Tensor:
     """The target's tensor from an open safetensors file: only this rank's slice under tensor parallelism."""
     if target.tp_slice is None:
         return handle.get_tensor(target.checkpoint_name)
-    dim, start, size = target.tp_slice
-    index = (slice(None),) * dim + (slice(start, start + size),)
-    return handle.get_slice(target.checkpoint_name)[index]
+    dim = target.tp_slice[0]
+    view = handle.get_slice(target.checkpoint_name)
+    return _cat([view[(slice(None),) * dim + (slice(start, start + size),)]
+                 for start, size in _rank_ranges(target, view.get_shape()[dim])], dim)
 
 
 def read_checkpoint_tensors(targets: list[TensorTarget]):
@@ -268,9 +284,9 @@ def copy_into_parameters(params: dict, target: TensorTarget, tensor: torch.Tenso
     A whole tensor meant for a tensor-parallel rank (handed over in memory) is cut to the rank's slice."""
     param = params[target.param_name]
     if target.tp_slice is not None:
-        dim, start, size = target.tp_slice
-        if tensor.shape[dim] != size:
-            tensor = tensor.narrow(dim, start, size)
+        dim, _, size = target.tp_slice
+        if tensor.shape[dim] != size * target.tp_blocks:
+            tensor = _cat([tensor.narrow(dim, start, n) for start, n in _rank_ranges(target, tensor.shape[dim])], dim)
     with torch.no_grad():
         param.weight_loader(param, tensor.to(param.dtype), target.shard_id)
 

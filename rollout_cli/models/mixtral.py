@@ -26,6 +26,10 @@ class MixtralForCausalLM(MoeMixin, LlamaForCausalLM):
     def experts_of(config) -> tuple[int, int]:
         return config.num_local_experts, config.num_experts_per_tok
 
+    @staticmethod
+    def expert_width(config) -> int:
+        return config.intermediate_size
+
     def __init__(self, config, max_positions: int):
         window = getattr(config, "sliding_window", None)
         if window and window < max_positions:

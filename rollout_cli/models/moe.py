@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout_cli.errors import RolloutError
 from rollout_cli.models.layers import Linear, _copy_checked, default_weight_loader
+from rollout_cli.models.tensor_parallel import all_reduce, split_experts, tp_rank, tp_size
 
 
 def moe_layer_ids(config, num_experts: int) -> list[int]:
@@ -54,6 +56,21 @@ class MoeMixin:
     def experts_of(config) -> tuple[int, int]:
         """(num_experts, top_k) from the config."""
         return config.num_experts, config.num_experts_per_tok
+
+    @staticmethod
+    def expert_width(config) -> int:
+        """Each expert's intermediate size."""
+        return config.moe_intermediate_size
+
+    @classmethod
+    def mlp_widths(cls, config) -> dict[str, int]:
+        """The widths --tp N splits: the experts', the shared expert's, the dense layers' (if any)."""
+        widths = {"expert intermediate size": cls.expert_width(config)}
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            widths["shared expert intermediate size"] = config.shared_expert_intermediate_size
+        if len(moe_layer_ids(config, cls.experts_of(config)[0])) < config.num_hidden_layers:
+            widths["intermediate size"] = config.intermediate_size
+        return widths
 
     def make_sparse_block(self, config, moe_index: int, flags: dict) -> nn.Module:
         raise NotImplementedError
@@ -144,6 +161,10 @@ class FusedExperts(nn.Module):
     transformers' save_pretrained writes) fill one expert's slice, shard id (e, part);
     fused `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] (transformers'
     in-memory layout) fill the whole parameter, shard id None.
+
+    Under --tp N each rank holds i = I / N of every expert's intermediate size (w13 [E, 2i, H],
+    w2 [E, H, i], models/tensor_parallel.split_experts) and its forward returns the rank's partial
+    sum; the checkpoint is still checked against the full shapes.
     """
 
     use_triton = False  # kernels/fused_moe.py (needs the Triton router's float32 weights, int32 ids)
@@ -151,7 +172,10 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  part_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         super().__init__()
-        E, H, I = num_experts, hidden_size, intermediate_size
+        E, H, full = num_experts, hidden_size, intermediate_size
+        if full % tp_size():
+            raise RolloutError(f"--tp {tp_size()} must divide the expert intermediate size {full}; choose a divisor")
+        I = full // tp_size()  # noqa: E741 - this rank's share of the intermediate size
         self.num_experts, self.intermediate_size = E, I
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
@@ -162,12 +186,15 @@ class FusedExperts(nn.Module):
             {"gate_up_proj": None},
         ]
         self.w2.checkpoint_layouts = [{f"{e}.{down}.weight": (e, 0) for e in range(E)}, {"down_proj": None}]
-        # rows of one checkpoint tensor inside param[expert]: w13 holds 2 (gate, up), w2 one (down)
+        # rows of one (rank-sliced) checkpoint tensor inside param[expert]: w13 holds 2 (gate, up), w2 one
+        # (down); shard_shape: the full checkpoint tensor, what the loader checks
+        full_shapes = {self.w13: ((E, 2 * full, H), (full, H)), self.w2: ((E, H, full), (H, full))}
         for param, rows in ((self.w13, I), (self.w2, H)):
             param.shard_rows = rows
             param.weight_loader = self._load
-            param.shard_shape = lambda shard_id, p=param: (
-                tuple(p.shape) if shard_id is None else (p.shard_rows, p.shape[2]))
+            param.shard_shape = lambda shard_id, shapes=full_shapes[param]: shapes[0] if shard_id is None else shapes[1]
+        if tp_size() > 1:
+            split_experts(self.w13, self.w2, full, tp_rank())
 
     @staticmethod
     def _load(param: nn.Parameter, tensor: torch.Tensor, shard_id) -> None:
@@ -188,7 +215,11 @@ class FusedExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts (+ Qwen2-MoE's shared expert scaled by sigmoid(shared_expert_gate(x)))."""
+    """Router + experts (+ Qwen2-MoE's shared expert scaled by sigmoid(shared_expert_gate(x))).
+
+    Under --tp the experts (and the shared expert, built with DecoderMLP(reduce=False)) return partial
+    sums: the block all-reduces once, after adding them. The router and the shared expert's gate are
+    replicated, so every rank picks the same experts."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  renormalize: bool, moe_index: int, shared_expert: nn.Module | None = None,
@@ -201,6 +232,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert is not None else None
         self.moe_index = moe_index  # position among the model's MoE layers: routing capture's layer axis
         self.routing_recorder = None
+        self.reduce = tp_size() > 1
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(hidden)  # [T, k] each
@@ -209,7 +241,7 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(hidden, topk_weights, topk_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        return out
+        return all_reduce(out) if self.reduce else out  # [T, H]
 
 
 def set_routing_recorder(model: nn.Module, recorder) -> int:

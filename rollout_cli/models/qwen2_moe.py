@@ -25,7 +25,8 @@ class Qwen2MoeForCausalLM(MoeMixin, LlamaForCausalLM):
     def make_sparse_block(self, config, moe_index: int, flags: dict) -> nn.Module:
         shared = None
         if getattr(config, "shared_expert_intermediate_size", 0):
-            shared = DecoderMLP(config, bias=False, intermediate_size=config.shared_expert_intermediate_size)
+            shared = DecoderMLP(config, bias=False, intermediate_size=config.shared_expert_intermediate_size,
+                                reduce=False)
         return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                               config.moe_intermediate_size, bool(config.norm_topk_prob), moe_index,
                               shared_expert=shared)

@@ -130,7 +130,8 @@ class Qwen3NextForCausalLM(MoeMixin, nn.Module):
     def make_layer_mlp(self, config, layer_idx: int) -> nn.Module:
         if layer_idx not in self.moe_layers:
             return DecoderMLP(config, bias=False)
-        shared = DecoderMLP(config, bias=False, intermediate_size=config.shared_expert_intermediate_size)
+        shared = DecoderMLP(config, bias=False, intermediate_size=config.shared_expert_intermediate_size,
+                            reduce=False)
         return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                               config.moe_intermediate_size, self.renormalize(config),
                               self.moe_layers.index(layer_idx), shared_expert=shared)

@@ -11,19 +11,27 @@ share of the attention heads and of the MLP's intermediate size:
     embed_tokens, lm_head   vocab-parallel: each rank holds ceil(V / N) rows of the vocabulary (the last
                             rank's tail zero-padded); the embedding looks up the ids it holds (others
                             masked to zero) and all-reduces; the head all-gathers the logits
+    MoE experts             every expert split like a dense MLP: w13 [E, 2 I / N, H] holds the rank's gate
+                            and up rows of each expert, w2 [E, H, I / N] the matching input columns; the
+                            shared expert (Qwen2-MoE) is split the same way and its down projection does
+                            not reduce: the block sums routed and shared partial outputs and all-reduces
+                            once. The router is replicated, so every rank routes every token alike.
 
 The model files ask `tp_size()` / `tp_rank()` while they are built (1 / 0 unless `init_tensor_parallel`
 ran), so the single-process path builds the very same modules as before, with no collectives.
 
-Every split parameter carries `tp_split = {shard_id: (dim, start, size, full_size)}`: the slice of
-the checkpoint tensor this rank holds (shard_id None for unfused parameters). The loader checks the
-checkpoint against the full shapes and reads only the slice (models/loader.py).
+Every split parameter carries `tp_split = {shard_id: (dim, start, size, full_size[, blocks])}`: the
+slice of the checkpoint tensor this rank holds (shard_id None for unfused parameters); with `blocks`
+the dim holds that many equal blocks and the rank holds [start, start + size) of each (the fused
+`experts.gate_up_proj` [E, 2 I, H]: gate rows, then up rows). The loader checks the checkpoint
+against the full shapes and reads only the slice (models/loader.py).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +44,9 @@ from rollout_cli.models.layers import FusedLinear, Linear, _copy_checked
 class TensorParallelGroup:
     """This process's place in the tensor-parallel group.
 
-    `group` carries the all-reduces of the forward (NCCL on CUDA, gloo on the CPU); `cpu_group` (gloo)
-    carries the per-step messages from rank 0 (pickled objects), so they never touch the GPU stream.
+    `group` carries the all-reduces of the forward (NCCL on CUDA, gloo on the CPU); `cpu_group` (gloo,
+    its own group on the CPU too) carries the messages from rank 0 (pickled objects), so they never
+    touch the GPU stream, and waits for them as long as a daemon idles (FOLLOWER_WAIT).
     """
 
     rank: int
@@ -51,6 +60,7 @@ class TensorParallelGroup:
 
 
 _GROUP: TensorParallelGroup | None = None
+FOLLOWER_WAIT = timedelta(days=365)  # gloo's default, 30 minutes, would end an idle `serve --tp` daemon
 
 
 def tp_group() -> TensorParallelGroup | None:
@@ -80,7 +90,8 @@ def init_tensor_parallel(size: int, device: torch.device) -> TensorParallelGroup
         torch.cuda.set_device(device)  # NCCL's collectives run on the current device: this rank's GPU
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
+    # the followers wait on this group for rank 0's next message, however long a daemon sits idle
+    cpu_group = dist.new_group(backend="gloo", timeout=FOLLOWER_WAIT)
     _GROUP = TensorParallelGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, cpu_group)
     return _GROUP
 
@@ -156,18 +167,39 @@ def column_parallel_gate_up(hidden_size: int, intermediate: int, size: int, rank
 
 class RowParallelLinear(Linear):
     """y = all_reduce(x_local W_local^T) + b: W_local [out, in / tp] holds this rank's input columns;
-    the bias (replicated) is added once, after the sum."""
+    the bias (replicated) is added once, after the sum. With reduce=False (the MoE shared expert, summed
+    into the block's one all-reduce) y is this rank's partial sum, and there is no bias."""
 
-    def __init__(self, in_features: int, out_features: int, size: int, rank: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, size: int, rank: int, bias: bool = False,
+                 reduce: bool = True):
         if in_features % size:
             raise RolloutError(f"--tp {size} must divide {in_features} (a row-parallel input size)")
+        assert reduce or not bias, "a partial (unreduced) output cannot carry the bias"
         local = in_features // size
         super().__init__(local, out_features, bias)
         self.weight.tp_split = {None: (1, rank * local, local, in_features)}
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))  # [T, out], summed over ranks
+        y = F.linear(x, self.weight)  # [T, out]: this rank's share
+        if not self.reduce:
+            return y
+        y = all_reduce(y)  # summed over ranks
         return y if self.bias is None else y + self.bias
+
+
+def split_experts(w13: torch.nn.Parameter, w2: torch.nn.Parameter, intermediate: int, rank: int) -> None:
+    """Mark stacked experts w13 [E, 2 i, H], w2 [E, H, i] (i = intermediate / tp) as this rank's slices.
+
+    Per-expert checkpoint tensors: gate / up [I, H] give rows [rank i, rank i + i), down [H, I] the same
+    columns. Fused ones: gate_up_proj [E, 2 I, H] gives those rows of both halves, down_proj [E, H, I]
+    those columns."""
+    experts, local = w13.shape[0], w2.shape[2]
+    start = rank * local
+    w13.tp_split = {(e, part): (0, start, local, intermediate) for e in range(experts) for part in (0, 1)}
+    w13.tp_split[None] = (1, start, local, 2 * intermediate, 2)
+    w2.tp_split = {(e, 0): (1, start, local, intermediate) for e in range(experts)}
+    w2.tp_split[None] = (2, start, local, intermediate)
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -218,20 +250,22 @@ def _mark(layer: FusedLinear, split: dict) -> None:
 
 # Architectures whose layers are all built from the split layers above.
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 
 
 def check_tensor_parallel(hf_config, size: int) -> None:
-    """Refuse, in one line, a model --tp N cannot split: MoE / hybrid models, or head counts and
-    sizes N does not divide."""
+    """Refuse, in one line, a model --tp N cannot split: hybrid models, or head counts and MLP
+    widths N does not divide."""
     if size == 1:
         return
     from rollout_cli.models.registry import model_class_for
 
-    name = model_class_for(hf_config).__name__
-    if name not in DENSE_ARCHITECTURES:
-        raise RolloutError(f"--tp {size} supports the dense models ({', '.join(DENSE_ARCHITECTURES)}) for now; "
-                           f"{name} runs with --tp 1 (or --dp N)")
+    cls = model_class_for(hf_config)
+    if cls.__name__ not in DENSE_ARCHITECTURES + MOE_ARCHITECTURES:
+        raise RolloutError(f"--tp {size} supports the dense and MoE decoders "
+                           f"({', '.join(DENSE_ARCHITECTURES + MOE_ARCHITECTURES)}) for now; "
+                           f"{cls.__name__} runs with --tp 1 (or --dp N)")
     HeadSplit.of(hf_config.num_attention_heads, hf_config.num_key_value_heads, size, 0)
-    if hf_config.intermediate_size % size:
-        raise RolloutError(f"--tp {size} must divide the intermediate size {hf_config.intermediate_size}; "
-                           "choose a divisor")
+    for what, width in cls.mlp_widths(hf_config).items():
+        if width % size:
+            raise RolloutError(f"--tp {size} must divide the {what} {width}; choose a divisor")

@@ -139,7 +139,9 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
             log.error("error: %s", worker.load_error)
             request_exit()
         else:
-            log.info("ready: %s, weight version %s, on %s", engine_config.model, worker.engine.weight_version, where)
+            split = f", over {engine_config.tensor_parallel_size} tensor-parallel ranks" if worker.engine.tp else ""
+            log.info("ready: %s, weight version %s%s, on %s", engine_config.model, worker.engine.weight_version,
+                     split, where)
 
     threading.Thread(target=announce_ready, name="announce", daemon=True).start()
     # uvicorn turns SIGINT/SIGTERM into a graceful exit, then re-raises them with the handlers it

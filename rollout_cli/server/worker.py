@@ -4,6 +4,9 @@ HTTP handlers never touch the engine. They put a Command on `commands` and wait 
 Future; the worker takes commands while idle, and between engine steps while a job runs
 (through the job's on_step hook). Status is answered from `snapshot()`, plain values the
 worker publishes under a lock, so `rollout status` never waits behind a step.
+
+Under `serve --tp N` this is rank 0: its engine's steps, weight updates and memory releases reach
+the other ranks through engine.tensor_parallel (on_every_rank); at shutdown it releases them.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ class EngineWorker(threading.Thread):
         self._lock = threading.Lock()
         self._info: dict[str, Any] = {"model": engine_config.model, "weights_path": weights_path,
                                       "weight_version": engine_config.weight_version, "state": "loading",
-                                      "memory": {}, "job": None}
+                                      "memory": {}, "job": None,
+                                      "tensor_parallel": engine_config.tensor_parallel_size}
         self.job: JobHandle | None = None  # set under _lock by submit_job, cleared by the worker
         self.paused = False
         self._stopping = False
@@ -139,8 +143,13 @@ class EngineWorker(threading.Thread):
             self._drain_failed()
             return
         self.ready.set()
-        while not self._stopping:
-            self._handle(self.commands.get(), in_job=False)
+        try:
+            while not self._stopping:
+                self._handle(self.commands.get(), in_job=False)
+        finally:
+            from rollout_cli.engine.tensor_parallel import release_followers
+
+            release_followers(self.engine)  # --tp: the other ranks exit
         self._drain_failed()
 
     def _load(self) -> None:
@@ -188,14 +197,15 @@ class EngineWorker(threading.Thread):
             command.future.set_result(result)
 
     def _do_update_weights(self, in_job: bool, path: str, version: str | None) -> dict:
-        from rollout_cli.engine.control import memory_held, reload_weights
+        from rollout_cli.engine.control import memory_held
+        from rollout_cli.engine.tensor_parallel import on_every_rank
 
         if in_job:
             raise Conflict("a job is running; a reload would mix two weight versions in it: "
                            "wait for the job to finish, or stop it with rollout abort, then reload")
         started = time.perf_counter()
         old = self.engine.weight_version
-        new = reload_weights(self.engine, path, version, self._accepted_dtypes)
+        new = on_every_rank(self.engine, "reload_weights", path, version, self._accepted_dtypes)
         seconds = time.perf_counter() - started
         log.info("reloaded weights from %s: version %s -> %s in %.2f s", path, old, new, seconds)
         self._publish(weight_version=new, weights_path=path, memory=memory_held(self.engine))
@@ -215,7 +225,7 @@ class EngineWorker(threading.Thread):
 
     def _do_update_weights_from_tensor(self, in_job: bool, serialized: str, version: str | None,
                                        partial: bool) -> dict:
-        from rollout_cli.engine.weight_updates import update_weights_from_tensor
+        from rollout_cli.engine.tensor_parallel import update_weights_from_tensor
 
         if in_job:
             raise Conflict(f"a job is running; {IN_JOB_HINT}")
@@ -224,31 +234,27 @@ class EngineWorker(threading.Thread):
         return self._updated(old, new, started, "tensors (update_weights_from_tensor)")
 
     def _do_init_weights_update_group(self, in_job: bool, **group) -> dict:
-        from rollout_cli.engine.weight_updates import init_weights_update_group
-
         if in_job:
             raise Conflict("a job is running; join the weight update group between jobs")
-        init_weights_update_group(self.engine, **group)
+        self.engine.init_weights_update_group(**group)
         log.info("joined weight update group %r as rank %d of %d (%s)", group["group_name"], group["rank_offset"],
                  group["world_size"], self.engine.weight_update_groups[group["group_name"]].backend)
         return {"success": True, "message": f"joined weight update group {group['group_name']}"}
 
     def _do_update_weights_from_distributed(self, in_job: bool, names, dtypes, shapes, group_name: str,
                                             version: str | None, partial: bool) -> dict:
-        from rollout_cli.engine.weight_updates import drain_broadcast, update_weights_from_distributed
+        from rollout_cli.engine.tensor_parallel import on_every_rank
 
-        if in_job:  # receive and drop the broadcast, so the trainer is not left hanging in it
-            drain_broadcast(self.engine, group_name, names, dtypes, shapes)
+        if in_job:  # receive and drop the broadcast (on every rank), so the trainer is not left hanging in it
+            on_every_rank(self.engine, "drain_broadcast", group_name, names, dtypes, shapes)
             raise Conflict(f"a job is running; the broadcast was received and dropped; {IN_JOB_HINT}")
         started, old = time.perf_counter(), self.engine.weight_version
-        new = update_weights_from_distributed(self.engine, names, dtypes, shapes, group_name, version, partial,
-                                              self._accepted_dtypes)
+        new = on_every_rank(self.engine, "update_weights_from_distributed", names, dtypes, shapes, group_name,
+                            version, partial, self._accepted_dtypes)
         return self._updated(old, new, started, f"broadcast of group {group_name}")
 
     def _do_destroy_weights_update_group(self, in_job: bool, group_name: str) -> dict:
-        from rollout_cli.engine.weight_updates import destroy_weights_update_group
-
-        destroy_weights_update_group(self.engine, group_name)
+        self.engine.destroy_weights_update_group(group_name)
         return {"success": True, "message": f"destroyed weight update group {group_name}"}
 
     def _do_release_memory(self, in_job: bool, tags) -> dict:

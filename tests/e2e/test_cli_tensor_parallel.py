@@ -30,9 +30,9 @@ def _env() -> dict:
     return env
 
 
-def _run(*args, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout_cli.cli.main", "run", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env())
+def _run(*args, timeout: float = 240, command: str = "run", env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollout_cli.cli.main", command, *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**_env(), **(env or {})})
 
 
 def _rows(out: Path) -> list[dict]:
@@ -60,17 +60,9 @@ def _odd_vocabulary(src: str, dst: Path, vocab: int) -> str:
     return str(dst)
 
 
-@pytest.mark.parametrize("name, extra", [
-    ("qwen3", ["--max-batch-tokens", "8"]),  # q/k norms, head_dim 32; chunked prefill, prefix sharing (--n 2)
-    ("llama_bias", []),  # attention and mlp biases: the split qkv bias and the row-parallel bias added once
-    ("llama3_scaled", []),  # untied head, cut to an odd vocabulary (319): padded vocab-parallel rows
-])
-def test_tp2_equals_tp1(tiny_checkpoints, prompts, tmp_path, name, extra):
-    model = tiny_checkpoints[name]
-    if name == "llama3_scaled":
-        model = _odd_vocabulary(model, tmp_path / "v319", 319)
-    args = ["--model", model, "--data", prompts, "--n", "2", "--max-new-tokens", "12",
-            "--temperature", "0", "--device", "cpu", "--kv-cache-tokens", "1024", "--quiet", *extra]
+def _tp1_and_tp2(args: list, tmp_path: Path) -> tuple[list[dict], list[dict]]:
+    """`rollout run ARGS` into tmp_path/one and, with --tp 2, into tmp_path/two: (rows of one, rows of two),
+    checked to hold the same greedy tokens and logprobs within LP_TOL (4 prompts x 2 samples)."""
     one = _run(*args, "--out", tmp_path / "one")
     assert one.returncode == 0, one.stderr
     two = _run(*args, "--out", tmp_path / "two", "--tp", "2")
@@ -82,7 +74,23 @@ def test_tp2_equals_tp1(tiny_checkpoints, prompts, tmp_path, name, extra):
         key = (a["prompt_index"], a["sample_index"])
         assert a["response_token_ids"] == b["response_token_ids"], key
         assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=LP_TOL), key
-        assert a["tag"] == b["tag"] and a["finish_reason"] == b["finish_reason"], key
+    return want, got
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("qwen3", ["--max-batch-tokens", "8"]),  # q/k norms, head_dim 32; chunked prefill, prefix sharing (--n 2)
+    ("llama_bias", []),  # attention and mlp biases: the split qkv bias and the row-parallel bias added once
+    ("llama3_scaled", []),  # untied head, cut to an odd vocabulary (319): padded vocab-parallel rows
+])
+def test_tp2_equals_tp1(tiny_checkpoints, prompts, tmp_path, name, extra):
+    model = tiny_checkpoints[name]
+    if name == "llama3_scaled":
+        model = _odd_vocabulary(model, tmp_path / "v319", 319)
+    want, got = _tp1_and_tp2(["--model", model, "--data", prompts, "--n", "2", "--max-new-tokens", "12",
+                              "--temperature", "0", "--device", "cpu", "--kv-cache-tokens", "1024", "--quiet", *extra],
+                             tmp_path)
+    for a, b in zip(got, want):
+        assert a["tag"] == b["tag"] and a["finish_reason"] == b["finish_reason"], a["prompt_index"]
     manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["engine"]["tensor_parallel"] == 2
 
@@ -122,7 +130,9 @@ def test_reload_under_tp2_equals_tp1_on_the_new_weights(tiny_checkpoints, tmp_pa
     assert "wrong shapes: model.layers.1.mlp.down_proj.weight (64, 64)" in got["refused"]
     assert got["version_after_refusal"] == "0"
     assert got["b_version"] == "1"
-    for key, want, version in (("a", want_a, "0"), ("a_again", want_a, "0"), ("b", want_b, "1")):
+    assert got["stale"] and got["a_tensors_version"] == "2"
+    for key, want, version in (("a", want_a, "0"), ("a_again", want_a, "0"), ("b", want_b, "1"),
+                               ("a_tensors", want_a, "2")):
         assert len(got[key]) == len(want) == 6
         for (tokens, logprobs, v), (want_tokens, want_logprobs, _) in zip(got[key], want):
             assert tokens == want_tokens, key
@@ -144,10 +154,76 @@ def test_bad_tp_is_one_line(tiny_checkpoints, prompts, tmp_path, extra, message)
     assert result.stderr.strip().splitlines() == [message]
 
 
-def test_moe_under_tp_is_refused(tiny_moe_checkpoints, prompts, tmp_path):
-    result = _run("--model", tiny_moe_checkpoints["qwen3_moe"], "--data", prompts, "--out", tmp_path / "o",
+def _routing(out: Path) -> dict:
+    rows = pq.read_table(out / "routing").to_pylist()
+    return {(r["prompt_index"], r["sample_index"]): r for r in rows}
+
+
+@pytest.mark.parametrize("name", [
+    "qwen3_moe",  # 8 experts top-2 of width 32 (16 per rank), layer 1 dense: split like a dense MLP
+    "qwen2_moe",  # plus the shared expert (48 -> 24 per rank) summed into the block's one all-reduce; qkv bias
+    "mixtral",  # block_sparse_moe.experts.E.w1/w3/w2 names, every layer sparse, untied head
+])
+def test_moe_tp2_equals_tp1_with_routing(tiny_moe_checkpoints, prompts, tmp_path, name):
+    _tp1_and_tp2(["--model", tiny_moe_checkpoints[name], "--data", prompts, "--n", "2", "--max-new-tokens", "10",
+                  "--temperature", "0", "--device", "cpu", "--kv-cache-tokens", "1024", "--max-batch-tokens", "16",
+                  "--capture-routing", "--quiet"], tmp_path)
+    routing_one, routing_two = _routing(tmp_path / "one"), _routing(tmp_path / "two")
+    assert routing_two.keys() == routing_one.keys() and len(routing_two) == 8
+    for key, row in routing_two.items():  # the replicated router picks the same experts on every rank
+        assert row == routing_one[key], key
+    assert len(set(routing_one[(2, 0)]["routed_experts"])) > 2  # the routing varies between tokens
+    manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert manifest["engine"]["tensor_parallel"] == 2
+
+
+def test_moe_tp2_on_the_triton_kernels(tiny_moe_checkpoints, prompts, tmp_path):
+    """The fused MoE kernels (the CUDA path; here under Triton's interpreter) on each rank's [E, 2I/2, H] and
+    [E, H, I/2] expert slices: the tokens and routing of the one-process torch path."""
+    args = ["--model", tiny_moe_checkpoints["qwen2_moe"], "--data", prompts, "--max-new-tokens", "4",
+            "--temperature", "0", "--device", "cpu", "--max-model-len", "64", "--capture-routing", "--quiet"]
+    one = _run(*args, "--out", tmp_path / "one")
+    assert one.returncode == 0, one.stderr
+    two = _run(*args, "--out", tmp_path / "two", "--tp", "2", "--attention-backend", "triton",
+               env={"TRITON_INTERPRET": "1"})
+    assert two.returncode == 0, two.stderr
+    for a, b in zip(_rows(tmp_path / "two"), _rows(tmp_path / "one"), strict=True):
+        assert a["response_token_ids"] == b["response_token_ids"]
+        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=1e-4)  # kernels vs torch
+    assert _routing(tmp_path / "two") == _routing(tmp_path / "one")
+
+
+def test_hybrid_under_tp_is_refused(tiny_hybrid_checkpoints, prompts, tmp_path):
+    result = _run("--model", tiny_hybrid_checkpoints["qwen3_next"], "--data", prompts, "--out", tmp_path / "o",
                   "--device", "cpu", "--tp", "2")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "error: --tp 2 supports the dense models (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM) for now; "
-        "Qwen3MoeForCausalLM runs with --tp 1 (or --dp N)"]
+        "error: --tp 2 supports the dense and MoE decoders (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+        "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM) for now; Qwen3NextForCausalLM runs with "
+        "--tp 1 (or --dp N)"]
+
+
+def test_bench_under_tp2_reports_from_rank_0(tiny_moe_checkpoints, tmp_path):
+    report_path = tmp_path / "bench.json"
+    result = _run("--model", tiny_moe_checkpoints["qwen3_moe"], "--device", "cpu", "--num-prompts", 4,
+                  "--input-len", 10, "--output-len", 6, "--n", 2, "--capture-routing", "compare", "--tp", 2,
+                  "--json", report_path, command="bench", env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    assert report["engine_settings"]["tensor_parallel"] == 2
+    for run in (report["rollout"], report["rollout_capture"]):
+        assert run["requests"] == 8 and run["output_tokens"] == 8 * 6  # eos ignored
+        assert abs(run["prefix_hit_rate"] - 9 / 20) < 1e-9  # the second sample reuses 9 of the 10 prompt tokens
+    assert report["bandwidth"]["decode_steps"] > 0
+    assert result.stdout.count("rollout bench") == 1 and "capture overhead" in result.stdout  # one report
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tp", "2", "--baseline", "hf"], "error: --baseline hf runs transformers in one process; compare it with --tp 1"),
+    (["--tp", "3"], "error: --tp 3 must divide the 4 attention heads; choose a divisor"),
+])
+def test_bad_bench_tp_is_one_line(tiny_checkpoints, extra, message):
+    result = _run("--model", tiny_checkpoints["qwen3"], "--device", "cpu", "--num-prompts", 2, *extra,
+                  command="bench")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [message]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,8 +24,7 @@ import torch
 from rollout_cli.engine.tensor_ipc import serialize_named_tensors
 from rollout_cli.engine.weight_group import broadcast_metadata, broadcast_tensors, open_weight_group
 from rollout_cli.errors import RolloutError
-from rollout_cli.server.client import EngineClient
-from weight_trainers import broadcast_order, checkpoint_tensors, free_port, perturbed_checkpoint
+from weight_trainers import broadcast_order, checkpoint_tensors, free_port, perturbed_checkpoint, wait_for_daemon
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 9, 17, 33, 2], [7, 7, 8], [100, 3, 250, 41]]
@@ -47,16 +45,7 @@ def setup(tiny_checkpoints, tmp_path_factory):
                              "--max-model-len", "4096", "--kv-cache-tokens", "16384", "--socket", str(sock)],
                             stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=REPO)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            try:
-                client = EngineClient(str(sock))
-                client.get("/health")
-                break
-            except RolloutError:
-                time.sleep(0.1)
+        client = wait_for_daemon(proc, sock, log, timeout=90)
         yield dict(client=client, ckpts=ckpts, data=data, work=work)
         client.close()
     finally:

@@ -1,5 +1,6 @@
 """Run by tests/e2e/test_cli_tensor_parallel.py under torch.distributed.run with 2 processes: greedy
-generation on checkpoint A under --tp 2, a refused reload, a reload of checkpoint B, greedy again.
+generation on checkpoint A under --tp 2, a refused reload, a reload of checkpoint B, greedy again, a
+memory release and resume, A's tensors handed over in process, greedy again.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tp_reload_driver.py A B BAD OUT.json
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
+
+from safetensors.torch import load_file
 
 from rollout_cli import Engine, SamplingParams
 from rollout_cli.engine.tensor_parallel import follow, reload_weights, stop_followers
@@ -38,6 +41,12 @@ def main(model_a: str, model_b: str, bad: str, out: str) -> None:
             results["a_again"] = greedy(engine)
             results["b_version"] = reload_weights(engine, model_b)
             results["b"] = greedy(engine)
+            # the Python API on rank 0 reaches every rank too: a release without backup loses every
+            # rank's weights; in-process tensors of A reach the followers as shared-memory handles
+            engine.release_memory()
+            results["stale"] = engine.resume_memory()["weights_stale"]
+            results["a_tensors_version"] = engine.update_weights_from_tensor(load_file(f"{model_a}/model.safetensors"))
+            results["a_tensors"] = greedy(engine)
         finally:
             stop_followers(engine)
         with open(out, "w") as f:

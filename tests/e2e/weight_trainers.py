@@ -34,6 +34,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_daemon(proc, sock, log: Path, timeout: float = 120.0):
+    """An EngineClient on `sock` once the `rollout serve` process `proc` (stderr in `log`) answers /health."""
+    from rollout_cli.errors import RolloutError
+    from rollout_cli.server.client import EngineClient
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        try:
+            client = EngineClient(str(sock))
+            client.get("/health")
+            return client
+        except RolloutError:
+            time.sleep(0.1)
+
+
 def broadcast_order(model_dir: str, truncate: str | None = None) -> list[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors in name order; `truncate` names one whose first row is cut off (a wrong shape)."""
     tensors = checkpoint_tensors(model_dir)

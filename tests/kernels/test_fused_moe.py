@@ -66,6 +66,33 @@ def test_fused_experts_matches_model_expert_loop(t, e, k, used, hidden, inter):
     _close(got, fused_moe_ref(h, w13, w2, weights, ids.long()), torch.float32)
 
 
+def _rank_slices(w13, w2, size, rank):
+    """Rank `rank` of `size`'s share of every expert (tensor parallel): w13 [E, 2I/size, H] (its gate rows,
+    then its up rows), w2 [E, H, I/size] (the matching input columns)."""
+    inter = w2.shape[2]
+    rows = slice(rank * inter // size, (rank + 1) * inter // size)
+    gate, up = w13[:, :inter], w13[:, inter:]
+    return torch.cat([gate[:, rows], up[:, rows]], dim=1).contiguous(), w2[:, :, rows].contiguous()
+
+
+# (tokens, experts, top_k, hidden, intermediate, tp): per-rank widths 20, 10, 24, 8 (below one BLOCK_N tile)
+TP_CASES = [(17, 8, 2, 64, 40, 2), (5, 4, 2, 48, 40, 4), (33, 16, 4, 32, 96, 4), (3, 8, 3, 64, 64, 8)]
+
+
+@pytest.mark.parametrize("t,e,k,hidden,inter,size", TP_CASES)
+def test_per_rank_intermediate_slices_sum_to_the_full_experts(t, e, k, hidden, inter, size):
+    # --tp N: each rank runs the fused kernels on its [E, 2I/N, H] / [E, H, I/N] slices; the all-reduce
+    # of the partial outputs equals the unsplit experts
+    h, w13, w2, weights, ids = _problem(t, e, k, hidden, inter, torch.float32, seed=t + size)
+    parts = []
+    for rank in range(size):
+        w13_r, w2_r = _rank_slices(w13, w2, size, rank)
+        got = fused_experts(h, w13_r, w2_r, weights, ids)  # default config for the per-rank width
+        _close(got, fused_experts_ref(h, w13_r, w2_r, weights, ids), torch.float32)
+        parts.append(got)
+    _close(torch.stack(parts).sum(0), fused_experts_ref(h, w13, w2, weights, ids), torch.float32)
+
+
 def test_padding_rows_are_never_written():
     # 3 tokens, top-2 over 8 experts with BLOCK_M 16: almost every block row is padding; a padding
     # slot id (numel) must not write row numel of a larger output buffer
@@ -124,6 +151,15 @@ def test_gpu_small_shapes_bf16(t, e, k):
     got = fused_experts(h, w13, w2, weights, ids)
     torch.testing.assert_close(got.float(), fused_experts_ref(h, w13, w2, weights, ids).float(),
                                atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_gpu_qwen3_30b_shape_split_over_tp_ranks(size):
+    h, w13, w2, weights, ids = _qwen3_30b(64, seed=size)
+    parts = [fused_experts(h, *_rank_slices(w13, w2, size, rank), weights, ids).float() for rank in range(size)]
+    want = fused_experts_ref(h, w13, w2, weights, ids).float()
+    torch.testing.assert_close(torch.stack(parts).sum(0), want, atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.gpu

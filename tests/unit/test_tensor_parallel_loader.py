@@ -143,12 +143,82 @@ def test_shapes_are_checked_against_the_full_checkpoint(tiny_checkpoints, tmp_pa
         plan_checkpoint(model, broken)
 
 
-def test_splits_that_do_not_divide_are_refused(tiny_checkpoints, tiny_moe_checkpoints):
+def test_splits_that_do_not_divide_are_refused(tiny_checkpoints, tiny_moe_checkpoints, tiny_hybrid_checkpoints):
     config = load_model_config(tiny_checkpoints["qwen3"])  # 4 heads, 2 kv heads, intermediate 128
     with pytest.raises(RolloutError, match="--tp 3 must divide the 4 attention heads"):
         check_tensor_parallel(config, 3)
-    with pytest.raises(RolloutError, match="--tp 2 supports the dense models"):
-        check_tensor_parallel(load_model_config(tiny_moe_checkpoints["qwen3_moe"]), 2)
+    moe = load_model_config(tiny_moe_checkpoints["qwen2_moe"])  # 4 heads; experts 32 wide, the shared one 48
+    check_tensor_parallel(moe, 4)
+    moe.shared_expert_intermediate_size = 50
+    with pytest.raises(RolloutError, match="--tp 4 must divide the shared expert intermediate size 50"):
+        check_tensor_parallel(moe, 4)
+    moe.moe_intermediate_size = 30
+    with pytest.raises(RolloutError, match="--tp 4 must divide the expert intermediate size 30"):
+        check_tensor_parallel(moe, 4)
+    with pytest.raises(RolloutError, match="--tp 2 supports the dense and MoE decoders"):
+        check_tensor_parallel(load_model_config(tiny_hybrid_checkpoints["qwen3_next"]), 2)
     with pytest.raises(RolloutError, match="multiple of the 3 kv heads"):
         HeadSplit.of(12, 3, 4, 0)
     assert HeadSplit.of(8, 2, 8, 5) == HeadSplit(1, 1, 5, 1)  # q head 5 uses kv head 5 // 4 = 1
+
+
+def _fused_experts_copy(src: str, dst, experts: int, prefix: str = "mlp.experts") -> str:
+    """The checkpoint with every sparse layer's per-expert tensors fused as transformers holds them in
+    memory: experts.gate_up_proj [E, 2I, H] (gate rows, then up rows) and experts.down_proj [E, H, I]."""
+    model_dir = str(shutil.copytree(src, dst))
+    tensors = load_file(f"{model_dir}/model.safetensors")
+    layers = sorted({n.split(f".{prefix}.")[0] for n in tensors if f".{prefix}.0." in n})
+    for layer in layers:
+        p = f"{layer}.{prefix}."
+        gate_up = [torch.cat([tensors.pop(f"{p}{e}.gate_proj.weight"), tensors.pop(f"{p}{e}.up_proj.weight")])
+                   for e in range(experts)]
+        tensors[p + "gate_up_proj"] = torch.stack(gate_up)
+        tensors[p + "down_proj"] = torch.stack([tensors.pop(f"{p}{e}.down_proj.weight") for e in range(experts)])
+    save_file(tensors, f"{model_dir}/model.safetensors")
+    return model_dir
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_moe_rank_holds_its_expert_slices(tiny_moe_checkpoints, tmp_path, monkeypatch, layout):
+    src = tiny_moe_checkpoints["qwen2_moe"]  # 4 experts of width 32, a shared expert of width 48, 2 layers
+    full = _checkpoint(src)
+    model_dir = src if layout == "per_expert" else _fused_experts_copy(src, tmp_path / "fused", 4)
+    for rank in range(2):
+        params = dict(_rank_model(model_dir, rank, 2, monkeypatch).named_parameters())
+        rows, shared_rows = slice(rank * 16, rank * 16 + 16), slice(rank * 24, rank * 24 + 24)
+        for layer in range(2):
+            p = f"model.layers.{layer}.mlp."
+            w13 = torch.stack([torch.cat([full[f"{p}experts.{e}.gate_proj.weight"][rows],
+                                          full[f"{p}experts.{e}.up_proj.weight"][rows]]) for e in range(4)])
+            w2 = torch.stack([full[f"{p}experts.{e}.down_proj.weight"][:, rows] for e in range(4)])
+            want = {
+                "experts.w13": w13,  # [4, 2 * 16, 64]
+                "experts.w2": w2,  # [4, 64, 16]
+                "shared_expert.gate_up_proj.weight": torch.cat([full[p + "shared_expert.gate_proj.weight"][shared_rows],
+                                                                full[p + "shared_expert.up_proj.weight"][shared_rows]]),
+                "shared_expert.down_proj.weight": full[p + "shared_expert.down_proj.weight"][:, shared_rows],
+                "gate.weight": full[p + "gate.weight"],  # the router: replicated
+                "shared_expert_gate.weight": full[p + "shared_expert_gate.weight"],
+            }
+            for name, tensor in want.items():
+                got = params[p + name]
+                assert got.shape == tensor.shape, (rank, name)
+                assert torch.equal(got, tensor), (rank, layer, name)
+
+
+def test_fused_experts_read_two_blocks_and_in_memory_tensors_are_cut(tiny_moe_checkpoints, tmp_path, monkeypatch):
+    fused_dir = _fused_experts_copy(tiny_moe_checkpoints["qwen3_moe"], tmp_path / "fused", 8)
+    full = _checkpoint(fused_dir)
+    model = _rank_model(fused_dir, 1, 2, monkeypatch)
+    targets = {t.checkpoint_name: t for t in plan_checkpoint(model, fused_dir)}
+    name = "model.layers.0.mlp.experts.gate_up_proj"  # [8, 64, 64]: gate rows 0..31, up rows 32..63
+    assert (targets[name].tp_slice, targets[name].tp_blocks) == ((1, 16, 16), 2)
+    read = dict((t.checkpoint_name, x) for t, x in read_checkpoint_tensors([targets[name]]))
+    assert torch.equal(read[name], torch.cat([full[name][:, 16:32], full[name][:, 48:64]], dim=1))
+    params = dict(model.named_parameters())
+    new = torch.randn_like(full[name])  # a trainer's whole fused tensor: cut to this rank's two blocks
+    copy_into_parameters(params, targets[name], new)
+    assert torch.equal(params["model.layers.0.mlp.experts.w13"], torch.cat([new[:, 16:32], new[:, 48:64]], dim=1))
+    down = "model.layers.2.mlp.experts.down_proj"
+    copy_into_parameters(params, targets[down], full[down])
+    assert torch.equal(params["model.layers.2.mlp.experts.w2"], full[down][:, :, 16:])
