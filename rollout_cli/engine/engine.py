@@ -376,7 +376,10 @@ class Engine:
                 if ahead is not None:
                     uncommitted = ahead  # its slots are outside every request until commit_ahead
                     handle = runner.launch(ahead, prev=inflight)
-                    yield from self._complete(inflight, ahead)
+                    finished = self._complete(inflight)
+                    scheduler.commit_ahead(ahead)
+                    uncommitted = None
+                    yield from finished
                 elif inflight is not None:
                     yield from self._complete(inflight)
                     inflight = None
@@ -392,18 +395,15 @@ class Engine:
                 if on_step is not None:
                     on_step()
         finally:
-            if uncommitted is not None and not uncommitted.committed:
+            if uncommitted is not None:
                 scheduler.cancel_ahead(uncommitted)
             if inflight is not None:  # an abandoned or failed job: let its last step finish on the device
                 runner.collect(inflight)
 
-    def _complete(self, handle, ahead=None) -> Iterator[Trajectory]:
-        """Post-process a launched step (waiting for its results), commit the step scheduled ahead of
-        it, if any, and yield the requests it finished."""
+    def _complete(self, handle) -> list[Trajectory]:
+        """Post-process a launched step (waiting for its results); returns the trajectories it finished."""
         tokens, logprobs = self.runner.collect(handle)
         finished = self.scheduler.postprocess(handle.out, tokens, logprobs)
-        if ahead is not None:
-            self.scheduler.commit_ahead(ahead)
         now = time.perf_counter()
         wall = now - max(handle.launch_time, self._last_step_done)  # the step's share of wall time
         self._last_step_done = now
@@ -417,8 +417,7 @@ class Engine:
         # flight writes only slots it was given).
         routing = self.routing_pool.gather([r.final_slots for r in finished]) if (
             finished and self.routing_pool is not None) else [None] * len(finished)
-        for request, routed in zip(finished, routing):
-            yield self._trajectory(request, routed)
+        return [self._trajectory(request, routed) for request, routed in zip(finished, routing)]
 
     def _add_prompt(self, prompt: PromptInput, params: SamplingParams, skip) -> None:
         ids = prompt.prompt_token_ids

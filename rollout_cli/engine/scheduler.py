@@ -62,7 +62,6 @@ class ScheduleOutput:
     entries: list[BatchEntry] = field(default_factory=list)
     # hybrid models: (src, dst) linear-state slot copies to apply, in order, before the forward
     state_copies: list[tuple[int, int]] = field(default_factory=list)
-    committed: bool = False  # a step from schedule_ahead: commit_ahead ran
 
     @property
     def num_tokens(self) -> int:
@@ -376,7 +375,6 @@ class Scheduler:
         """After postprocess(prev): entries of requests that finished in `prev` turn into ghosts (their
         new slot goes back now; the in-flight step writes it before any later step can reuse it), the
         others take their slot and their now known input token."""
-        out.committed = True
         for entry in out.entries:
             request = entry.request
             if request.status is not RequestStatus.RUNNING:
@@ -392,7 +390,6 @@ class Scheduler:
         """A step from schedule_ahead that will not be committed (its launch or the job failed): its slots go back."""
         for entry in out.entries:
             self.allocator.free(entry.table_slots)
-        out.committed = True
 
     def _cache_computed(self, request: Request, upto: int) -> None:
         """Move the request's first `upto` computed tokens into the radix cache."""
