@@ -10,14 +10,7 @@
 # (memory, weight-update and sampler GPU tests). Logs and JSON go to $OUT.
 # torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
 set -uo pipefail
-# kernels/ installs as rollout_kernels; without installing, a link on PYTHONPATH gives the same name.
-mkdir -p /tmp/rollout_path && ln -sfn "$PWD/kernels" /tmp/rollout_path/rollout_kernels
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=$PWD:/tmp/rollout_path:/tmp/site PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 PARTS=${*:-tests b06 b8 mixed grpo moe30 moe30hf control memtests}
 Q06=recipes/configs/qwen3-0.6b Q8=recipes/configs/qwen3-8b Q30=recipes/configs/qwen3-30b-a3b
 bench() {  # NAME TIMEOUT ARGS...: one bench, its table to the log and the reply, its JSON to $OUT

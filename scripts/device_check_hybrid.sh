@@ -3,10 +3,7 @@
 # interpreter-tested ones run natively in float32/float16, plus the bf16 GPU tests), then the chunked
 # delta-rule prefill benchmark at Qwen3-Next's linear-layer shape. Logs go to $OUT.
 set -uo pipefail
-mkdir -p /tmp/rollout_path && ln -sfn "$PWD/kernels" /tmp/rollout_path/rollout_kernels
-export PYTHONPATH=$PWD:/tmp/rollout_path PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_chunk_gated_delta_rule.py \
     tests/kernels/test_causal_conv1d_varlen.py tests/kernels/test_linear_state_triton.py \
     tests/kernels/test_gated_delta_rule_decode.py tests/kernels/test_causal_conv1d_decode.py \

@@ -11,13 +11,7 @@
 # Then a summary table. Logs and JSON go to $OUT. torch_memory_saver: carry .whl (docs/device-runs.md);
 # without it the memory-release test skips.
 set -uo pipefail
-mkdir -p /tmp/rollout_path && ln -sfn "$PWD/kernels" /tmp/rollout_path/rollout_kernels
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=$PWD:/tmp/rollout_path:/tmp/site PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 BUDGET_S=${BUDGET_S:-470}
 DEADLINE=$(( $(date +%s) + BUDGET_S ))
 NEXT=recipes/configs/qwen3-next-80b-a3b-12l

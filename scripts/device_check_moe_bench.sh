@@ -3,10 +3,7 @@
 # Qwen3-30B-A3B-shaped dummy checkpoint, routing capture off vs on in the same engine, then the
 # same workload with the HF transformers baseline. Logs and JSON go to $OUT.
 set -uo pipefail
-mkdir -p /tmp/rollout_path && ln -sfn "$PWD/kernels" /tmp/rollout_path/rollout_kernels
-export PYTHONPATH=$PWD:/tmp/rollout_path PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 Q30=recipes/configs/qwen3-30b-a3b
 bench() { COLUMNS=200 python3 -m rollout_cli.cli.main bench --load-format dummy "$@" 2>&1; }
 echo "== 30B-A3B fixed 256x256x512, routing capture off vs on"

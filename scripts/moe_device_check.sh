@@ -6,10 +6,7 @@
 #   3. the kernel benchmark table (decode 1-256 tokens, prefill 1024-8192) with the tuned file vs the default.
 # Logs go to $OUT.
 set -uo pipefail
-mkdir -p /tmp/rollout_path && ln -sfn "$PWD/kernels" /tmp/rollout_path/rollout_kernels
-export PYTHONPATH=$PWD:/tmp/rollout_path PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 Q30=recipes/configs/qwen3-30b-a3b/config.json
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
