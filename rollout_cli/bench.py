@@ -124,6 +124,7 @@ def run_hf_baseline(model_dir: str, load_format: str, device: torch.device, dtyp
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model = model.to(device).eval()
+    experts = _fastest_experts_implementation(model)
     requests = [(p, o) for p, o in zip(workload.prompts, workload.output_lens) for _ in range(cfg.n)]
     useful_tokens = sum(o for _, o in requests)
 
@@ -146,7 +147,21 @@ def run_hf_baseline(model_dir: str, load_format: str, device: torch.device, dtyp
     model.to("meta")  # drop the weights before the engine sizes its KV cache
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"output_tokens_per_s": useful_tokens / seconds, "seconds": seconds, "batch": cfg.baseline_batch}
+    return {"output_tokens_per_s": useful_tokens / seconds, "seconds": seconds, "batch": cfg.baseline_batch,
+            "experts_implementation": experts}
+
+
+def _fastest_experts_implementation(model) -> str | None:
+    """MoE models: switch transformers to its grouped-GEMM experts (torch._grouped_mm), what a user
+    after speed picks, instead of a Python loop over experts; returns the one in use (None: dense)."""
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    if can_set is None or not can_set() or not hasattr(model, "set_experts_implementation"):
+        return None
+    try:
+        model.set_experts_implementation("grouped_mm")
+    except (ValueError, ImportError, RuntimeError):  # e.g. a GPU without grouped GEMM: keep the default
+        pass
+    return getattr(model.config, "_experts_implementation", None)
 
 
 def _sync(device: torch.device) -> None:

@@ -199,8 +199,9 @@ def _table(report: dict) -> Table:
                       f"(HBM {bw['hbm_bytes_per_s'] / 1e12:.2f} TB/s)")
         table.add_row("fraction of limit", f"{bw['fraction_of_limit']:.1%}")
     if "hf" in report:
+        experts = report["hf"].get("experts_implementation")
         table.add_row("HF generate", f"{report['hf']['output_tokens_per_s']:,.1f} tok/s "
-                      f"(batch {report['hf']['batch']})")
+                      f"(batch {report['hf']['batch']}" + (f", experts {experts})" if experts else ")"))
         table.add_row("speedup vs HF", f"{report['speedup_vs_hf']:.2f}x")
     if "rollout_capture" in report:
         table.add_row("with routing capture", f"{report['rollout_capture']['output_tokens_per_s']:,.1f} tok/s")

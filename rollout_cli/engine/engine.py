@@ -25,6 +25,7 @@ from rollout_cli.engine.linear_state import LinearStatePool
 from rollout_cli.engine.memory_saver import MemorySaver
 from rollout_cli.engine.model_runner import ModelRunner
 from rollout_cli.engine.request import Request
+from rollout_cli.engine.routing_capture import RoutingCapture
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduler import BatchEntry, ScheduleOutput, Scheduler
 from rollout_cli.errors import RolloutError
@@ -156,8 +157,7 @@ class Engine:
         self.weight_version = cfg.weight_version
         self._build_cache()
         self._request_ids = itertools.count()
-        self.routing_pool = None  # models.moe.RoutingPool once routing capture was turned on
-        self._idle_routing_pool = None  # the pool while capture is turned off again (bench compare)
+        self.routing = RoutingCapture()  # off until enable_routing_capture
         self.weight_update_groups = {}  # group name -> engine.weight_group.WeightGroup
 
     def _build_cache(self) -> None:
@@ -228,35 +228,18 @@ class Engine:
         for the engine's lifetime, so every cached prefix has its routing; prefixes cached before
         (without routing) are dropped. A model without MoE layers is refused.
         """
-        from rollout_cli.models.moe import RoutingPool, set_routing_recorder
-
-        moe_layers = getattr(self.model, "moe_layers", None)
-        if not moe_layers:
-            raise RolloutError(f"--capture-routing needs a mixture-of-experts model; {self.config.model} has no MoE layers")
-        if self.routing_pool is None:
-            if self.scheduler.has_work():
-                raise RolloutError("cannot turn routing capture on while requests are in flight")
-            if self.scheduler.cache is not None:
-                self.scheduler.cache.reset()
-            self.routing_pool = self._idle_routing_pool or RoutingPool(
-                self.kv.num_slots, len(moe_layers), self.model.top_k, self.model.num_experts, self.device)
-            self._idle_routing_pool = None
-            set_routing_recorder(self.model, self.routing_pool)
-            self.runner.routing_pool = self.routing_pool
-        return str(self.routing_pool.ids.dtype).removeprefix("torch.")
+        return self.routing.enable(self)
 
     def disable_routing_capture(self) -> None:
         """Stop recording expert ids (`rollout bench --capture-routing compare` alternates runs with
         and without). The pool is kept for the next enable_routing_capture, which empties the prefix
         cache again: prefixes cached meanwhile have no routing."""
-        from rollout_cli.models.moe import set_routing_recorder
+        self.routing.disable(self)
 
-        if self.scheduler.has_work():
-            raise RolloutError("cannot turn routing capture off while requests are in flight")
-        if self.routing_pool is not None:
-            set_routing_recorder(self.model, None)
-            self._idle_routing_pool, self.routing_pool = self.routing_pool, None
-            self.runner.routing_pool = None
+    @property
+    def routing_pool(self):
+        """The models.moe.RoutingPool while routing capture is on, else None."""
+        return self.routing.pool
 
     def release_memory(self, tags=None) -> dict:
         """Free GPU memory for a trainer (tags: weights, kv_cache, cuda_graph; default all). See engine.memory_saver.
@@ -385,6 +368,7 @@ class Engine:
                     inflight = None
                     continue  # plan the next step on the post-processed state
                 elif not scheduler.has_work():
+                    yield from self._trajectories(self.routing.flush())
                     return
                 else:
                     out = scheduler.schedule()
@@ -394,7 +378,17 @@ class Engine:
                 inflight = handle
                 if on_step is not None:
                     on_step()
+        except Exception:
+            # finished samples whose routing is still on its way: hand them out before the error
+            # (best effort: a device error fails the copies too, and --resume redoes them)
+            try:
+                pending = self._trajectories(self.routing.flush())
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pending = []
+            yield from pending
+            raise
         finally:
+            self.routing.drop_pending()
             if uncommitted is not None:
                 scheduler.cancel_ahead(uncommitted)
             if inflight is not None:  # an abandoned or failed job: let its last step finish on the device
@@ -413,11 +407,12 @@ class Engine:
         elif handle.prefilled:
             traffic.prefill_steps += 1
             traffic.prefill_wall_seconds += wall
-        # Gather finished requests' routing before a later step can reuse their slots (the step in
-        # flight writes only slots it was given).
-        routing = self.routing_pool.gather([r.final_slots for r in finished]) if (
-            finished and self.routing_pool is not None) else [None] * len(finished)
-        return [self._trajectory(request, routed) for request, routed in zip(finished, routing)]
+        # Finished requests' routing is gathered before a later step can reuse their slots (the step
+        # in flight writes only slots it was given); with capture on they come back one call later.
+        return self._trajectories(self.routing.finish(finished))
+
+    def _trajectories(self, finished: list[tuple[Request, Any]]) -> list[Trajectory]:
+        return [self._trajectory(request, routed) for request, routed in finished]
 
     def _add_prompt(self, prompt: PromptInput, params: SamplingParams, skip) -> None:
         ids = prompt.prompt_token_ids

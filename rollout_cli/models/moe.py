@@ -269,8 +269,8 @@ class RoutingPool:
     the step's tokens are stored to (`begin_step(slots)`, one slot per row of the flat batch).
 
     Slot-indexed like the KV pool, so a prefix served from the radix cache keeps the routing
-    computed with it; `gather` reads a finished request's rows by its slots. Nothing here syncs
-    except `gather`'s one device-to-host copy.
+    computed with it; `gather_async` reads finished requests' rows by their slots into pinned host
+    memory without waiting for the GPU (`gather` waits).
     """
 
     def __init__(self, num_slots: int, num_moe_layers: int, top_k: int, num_experts: int, device):
@@ -290,12 +290,41 @@ class RoutingPool:
         self.ids[slots] = ids
 
     def gather(self, slot_lists: list[list[int]]) -> list:
-        """Numpy arrays [len(slots), num_moe_layers, top_k], one per list: one gather, one host copy."""
-        flat = [s for slots in slot_lists for s in slots]
-        index = torch.tensor(flat, dtype=torch.long, device=self.ids.device)
-        rows = self.ids[index].cpu().numpy()
+        """Numpy arrays [len(slots), num_moe_layers, top_k], one per list, now (syncs on CUDA)."""
+        return self.gather_async(slot_lists).wait()
+
+    def gather_async(self, slot_lists: list[list[int]]) -> "RoutingGather":
+        """Start reading the rows of each slot list to the host: one gather kernel and one copy into
+        pinned memory, queued behind the work already on the stream; nothing here waits for the GPU.
+        Rows are read before any step launched later can overwrite the slots."""
+        lengths = [len(slots) for slots in slot_lists]
+        index = torch.tensor([s for slots in slot_lists for s in slots], dtype=torch.long)
+        if self.ids.device.type != "cuda":
+            return RoutingGather(self.ids[index], lengths, None)
+        # pinned index -> device and device rows -> pinned host, both asynchronous; a pageable copy
+        # would wait for the step launched ahead to finish (overlap scheduling) before returning
+        index = index.pin_memory().to(self.ids.device, non_blocking=True)
+        rows = self.ids[index]  # [sum(lengths), num_moe_layers, top_k]
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return RoutingGather(host, lengths, done)
+
+
+class RoutingGather:
+    """Rows of finished requests on their way to the host (RoutingPool.gather_async)."""
+
+    def __init__(self, host_rows: torch.Tensor, lengths: list[int], done):
+        self._rows, self._lengths, self._done = host_rows, lengths, done
+
+    def wait(self) -> list:
+        """Numpy arrays [length, num_moe_layers, top_k], one per slot list; waits for the copy."""
+        if self._done is not None:
+            self._done.synchronize()
+        rows = self._rows.numpy()
         out, start = [], 0
-        for slots in slot_lists:
-            out.append(rows[start:start + len(slots)])
-            start += len(slots)
+        for length in self._lengths:
+            out.append(rows[start:start + length].copy())  # own memory: the pinned block is reused
+            start += length
         return out

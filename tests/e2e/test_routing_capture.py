@@ -135,3 +135,46 @@ def test_cli_writes_paired_routing_and_refuses_dense_models(tiny_moe_checkpoints
         row = routing[(t["prompt_index"], t["sample_index"])]
         arr = np.asarray(row["routed_experts"], dtype=np.uint8).reshape(row["num_tokens"], row["num_layers"], row["top_k"])
         assert arr.shape == (len(t["prompt_token_ids"]) + len(t["response_token_ids"]) - 1, 2, 2)
+
+
+def test_capture_hands_out_finished_samples_one_step_later_and_before_an_error(tiny_moe_checkpoints):
+    """With capture on, a step's finished samples leave the engine after the next step's launch (their
+    routing is copied to the host meanwhile) or at the end; a step that fails hands them out before the error."""
+    from rollout_cli.engine.engine import PromptInput
+
+    model_dir = tiny_moe_checkpoints["qwen3_moe"]
+    prompts = prompts_of([5, 7, 4], seed=21)
+    inputs = [PromptInput(i, p, params=SamplingParams(max_new_tokens=2 + 3 * i, **SAMPLED))
+              for i, p in enumerate(prompts)]
+
+    def launches_at_yield(capture: bool, fail_at: int | None = None):
+        engine = make_engine(model_dir, overlap_schedule=False)  # one launch per step: easy to count
+        if capture:
+            engine.enable_routing_capture()
+        launch, calls = engine.runner.launch, []
+
+        def counted_launch(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == fail_at:
+                raise RuntimeError("device lost")
+            return launch(*args, **kwargs)
+
+        engine.runner.launch = counted_launch
+        for traj in engine.stream(inputs, SamplingParams()):
+            yield traj.prompt_index, len(calls), traj
+
+    plain, captured = list(launches_at_yield(False)), list(launches_at_yield(True))
+    assert [p for p, _, _ in plain] == [p for p, _, _ in captured] == [0, 1, 2]
+    plain_at = {p: n for p, n, _ in plain}
+    for prompt, launches, traj in captured:
+        assert traj.routed_experts.shape[0] == len(traj.prompt_token_ids) + len(traj.response_token_ids) - 1
+        if prompt < 2:  # the last one leaves at the end of the stream, with no later launch
+            assert launches == plain_at[prompt] + 1, (prompt, launches, plain_at)
+
+    fail_at = plain_at[0] + 1  # the launch right after prompt 0 finished
+    got = []
+    with pytest.raises(RuntimeError, match="device lost"):
+        for item in launches_at_yield(True, fail_at=fail_at):
+            got.append(item)
+    assert [p for p, _, _ in got] == [0]  # finished before the failing launch, handed out before the error
+    assert got[0][2].routed_experts.shape[0] == len(got[0][2].prompt_token_ids) + 1
