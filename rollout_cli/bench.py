@@ -55,6 +55,8 @@ class BenchConfig:
     """none or hf (transformers generate on the same model and prompts)."""
     baseline_batch: int = 256
     """Batch size of the HF baseline."""
+    baseline_time_limit: float = 0.0
+    """Seconds after which the HF baseline stops (0: none); it then reports an upper bound."""
     capture_routing: str = "off"
     """MoE models: off, on (the timed run records every token's experts), or compare (a run
     without, then one with, on the same engine: the cost of routing capture)."""
@@ -128,27 +130,86 @@ def run_hf_baseline(model_dir: str, load_format: str, device: torch.device, dtyp
     requests = [(p, o) for p, o in zip(workload.prompts, workload.output_lens) for _ in range(cfg.n)]
     useful_tokens = sum(o for _, o in requests)
 
-    def generate(batch):
+    sampling = dict(do_sample=True, temperature=cfg.temperature, top_p=1.0, top_k=0) if cfg.temperature > 0 \
+        else dict(do_sample=False)
+    clock = _StepClock(cfg.baseline_time_limit)
+
+    def generate(batch) -> int:
+        """Runs one left-padded batch; returns the decode steps it made."""
         width = max(len(p) for p, _ in batch)
         ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
         new = max(o for _, o in batch)
-        sampling = dict(do_sample=True, temperature=cfg.temperature, top_p=1.0, top_k=0) if cfg.temperature > 0 \
-            else dict(do_sample=False)
-        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, pad_token_id=0, **sampling)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                             stopping_criteria=clock.criteria(), **sampling)
+        return out.shape[1] - width
 
     generate(requests[:2])  # warm-up
     _sync(device)
-    start = time.monotonic()
-    for i in range(0, len(requests), cfg.baseline_batch):
-        generate(requests[i : i + cfg.baseline_batch])
+    clock.start()
+    batches = [requests[i : i + cfg.baseline_batch] for i in range(0, len(requests), cfg.baseline_batch)]
+    done_tokens, remaining_steps = 0, 0
+    for batch in batches:
+        if clock.stopped:  # not started: each of its steps costs at least the fastest step seen
+            remaining_steps += max(o for _, o in batch)
+            continue
+        steps = generate(batch)
+        done_tokens += sum(min(o, steps) for _, o in batch)
+        remaining_steps += max(o for _, o in batch) - steps
     _sync(device)
-    seconds = time.monotonic() - start
+    seconds = time.monotonic() - clock.started
+    result = {"batch": cfg.baseline_batch, "experts_implementation": experts, "seconds": seconds}
+    if remaining_steps == 0:
+        result.update(output_tokens_per_s=useful_tokens / seconds, complete=True)
+    else:
+        # Stopped at the time limit. A step never gets cheaper as the context grows, so the whole run
+        # takes at least the time spent + every step left x the fastest decode step measured: HF's
+        # throughput is at most useful tokens / that (our speedup at least the ratio to it).
+        at_least = seconds + remaining_steps * clock.fastest_step
+        result.update(output_tokens_per_s=useful_tokens / at_least, complete=False, tokens_done=done_tokens,
+                      steps_left=remaining_steps, fastest_step_s=clock.fastest_step, seconds_at_least=at_least)
     model.to("meta")  # drop the weights before the engine sizes its KV cache
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"output_tokens_per_s": useful_tokens / seconds, "seconds": seconds, "batch": cfg.baseline_batch,
-            "experts_implementation": experts}
+    return result
+
+
+class _StepClock:
+    """Times HF generate's decode steps through a stopping criterion (called once per step, after the
+    step's tokens are on the host) and stops generation once the time limit is spent."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s = limit_s
+        self.started = self._last = time.monotonic()
+        self.fastest_step = float("inf")
+        self.stopped = False
+
+    def start(self) -> None:
+        self.started = self._last = time.monotonic()
+        self.fastest_step, self.stopped = float("inf"), False
+
+    def criteria(self):
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        clock = self
+
+        class _Clock(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return clock.tick(input_ids)
+
+        self._last = time.monotonic()  # the first call comes after the prefill step: not a decode step
+        self._first = True
+        return StoppingCriteriaList([_Clock()])
+
+    def tick(self, input_ids: torch.Tensor) -> torch.Tensor:
+        now = time.monotonic()
+        if not self._first:
+            self.fastest_step = min(self.fastest_step, now - self._last)
+        self._first, self._last = False, now
+        # stop only once a decode step was timed: the bound needs one
+        self.stopped = self.stopped or (self.limit_s > 0 and now - self.started > self.limit_s
+                                        and self.fastest_step < float("inf"))
+        return torch.full((input_ids.shape[0],), self.stopped, dtype=torch.bool, device=input_ids.device)
 
 
 def _fastest_experts_implementation(model) -> str | None:

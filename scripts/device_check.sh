@@ -6,7 +6,7 @@
 #   bash scripts/device_check.sh moe30hf control                     # the slow HF MoE baseline, issue 4
 # Parts: tests (GPU engine + MoE engine tests), b06 (Qwen3-0.6B fixed, HF baseline), b8 (Qwen3-8B
 # fixed, HF baseline), mixed, grpo, moe30 (Qwen3-30B-A3B, capture off/on/on/off), moe30hf (the same
-# with the HF baseline; give it a call of its own: MOE_HF_TIMEOUT, default 560 s), control (reload, CUDA IPC, release / resume on the 8B shape), memtests
+# with the HF baseline; a call of its own: HF stops after 400 s and reports a bound), control (reload, CUDA IPC, release / resume on the 8B shape), memtests
 # (memory, weight-update and sampler GPU tests). Logs and JSON go to $OUT.
 # torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
 set -uo pipefail
@@ -33,7 +33,7 @@ for part in $PARTS; do
     mixed) bench b06_mixed 60 --model $Q06 --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --temperature 0.6 ;;
     grpo) bench b06_grpo 70 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 ;;
     moe30) bench b30_capture 150 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --capture-routing compare ;;
-    moe30hf) bench b30_hf ${MOE_HF_TIMEOUT:-560} --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf ;;
+    moe30hf) bench b30_hf 580 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --baseline-time-limit 400 ;;
     control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;
     *) echo "unknown part $part" ;;
     esac

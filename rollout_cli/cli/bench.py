@@ -30,6 +30,7 @@ def bench_command(
     seed: opt.Seed = 0,
     baseline: Annotated[str, typer.Option(help="none, or hf: also time transformers generate on the same prompts.")] = "none",
     baseline_batch: Annotated[int, typer.Option(help="Batch size of the HF baseline.")] = 256,
+    baseline_time_limit: Annotated[float, typer.Option(help="Stop the HF baseline after this many seconds (0: never) and report a bound: its throughput at most, our speedup at least.")] = 0.0,
     capture_routing: Annotated[str, typer.Option(help="MoE models: off, on (record every token's experts in the timed run), or compare (a run without, then one with: the cost of capture).")] = "off",
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the full report to this JSON file.")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Afterwards, profile a short run and print the top kernels.")] = False,
@@ -56,6 +57,7 @@ def bench_command(
         cfg = BenchConfig(num_prompts=num_prompts, input_len=input_len, output_len=output_len,
                           input_len_range=input_len_range, output_len_range=output_len_range, n=n,
                           temperature=temperature, seed=seed, baseline=baseline, baseline_batch=baseline_batch,
+                          baseline_time_limit=baseline_time_limit,
                           capture_routing=capture_routing)
         engine_config = opt.engine_config(model=model, **engine_options)
         hf_config = load_model_config(model)
@@ -199,10 +201,13 @@ def _table(report: dict) -> Table:
                       f"(HBM {bw['hbm_bytes_per_s'] / 1e12:.2f} TB/s)")
         table.add_row("fraction of limit", f"{bw['fraction_of_limit']:.1%}")
     if "hf" in report:
-        experts = report["hf"].get("experts_implementation")
-        table.add_row("HF generate", f"{report['hf']['output_tokens_per_s']:,.1f} tok/s "
-                      f"(batch {report['hf']['batch']}" + (f", experts {experts})" if experts else ")"))
-        table.add_row("speedup vs HF", f"{report['speedup_vs_hf']:.2f}x")
+        hf = report["hf"]
+        bound = not hf.get("complete", True)  # stopped at --baseline-time-limit: an upper bound
+        note = f"batch {hf['batch']}" + (f", experts {hf['experts_implementation']}" if hf.get("experts_implementation") else "")
+        if bound:
+            note += f"; stopped after {hf['seconds']:.0f} s, {hf['steps_left']} steps left: at most"
+        table.add_row("HF generate", f"{'<= ' if bound else ''}{hf['output_tokens_per_s']:,.1f} tok/s ({note})")
+        table.add_row("speedup vs HF", f"{'>= ' if bound else ''}{report['speedup_vs_hf']:.2f}x")
     if "rollout_capture" in report:
         table.add_row("with routing capture", f"{report['rollout_capture']['output_tokens_per_s']:,.1f} tok/s")
         runs = " / ".join(f"{r['output_tokens_per_s']:,.0f}" for r in report["capture_runs"])

@@ -65,3 +65,26 @@ def test_bad_flags_are_one_line(tmp_path):
     assert "needs a mixture-of-experts model" in dense.stderr
     mode = _bench("--model", MODEL, "--device", "cpu", "--capture-routing", "sometimes")
     assert mode.returncode == 2 and "unknown --capture-routing 'sometimes'" in mode.stderr
+
+
+def test_hf_baseline_time_limit_reports_a_bound():
+    """A baseline stopped at its time limit reports at most what the whole run could reach: the time
+    spent plus every step left at the fastest step measured."""
+    import torch
+
+    from rollout_cli.bench import BenchConfig, make_workload, run_hf_baseline
+
+    cfg = BenchConfig(num_prompts=4, input_len=8, output_len=12, baseline="hf", baseline_batch=2)
+    workload = make_workload(cfg, vocab_size=300)
+    full = run_hf_baseline(str(MODEL), "auto", torch.device("cpu"), torch.float32, workload, cfg)
+    assert full["complete"] and full["output_tokens_per_s"] == pytest.approx(4 * 12 / full["seconds"])
+
+    stopped_cfg = BenchConfig(num_prompts=4, input_len=8, output_len=12, baseline="hf", baseline_batch=2,
+                              baseline_time_limit=1e-6)  # spent by the first token of the first batch
+    stopped = run_hf_baseline(str(MODEL), "auto", torch.device("cpu"), torch.float32, workload, stopped_cfg)
+    assert not stopped["complete"]
+    assert stopped["tokens_done"] == 2 * 2  # two tokens of each row of the first batch (the 2nd call stops)
+    assert stopped["steps_left"] == (12 - 2) + 12  # the rest of batch 1, all of batch 2
+    assert stopped["seconds_at_least"] == pytest.approx(stopped["seconds"] + 22 * stopped["fastest_step_s"])
+    assert stopped["output_tokens_per_s"] == pytest.approx(48 / stopped["seconds_at_least"])
+    assert stopped["fastest_step_s"] > 0
