@@ -27,7 +27,8 @@ from rollout_cli.engine.model_runner import ModelRunner
 from rollout_cli.engine.request import Request
 from rollout_cli.engine.routing_capture import RoutingCapture
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.engine.scheduler import BatchEntry, ScheduleOutput, Scheduler
+from rollout_cli.engine.schedule_output import BatchEntry, ScheduleOutput
+from rollout_cli.engine.scheduler import Scheduler
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import build_model, load_model_config, resolve_device, resolve_dtype
 from rollout_cli.models.layers import enable_triton_kernels

@@ -15,7 +15,7 @@ import torch
 
 from rollout_cli.engine.attention import KVCache, prepare_attention
 from rollout_cli.engine.sampler import SamplingBatch, sample
-from rollout_cli.engine.scheduler import ScheduleOutput
+from rollout_cli.engine.schedule_output import ScheduleOutput
 
 
 @dataclass

@@ -18,57 +18,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rollout_cli.engine.kv_slots import SlotAllocator
+from rollout_cli.engine.overlap_schedule import OverlapScheduling
 from rollout_cli.engine.radix_cache import RadixCache
 from rollout_cli.engine.request import Request, RequestStatus
+from rollout_cli.engine.schedule_output import BatchEntry, ScheduleOutput
 from rollout_cli.engine.state_slots import LinearStateSlots
 from rollout_cli.errors import RolloutError
-
-
-@dataclass(slots=True)
-class BatchEntry:
-    """One request's share of a forward step (slots=True: hundreds are built per step)."""
-
-    request: Request
-    table_row: int
-    start: int  # first position computed this step (== num_computed_tokens before the step)
-    token_ids: list[int]  # tokens at positions [start, start + len(token_ids))
-    table_start: int  # first position whose slot is (re)written into the req_to_token table
-    table_slots: list[int]  # slots for positions [table_start, start + len(token_ids))
-    sample: bool  # this step reaches the end of the request's tokens: sample the next one
-    num_new_tokens: int = -1  # len(token_ids), filled in by __post_init__
-    # Steps scheduled ahead (schedule_ahead): token_ids is [PENDING] until the previous step's
-    # results are in; its sampled token for this request is result row `source_row` of that step.
-    source_row: int = -1
-    # Scheduled ahead for a request that finished (eos) in the previous step: computed, discarded.
-    ghost: bool = False
-
-    def __post_init__(self) -> None:
-        self.num_new_tokens = len(self.token_ids)
-
-    @property
-    def new_slots(self) -> list[int]:
-        """KV slots the new tokens are stored into."""
-        return self.table_slots[len(self.table_slots) - self.num_new_tokens:]
-
-
-PENDING = -1  # placeholder token id of an entry scheduled ahead, before its input token is known
-
-
-@dataclass
-class ScheduleOutput:
-    entries: list[BatchEntry] = field(default_factory=list)
-    # hybrid models: (src, dst) linear-state slot copies to apply, in order, before the forward
-    state_copies: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(e.num_new_tokens for e in self.entries)
-
-    def __bool__(self) -> bool:
-        return bool(self.entries)
 
 
 @dataclass
@@ -83,7 +41,10 @@ class SchedulerStats:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-class Scheduler:
+class Scheduler(OverlapScheduling):
+    """The steps of the engine loop; schedule_ahead / commit_ahead / cancel_ahead (planning the next
+    decode step while one runs) are in engine/overlap_schedule.py."""
+
     def __init__(
         self,
         num_kv_slots: int,
@@ -334,62 +295,6 @@ class Scheduler:
                 # Publish the prompt now so the other samples of this prompt hit the cache.
                 self._cache_computed(request, request.num_prompt_tokens)
         return finished
-
-    # ---- overlap: the next decode step scheduled while this one runs ------------------------------
-
-    def schedule_ahead(self, prev: ScheduleOutput) -> ScheduleOutput | None:
-        """The decode step after `prev`, planned before `prev`'s tokens are known; None when the next
-        step needs `prev`'s results to be planned (then: postprocess, then schedule()).
-
-        Only the steady state qualifies: `prev` decoded (past its prompt) every running request, each one continues
-        with one token at the next position (input: `prev`'s sampled token, PENDING until then), and
-        no waiting request could be admitted instead. Requests that `prev` ends by length are left
-        out; one that `prev` ends by eos cannot be foreseen: its entry becomes a ghost in
-        commit_ahead. Nothing here preempts or evicts: short of free slots, None. Call
-        commit_ahead(result) after postprocess(prev)."""
-        entries = prev.entries
-        # True decodes only: a prompt's last token publishes the prompt into the radix cache in
-        # postprocess, which may swap its slots for the tree's (the next step then rewrites its table)
-        if not entries or any(e.num_new_tokens != 1 or e.start < e.request.num_prompt_tokens for e in entries):
-            return None
-        live = [(row, e.request) for row, e in enumerate(entries)
-                if not e.ghost and e.request.status is RequestStatus.RUNNING]
-        if len(live) != len(self.running):
-            return None
-        continuing = [(row, r) for row, r in live if not r.finishes_by_length_after_next_token()]
-        if not continuing or self.allocator.num_free < len(continuing):
-            return None
-        if self.waiting and (len(continuing) < len(live) or len(self.running) < self.max_running):
-            return None  # a finishing request frees room (or there is room): admit through schedule()
-        slots = self.allocator.allocate(len(continuing))
-        out = ScheduleOutput()
-        for (row, request), slot, e in zip(continuing, slots, (entries[row] for row, _ in continuing)):
-            start = e.start + 1
-            out.entries.append(BatchEntry(request, request.table_row, start, [PENDING], start, [slot], True,
-                                          source_row=row))
-        if self.linear is not None:
-            out.state_copies = self.linear.take_copies()
-        return out
-
-    def commit_ahead(self, out: ScheduleOutput) -> None:
-        """After postprocess(prev): entries of requests that finished in `prev` turn into ghosts (their
-        new slot goes back now; the in-flight step writes it before any later step can reuse it), the
-        others take their slot and their now known input token."""
-        for entry in out.entries:
-            request = entry.request
-            if request.status is not RequestStatus.RUNNING:
-                entry.ghost = True
-                self.allocator.free(entry.table_slots)
-                continue
-            assert request.num_computed_tokens == entry.start, "a step scheduled ahead lost its place"
-            request.slots.append(entry.table_slots[0])
-            entry.token_ids = [request.output_token_ids[-1]]
-            self.stats.computed_tokens += 1
-
-    def cancel_ahead(self, out: ScheduleOutput) -> None:
-        """A step from schedule_ahead that will not be committed (its launch or the job failed): its slots go back."""
-        for entry in out.entries:
-            self.allocator.free(entry.table_slots)
 
     def _cache_computed(self, request: Request, upto: int) -> None:
         """Move the request's first `upto` computed tokens into the radix cache."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from rollout_cli.engine.model_runner import ModelRunner
-from rollout_cli.engine.scheduler import BatchEntry, ScheduleOutput
+from rollout_cli.engine.schedule_output import BatchEntry, ScheduleOutput
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.tensor_parallel import TensorParallelGroup, tp_group
 

@@ -1,0 +1,51 @@
+"""What the scheduler hands the model runner for one step: the batch entries, one per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rollout_cli.engine.request import Request
+
+
+@dataclass(slots=True)
+class BatchEntry:
+    """One request's share of a forward step (slots=True: hundreds are built per step)."""
+
+    request: Request
+    table_row: int
+    start: int  # first position computed this step (== num_computed_tokens before the step)
+    token_ids: list[int]  # tokens at positions [start, start + len(token_ids))
+    table_start: int  # first position whose slot is (re)written into the req_to_token table
+    table_slots: list[int]  # slots for positions [table_start, start + len(token_ids))
+    sample: bool  # this step reaches the end of the request's tokens: sample the next one
+    num_new_tokens: int = -1  # len(token_ids), filled in by __post_init__
+    # Steps scheduled ahead (schedule_ahead): token_ids is [PENDING] until the previous step's
+    # results are in; its sampled token for this request is result row `source_row` of that step.
+    source_row: int = -1
+    # Scheduled ahead for a request that finished (eos) in the previous step: computed, discarded.
+    ghost: bool = False
+
+    def __post_init__(self) -> None:
+        self.num_new_tokens = len(self.token_ids)
+
+    @property
+    def new_slots(self) -> list[int]:
+        """KV slots the new tokens are stored into."""
+        return self.table_slots[len(self.table_slots) - self.num_new_tokens:]
+
+
+PENDING = -1  # placeholder token id of an entry scheduled ahead, before its input token is known
+
+
+@dataclass
+class ScheduleOutput:
+    entries: list[BatchEntry] = field(default_factory=list)
+    # hybrid models: (src, dst) linear-state slot copies to apply, in order, before the forward
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)

@@ -1,0 +1,181 @@
+"""The scheduler tests' fake model: a runner that checks every step's KV bookkeeping against a
+content oracle, drivers for sequential and overlapped loops, and a random workload generator."""
+
+from __future__ import annotations
+
+import random
+
+from rollout_cli.engine.request import Request, RequestStatus
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.schedule_output import PENDING
+from rollout_cli.engine.scheduler import Scheduler
+
+
+def next_token(request: Request) -> int:
+    """The fake model's choice: fixed by (prompt, sample, position), so recomputation reproduces it."""
+    return 100 + (request.prompt_index * 31 + request.sample_index * 7 + request.num_tokens * 3) % 50
+
+
+def next_token_after(request: Request, pending: list[int]) -> int:
+    """next_token of `request` once `pending` (at most one token, not appended yet) is appended."""
+    if not pending:
+        return next_token(request)
+    return 100 + (request.prompt_index * 31 + request.sample_index * 7 + (request.num_tokens + 1) * 3) % 50
+
+
+def expected_output(request: Request, eos=frozenset(), max_model_len=1 << 30) -> list[int]:
+    probe = Request(-1, request.prompt_index, request.sample_index, list(request.prompt_token_ids),
+                    request.params, eos_token_ids=eos, max_model_len=max_model_len)
+    while probe.finish_reason is None:
+        probe.append_token(next_token(probe), -0.5)
+    return probe.output_token_ids
+
+
+class FakeRunner:
+    """Mimics ModelRunner's req_to_token table; the "KV" of a slot is the token prefix it was computed for.
+
+    Every context position a step attends to must hold the KV of exactly that prefix, so a wrong
+    cached prefix, a stale table row or a slot reused while live fails here.
+    """
+
+    def __init__(self, max_running: int):
+        self.table: dict[tuple[int, int], int] = {}
+        self.kv: dict[int, tuple] = {}
+        self.steps = []  # per step: [(request_id, start, num_new_tokens, sample)]
+
+    def run(self, out, prev_tokens=None):
+        """prev_tokens: the previous step's sampled tokens, for a step from schedule_ahead (whose
+        requests do not hold those tokens yet: postprocess of the previous step comes after)."""
+        if prev_tokens is not None:
+            for e in out.entries:
+                assert e.token_ids == [PENDING] and e.source_row >= 0
+                e.token_ids = [prev_tokens[e.source_row]]
+        pending = {e.request.request_id: [prev_tokens[e.source_row]] for e in out.entries} if prev_tokens else {}
+        new = [s for e in out.entries for s in e.new_slots]
+        assert len(new) == len(set(new)), "two tokens written to one slot in a step"
+        assert 0 not in new, "slot 0 is padding"
+        rows = [e.table_row for e in out.entries]
+        assert len(rows) == len(set(rows)) and all(r >= 0 for r in rows)
+        for e in out.entries:
+            assert len(e.new_slots) == e.num_new_tokens
+            assert e.table_start + len(e.table_slots) == e.start + e.num_new_tokens
+            for i, s in enumerate(e.table_slots):
+                self.table[e.table_row, e.table_start + i] = s
+        for e in out.entries:
+            seq = e.request.all_token_ids + pending.get(e.request.request_id, [])
+            assert e.token_ids == seq[e.start : e.start + e.num_new_tokens]
+            assert e.sample == (e.start + e.num_new_tokens == len(seq))
+            for i, s in enumerate(e.new_slots):
+                self.kv[s] = tuple(seq[: e.start + i + 1])
+        for e in out.entries:
+            seq = e.request.all_token_ids + pending.get(e.request.request_id, [])
+            for pos in range(e.start + e.num_new_tokens):
+                slot = self.table.get((e.table_row, pos))
+                assert self.kv.get(slot) == tuple(seq[: pos + 1]), (e.request.request_id, pos, slot)
+        self.steps.append([(e.request.request_id, e.start, e.num_new_tokens, e.sample) for e in out.entries])
+        tokens = [next_token_after(e.request, pending.get(e.request.request_id, [])) for e in out.entries if e.sample]
+        return tokens, [-0.5] * len(tokens)
+
+
+def check_accounting(s: Scheduler, in_flight=None) -> None:
+    cached = s.cache.total_size if s.cache else 0
+    owned = sum(len(r.slots) - r.num_cached_tokens for r in s.running)
+    assert s.allocator.num_free + cached + owned == s.allocator.num_slots - 1
+    if in_flight is not None:  # a committed step ahead: its ghosts gave their slot back, the rest own theirs
+        live = [e for e in in_flight.entries if not e.ghost]
+        assert all(e.table_slots[0] in e.request.slots for e in live)
+    assert len(s.running) <= s.max_running
+    assert all(r.status is RequestStatus.RUNNING for r in s.running)
+    assert all(r.status is RequestStatus.WAITING and not r.slots for r in s.waiting)
+    if s.cache:
+        assert s.cache.evictable_size >= 0 and s.cache.protected_size >= 0
+
+
+def drive(s: Scheduler, runner: FakeRunner | None = None, max_steps: int = 10_000) -> list[Request]:
+    runner = runner or FakeRunner(s.max_running)
+    finished = []
+    for _ in range(max_steps):
+        if not s.has_work():
+            break
+        out = s.schedule()
+        assert out, "empty step with work pending"
+        assert out.num_tokens <= s.max_batch_tokens
+        check_accounting(s)
+        tokens, logprobs = runner.run(out)
+        finished += s.postprocess(out, tokens, logprobs)
+        check_accounting(s)
+    else:
+        raise AssertionError("scheduler did not finish")
+    # nothing leaks once every request is done
+    cached = s.cache.total_size if s.cache else 0
+    assert s.allocator.num_free + cached == s.allocator.num_slots - 1
+    if s.cache:
+        assert s.cache.protected_size == 0
+    assert sorted(s._free_rows) == list(range(s.max_running))
+    return finished
+
+
+def drive_overlapped(s: Scheduler, runner: FakeRunner | None = None, max_steps: int = 10_000):
+    """drive() as the engine runs with overlap: while a step is "in flight", the next one is scheduled
+    ahead of its results (schedule_ahead), then the step is post-processed and the next committed.
+    Returns (finished requests, number of steps scheduled ahead)."""
+    runner = runner or FakeRunner(s.max_running)
+    finished, ahead_steps = [], 0
+    inflight = None  # (out, tokens, logprobs)
+    for _ in range(max_steps):
+        ahead = s.schedule_ahead(inflight[0]) if inflight is not None else None
+        if ahead is not None:
+            ahead_steps += 1
+            result = runner.run(ahead, prev_tokens=inflight[1])
+            finished += s.postprocess(*inflight)
+            s.commit_ahead(ahead)
+            check_accounting(s, in_flight=ahead)
+            inflight = (ahead, *result)
+            continue
+        if inflight is not None:
+            finished += s.postprocess(*inflight)
+            check_accounting(s)
+            inflight = None
+        if not s.has_work():
+            break
+        out = s.schedule()
+        assert out, "empty step with work pending"
+        inflight = (out, *runner.run(out))
+    else:
+        raise AssertionError("scheduler did not finish")
+    cached = s.cache.total_size if s.cache else 0
+    assert s.allocator.num_free + cached == s.allocator.num_slots - 1
+    assert sorted(s._free_rows) == list(range(s.max_running))
+    return finished, ahead_steps
+
+
+def make_request(rid, prompt, max_new_tokens=4, prompt_index=None, sample_index=0, leader=None, **kw):
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    return Request(rid, rid if prompt_index is None else prompt_index, sample_index, list(prompt), params,
+                   group_leader=leader, **kw)
+
+
+def random_workload(seed):
+    """(scheduler, requests, eos, max_model_len, num_slots) of a random workload."""
+    rng = random.Random(seed)
+    prefix_cache = seed % 2 == 0
+    max_running = rng.choice([1, 2, 3, 8])
+    max_model_len = rng.choice([40, 64])
+    num_slots = rng.choice([max_model_len + 1, max_model_len + 20, 200])
+    s = Scheduler(num_kv_slots=num_slots, max_running=max_running,
+                  max_batch_tokens=rng.choice([1, 3, 8, 64]), enable_prefix_cache=prefix_cache)
+    eos = frozenset(rng.sample(range(100, 150), 2))
+    system = [rng.randrange(20) for _ in range(12)]
+    requests, rid = [], 0
+    for p in range(8):
+        prompt = (system if rng.random() < 0.6 else []) + [rng.randrange(20) for _ in range(rng.randrange(1, 15))]
+        leader = None
+        for sample in range(rng.choice([1, 1, 3])):
+            r = make_request(rid, prompt, max_new_tokens=rng.randrange(1, 20), prompt_index=p,
+                             sample_index=sample, leader=leader, eos_token_ids=eos, max_model_len=max_model_len)
+            leader = leader or r
+            requests.append(r)
+            rid += 1
+    for r in requests:
+        s.add(r)
+    return s, requests, eos, max_model_len, num_slots
