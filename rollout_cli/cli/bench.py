@@ -191,6 +191,7 @@ def _table(report: dict) -> Table:
         table.add_row("prefill steps", f"{r['prefill_steps']} x {r['prefill_step_ms']:.1f} ms")
     if r["decode_gpu_idle_share"] is not None:
         table.add_row("decode step / GPU idle", f"{r['decode_step_ms']:.2f} ms / {r['decode_gpu_idle_share']:.1%}")
+        table.add_row("decode GPU / host busy", f"{r['decode_gpu_ms']:.2f} / {r['decode_host_busy_ms']:.2f} ms per step")
     if r["cuda_graph_capture_s"] is not None:
         table.add_row("CUDA graph capture", f"{r['cuda_graph_capture_s']:.1f} s")
     table.add_row("preemptions", str(r["preemptions"]))

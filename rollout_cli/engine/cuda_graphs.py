@@ -190,9 +190,12 @@ class DecodeGraphs:
         if pad:  # padding rows: greedy, no filters (top-p 1)
             floats[_TOP_P, batch:bucket] = 1.0
         seq_lens[:bucket] = torch.tensor([e.start + 1 for e in entries] + [1] * len(pad), dtype=torch.int32)
-        self.ints[:, :bucket].copy_(ints[:, :bucket], non_blocking=True)
-        self.floats[:, :bucket].copy_(floats[:, :bucket], non_blocking=True)
-        self.seq_lens[:bucket].copy_(seq_lens[:bucket], non_blocking=True)
+        # Whole buffers (columns past the bucket are stale and never read): a column slice of a
+        # [rows, max_batch] buffer is strided, and torch would stage a strided host-to-device copy
+        # through pageable memory, which can make the host wait for the step in flight.
+        self.ints.copy_(ints, non_blocking=True)
+        self.floats.copy_(floats, non_blocking=True)
+        self.seq_lens.copy_(seq_lens, non_blocking=True)
         graph, packed = self.graphs[bucket]
         graph.replay()
         self.replays += 1

@@ -30,6 +30,7 @@ class DecodeTraffic:
     timed_steps: int = 0
     gpu_seconds: float = 0.0
     wall_seconds: float = 0.0
+    wait_seconds: float = 0.0  # of the wall time, the host blocked on those steps' results
     # Steps that run prompt tokens (prefill chunks, alone or beside decodes): their count and wall time.
     prefill_steps: int = 0
     prefill_wall_seconds: float = 0.0
@@ -149,7 +150,10 @@ class ModelRunner:
     def collect(self, handle: StepHandle) -> tuple[list[int], list[float]]:
         """The step's (tokens, logprobs), waiting for the GPU if it is still running."""
         if handle.tokens is None:
+            waited = time.perf_counter()
             handle.ready.synchronize()
+            if handle.timing is not None:
+                self.traffic.wait_seconds += time.perf_counter() - waited
             token_values, logprob_values = handle.host.tolist()
             handle.tokens, handle.logprobs = [int(t) for t in token_values], logprob_values
             if handle.timing is not None:
