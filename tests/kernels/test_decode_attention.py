@@ -86,11 +86,12 @@ def test_decode_allocates_contiguous_out_and_takes_int64_rows():
     torch.testing.assert_close(result, decode_attention_ref(**case), atol=1e-4, rtol=1e-4)
 
 
-def test_decode_zero_length_gives_zeros():
+@pytest.mark.parametrize("num_kv_splits", [4, 1])  # 1: stage 1 writes the output itself
+def test_decode_zero_length_gives_zeros(num_kv_splits):
     """seq_len 0 (a padded CUDA-graph entry) must not produce NaN."""
     case = make_decode_case([4, 1], 4, 2, 16, torch.float32)
     case["seq_lens"][1] = 0
-    out = decode_attention(**case, num_kv_splits=4)
+    out = decode_attention(**case, num_kv_splits=num_kv_splits)
     assert (out[1] == 0).all()
     torch.testing.assert_close(out[:1], decode_attention_ref(**case)[:1], atol=1e-4, rtol=1e-4)
 
@@ -109,6 +110,7 @@ def test_decode_rejects_bad_inputs():
 
 GPU_CASES = [
     ([2000, 1, 63, 127, 769], 16, 8, 128, 16),  # Qwen3-0.6B shape, one long context
+    ([2000, 1, 63, 127, 769], 16, 8, 128, 1),  # one split: no stage 2
     ([2000, 769, 1], 32, 4, 128, 64),  # G = 8, more splits than the short requests have keys
     ([1, 63, 127, 769, 2000, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 4095], 8, 8, 64, 7),  # B = 17, MHA
     ([127, 2000, 300], 16, 4, 64, 16),  # G = 4, D = 64
