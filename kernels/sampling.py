@@ -1,12 +1,25 @@
 """Fused sampler: temperature / top-k / top-p / min-p, inverse-CDF draw and the chosen logprob.
 
-Same semantics as `rollout_cli.engine.sampler.sample`, one program per row (so
-each row's result depends on nothing else in the batch), one launch, no host
-syncs and no value-dependent allocation (CUDA-graph capturable).
+Same semantics as `rollout_cli.engine.sampler.sample`; no host syncs and no value-dependent
+allocation (CUDA-graph capturable).
+
+Why two launches: one program per row streams the row serially (V 151936 bf16 = 300 KB), so at
+B = 256 the GPU runs 256 programs at ~5x the bandwidth floor. Each row is therefore split into S
+contiguous chunks, S = num_chunks from `chunk_layout`, which depends on V and fixed knobs only
+(never on B: a row's bits do not depend on its batch), e.g. V 151936 -> 19 chunks of 8192:
+  launch 1, grid (B, S): program (row, c) reads its chunk once and writes to the workspace
+     [B, 4 S + cap] float32 the chunk's max of the raw logits, its first argmax (int32 bits),
+     sum exp(l - chunk max) and sum exp((l - chunk max) / T) (pass 1's online scheme);
+  launch 2, grid (B,): merges the S partials into the row's max m, first argmax (lowest index
+     on ties), z1 = sum exp(l - m) and zt = sum exp(x - max x); greedy rows are then done.
+     Unfiltered rows (the common RL case) walk the chunk masses (zt's terms) to the chunk where
+     the running mass first exceeds u * zt and scan only that chunk, from the running mass
+     before it (a rounding miss runs on into the next chunks). Filtered rows run the threshold
+     search below and the draw over the whole row.
 
 Per row, with x = logits / T (T = 1 for greedy rows) and e_i = exp(x_i - max x)
 (the unnormalised probabilities, max e = 1):
-  1. one pass: max, first argmax, sum exp(l - max l), sum exp(x - max x) (online);
+  1. max, first argmax, sum exp(l - max l), sum exp(x - max x) (launch 1 per chunk, merged in launch 2);
   2. filtering without a sort (rows that filter): the kept set is always {e >= t} for a
      threshold t, found by a multi-way search over float32 bit patterns of t (NT thresholds
      per step, each step counting and summing e >= each threshold):
@@ -16,8 +29,9 @@ Per row, with x = logits / T (T = 1 for greedy rows) and e_i = exp(x_i - max x)
      steps are passes over the row until the bracket holds <= CAP tokens, which one more
      pass copies to a per-row workspace; the search ends in registers once the bracket
      holds one token;
-  3. one pass in vocab order, stopping at the first token whose running kept mass exceeds
-     u * total (the last kept token if rounding runs past the end, as the reference does).
+  3. a pass in vocab order (unfiltered rows: from the chunk found above), stopping at the first
+     token whose running kept mass exceeds u * total (the last kept token, the last index with
+     probability > 0, if rounding runs past the end, as the reference does).
 Ties at the top-k boundary keep every tied token (the reference keeps exactly k, in
 unspecified order). logprob = log_softmax(x)[token] ("processed") or
 log_softmax(logits)[token] when raw_logprobs.
@@ -491,3 +505,48 @@ def sample_uniform_ref(seed, prompt_index, sample_index, position) -> torch.Tens
     values = [py_uniform(*k) for k in zip(seed.tolist(), prompt_index.tolist(), sample_index.tolist(),
                                           position.tolist())]
     return torch.tensor(values, dtype=torch.float32)
+
+
+
+def benchmark_sample(batch: int = 256, vocab: int = 151936, dtype=torch.bfloat16, setting: str = "plain",
+                     hbm_bytes_per_s: float | None = None, **knobs) -> dict:
+    """Time `sample` on CUDA (triton.testing.do_bench, median) for one step of keyed draws.
+
+    setting: "plain" (temperature 1, no filtering), "filtered" (top_k 20, top_p 0.95, min_p 0.01)
+    or "greedy" (temperature 0). Logits are standard normal times 4. GB/s counts the logits
+    read once (the floor: the filtered path reads them several times); `hbm_fraction` divides
+    by `hbm_bytes_per_s` when given. `knobs` go to `sample`.
+    """
+    assert torch.cuda.is_available(), "benchmark_sample needs a CUDA device"
+    import triton.testing
+    settings = {"plain": (1.0, 0, 1.0, 0.0), "filtered": (1.0, 20, 0.95, 0.01), "greedy": (0.0, 0, 1.0, 0.0)}
+    assert setting in settings, f"setting must be one of {sorted(settings)}"
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randn((batch, vocab), device=device, generator=gen) * 4.0).to(dtype)
+    t, k, p, mp = settings[setting]
+    temperature = torch.full((batch,), t, dtype=torch.float32, device=device)
+    top_k = torch.full((batch,), k, dtype=torch.int64, device=device)
+    top_p = torch.full((batch,), p, dtype=torch.float32, device=device)
+    min_p = torch.full((batch,), mp, dtype=torch.float32, device=device)
+    raw = torch.zeros(batch, dtype=torch.bool, device=device)
+    keys = tuple(torch.randint(0, 2**62, (batch,), device=device, generator=gen) for _ in range(4))
+    out = (torch.empty(batch, dtype=torch.int64, device=device), torch.empty(batch, device=device))
+    ws = sample_workspace(batch, vocab, device, knobs.get("block_v", 4096), knobs.get("chunk", 8192),
+                          knobs.get("cap", 512))
+
+    def step():
+        sample(logits, temperature, top_k, top_p, min_p, raw, keys=keys, out=out, workspace=ws, **knobs)
+
+    step()
+    seconds = triton.testing.do_bench(step, return_mode="median") * 1e-3
+    total = logits.numel() * logits.element_size()
+    block, chunk_len, num_chunks = chunk_layout(vocab, knobs.get("block_v", 4096), knobs.get("chunk", 8192))
+    result = {
+        "batch": batch, "vocab": vocab, "dtype": str(dtype).removeprefix("torch."), "setting": setting,
+        "num_chunks": num_chunks, "chunk_len": chunk_len, "time_us": seconds * 1e6, "bytes": total,
+        "gb_per_s": total / seconds / 1e9,
+    }
+    if hbm_bytes_per_s is not None:
+        result["hbm_fraction"] = total / seconds / hbm_bytes_per_s
+    return result
