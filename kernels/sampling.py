@@ -1,12 +1,25 @@
 """Fused sampler: temperature / top-k / top-p / min-p, inverse-CDF draw and the chosen logprob.
 
-Same semantics as `rollout_cli.engine.sampler.sample`, one program per row (so
-each row's result depends on nothing else in the batch), one launch, no host
-syncs and no value-dependent allocation (CUDA-graph capturable).
+Same semantics as `rollout_cli.engine.sampler.sample`; no host syncs and no value-dependent
+allocation (CUDA-graph capturable).
+
+Why two launches: one program per row streams the row serially (V 151936 bf16 = 300 KB), so at
+B = 256 the GPU runs 256 programs at ~5x the bandwidth floor. Each row is therefore split into S
+contiguous chunks, S = num_chunks from `chunk_layout`, which depends on V and fixed knobs only
+(never on B: a row's bits do not depend on its batch), e.g. V 151936 -> 19 chunks of 8192:
+  launch 1, grid (B, S): program (row, c) reads its chunk once and writes to the workspace
+     [B, 4 S + cap] float32 the chunk's max of the raw logits, its first argmax (int32 bits),
+     sum exp(l - chunk max) and sum exp((l - chunk max) / T) (pass 1's online scheme);
+  launch 2, grid (B,): merges the S partials into the row's max m, first argmax (lowest index
+     on ties), z1 = sum exp(l - m) and zt = sum exp(x - max x); greedy rows are then done.
+     Unfiltered rows (the common RL case) walk the chunk masses (zt's terms) to the chunk where
+     the running mass first exceeds u * zt and scan only that chunk, from the running mass
+     before it (a rounding miss runs on into the next chunks). Filtered rows run the threshold
+     search below and the draw over the whole row.
 
 Per row, with x = logits / T (T = 1 for greedy rows) and e_i = exp(x_i - max x)
 (the unnormalised probabilities, max e = 1):
-  1. one pass: max, first argmax, sum exp(l - max l), sum exp(x - max x) (online);
+  1. max, first argmax, sum exp(l - max l), sum exp(x - max x) (launch 1 per chunk, merged in launch 2);
   2. filtering without a sort (rows that filter): the kept set is always {e >= t} for a
      threshold t, found by a multi-way search over float32 bit patterns of t (NT thresholds
      per step, each step counting and summing e >= each threshold):
@@ -16,8 +29,9 @@ Per row, with x = logits / T (T = 1 for greedy rows) and e_i = exp(x_i - max x)
      steps are passes over the row until the bracket holds <= CAP tokens, which one more
      pass copies to a per-row workspace; the search ends in registers once the bracket
      holds one token;
-  3. one pass in vocab order, stopping at the first token whose running kept mass exceeds
-     u * total (the last kept token if rounding runs past the end, as the reference does).
+  3. a pass in vocab order (unfiltered rows: from the chunk found above), stopping at the first
+     token whose running kept mass exceeds u * total (the last kept token, the last index with
+     probability > 0, if rounding runs past the end, as the reference does).
 Ties at the top-k boundary keep every tied token (the reference keeps exactly k, in
 unspecified order). logprob = log_softmax(x)[token] ("processed") or
 log_softmax(logits)[token] when raw_logprobs.
@@ -165,29 +179,31 @@ def _threshold_search(base, V, m, scale, scratch, lo, hi, c_lo, m_lo, c_hi, m_hi
 
 
 @triton.jit
-def _sampling_kernel(
-    logits_ptr, stride_row, V,
-    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, raw_ptr,
-    u_ptr, seed_ptr, pidx_ptr, sidx_ptr, pos_ptr,
-    tok_ptr, logprob_ptr, scratch_ptr,
-    KEYED: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr, NT: tl.constexpr, CAP: tl.constexpr,
+def _chunk_partials_kernel(
+    logits_ptr, stride_row, V, temp_ptr, ws_ptr, ws_int_ptr, ws_stride, CHUNK, S,
+    BLOCK_V: tl.constexpr,
 ):
+    """Launch 1, grid (B, S): program (row, c) streams vocab [c * CHUNK, min((c + 1) * CHUNK, V))
+    once with pass 1's per-lane online scheme and writes the chunk's max of the raw logits,
+    its first argmax, sum exp(l - chunk max) and sum exp((l - chunk max) / T) to the row's
+    workspace (columns [0, S), [S, 2S) as int32, [2S, 3S), [3S, 4S))."""
     row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     base = logits_ptr + row * stride_row
     temperature = tl.load(temp_ptr + row)
     T = tl.where(temperature == 0.0, 1.0, temperature)
     scale = tl.math.div_rn(1.4426950408889634, T)  # log2(e) / T
     cols = tl.arange(0, BLOCK_V)
     NEG_INF: tl.constexpr = float("-inf")
-
-    # ---- pass 1: per-lane online max / first argmax / both softmax sums -------------
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
     m_acc = tl.full((BLOCK_V,), NEG_INF, tl.float32)
     i_acc = tl.zeros((BLOCK_V,), tl.int32)
     z1_acc = tl.zeros((BLOCK_V,), tl.float32)  # sum exp(l - m_acc)
     zt_acc = tl.zeros((BLOCK_V,), tl.float32)  # sum exp((l - m_acc) / T)
-    for start in range(0, V, BLOCK_V):
+    for start in range(lo, hi, BLOCK_V):
         idx = start + cols
-        lg = tl.load(base + idx, mask=idx < V, other=NEG_INF).to(tl.float32)
+        lg = tl.load(base + idx, mask=idx < hi, other=NEG_INF).to(tl.float32)
         i_acc = tl.where(lg > m_acc, idx, i_acc)  # strict: each lane keeps its first max
         new_m = tl.maximum(m_acc, lg)
         live = new_m > NEG_INF
@@ -197,10 +213,51 @@ def _sampling_kernel(
         zt_acc = tl.where(live, zt_acc * tl.math.exp2((m_acc - new_m) * scale)
                           + tl.math.exp2((lg - new_m) * scale), 0.0)
         m_acc = tl.where(live, new_m, NEG_INF)
-    m = tl.max(m_acc, axis=0)
-    argmax = tl.min(tl.where(m_acc == m, i_acc, V), axis=0)
-    z1 = tl.sum(tl.where(m_acc > NEG_INF, z1_acc * tl.math.exp2((m_acc - m) * 1.4426950408889634), 0.0), axis=0)
-    zt = tl.sum(tl.where(m_acc > NEG_INF, zt_acc * tl.math.exp2((m_acc - m) * scale), 0.0), axis=0)
+    m_c = tl.max(m_acc, axis=0)
+    # an all -inf chunk: every lane ties at -inf with index 0, so an all -inf row's argmax is 0 as before
+    i_c = tl.min(tl.where(m_acc == m_c, i_acc, V), axis=0)
+    z1_c = tl.sum(tl.where(m_acc > NEG_INF, z1_acc * tl.math.exp2((m_acc - m_c) * 1.4426950408889634), 0.0),
+                  axis=0)
+    zt_c = tl.sum(tl.where(m_acc > NEG_INF, zt_acc * tl.math.exp2((m_acc - m_c) * scale), 0.0), axis=0)
+    out = ws_ptr + row * ws_stride
+    tl.store(out + c, m_c)
+    tl.store(ws_int_ptr + row * ws_stride + S + c, i_c)
+    tl.store(out + 2 * S + c, z1_c)
+    tl.store(out + 3 * S + c, zt_c)
+
+
+@triton.jit
+def _sampling_kernel(
+    logits_ptr, stride_row, V,
+    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, raw_ptr,
+    u_ptr, seed_ptr, pidx_ptr, sidx_ptr, pos_ptr,
+    tok_ptr, logprob_ptr, ws_ptr, ws_int_ptr, ws_stride, CHUNK, S,
+    KEYED: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
+    NT: tl.constexpr, CAP: tl.constexpr,
+):
+    """Launch 2, grid (B,): merge the row's S chunk partials, filter, draw, logprob."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    temperature = tl.load(temp_ptr + row)
+    T = tl.where(temperature == 0.0, 1.0, temperature)
+    scale = tl.math.div_rn(1.4426950408889634, T)  # log2(e) / T
+    cols = tl.arange(0, BLOCK_V)
+    NEG_INF: tl.constexpr = float("-inf")
+
+    # ---- merge the chunk partials: max, first argmax (lowest index on ties), rescaled sums ----
+    ws = ws_ptr + row * ws_stride
+    s_idx = tl.arange(0, S_BLOCK)
+    s_mask = s_idx < S
+    m_c = tl.load(ws + s_idx, mask=s_mask, other=NEG_INF)  # [S_BLOCK]
+    i_c = tl.load(ws_int_ptr + row * ws_stride + S + s_idx, mask=s_mask, other=V)
+    z1_c = tl.load(ws + 2 * S + s_idx, mask=s_mask, other=0.0)
+    zt_c = tl.load(ws + 3 * S + s_idx, mask=s_mask, other=0.0)
+    m = tl.max(m_c, axis=0)
+    argmax = tl.min(tl.where(m_c == m, i_c, V), axis=0)
+    live_c = m_c > NEG_INF
+    z1 = tl.sum(tl.where(live_c, z1_c * tl.math.exp2((m_c - m) * 1.4426950408889634), 0.0), axis=0)
+    mass_c = tl.where(live_c, zt_c * tl.math.exp2((m_c - m) * scale), 0.0)  # [S_BLOCK] chunk masses of e
+    zt = tl.sum(mass_c, axis=0)
 
     token = argmax
     if temperature != 0.0:
@@ -212,7 +269,7 @@ def _sampling_kernel(
         thresh = tl.zeros((), tl.int32)  # bit pattern of the threshold; 0 keeps every token
         count = tl.zeros((), tl.int32) + V
         total = zt
-        scratch = scratch_ptr + row * CAP
+        scratch = ws + 4 * S
         if use_k | (min_p > 0.0):
             # min-p, then top-k: the largest t >= min_p with count(e >= t) >= k
             lo = tl.where(min_p > 0.0, min_p, 0.0).to(tl.int32, bitcast=True)
@@ -233,11 +290,21 @@ def _sampling_kernel(
         else:
             u = tl.load(u_ptr + row)
         target = u * total
+        # ---- where the inverse-CDF scan starts: unfiltered rows (the kept mass of a chunk is its
+        # partial) skip to the first chunk whose running mass exceeds u * total, or, if rounding
+        # leaves u * total past the end, the last chunk with mass; filtered rows scan from 0 ----
+        filtered = use_k | (min_p > 0.0) | (top_p < 1.0)
+        cum = tl.cumsum(mass_c, axis=0)
+        c_hit = tl.min(tl.where(s_mask & (cum > target), s_idx, S), axis=0)
+        c_last = tl.max(tl.where(mass_c > 0.0, s_idx, 0), axis=0)
+        c_first = tl.where(filtered, 0, tl.where(c_hit < S, c_hit, c_last))
+        running = tl.sum(tl.where(s_idx < c_first, mass_c, 0.0), axis=0)  # mass before chunk c_first
+        first = c_first * CHUNK
         # ---- inverse CDF in vocab order over the kept (unnormalised) probabilities ----
-        running = tl.zeros((), tl.float32)
+        # (from chunk c_first on; a rounding miss in that chunk runs on into the next ones)
         found = tl.zeros((), tl.int32) + V
-        last = tl.zeros((), tl.int32)
-        start = tl.zeros((), tl.int32)
+        last = tl.zeros((), tl.int32) - 1
+        start = first
         while (start < V) & (found == V):
             idx = start + cols
             mask = idx < V
@@ -246,11 +313,19 @@ def _sampling_kernel(
             w = tl.where(mask & (e >= thresh_f), e, 0.0)
             cdf = running + tl.cumsum(w, axis=0)
             found = tl.min(tl.where(cdf > target, idx, V), axis=0)
-            last = tl.maximum(last, tl.max(tl.where(w > 0.0, idx, 0), axis=0))
+            last = tl.maximum(last, tl.max(tl.where(w > 0.0, idx, -1), axis=0))
             running += tl.sum(w, axis=0)
             start += BLOCK_V
+        if (found == V) & (last < 0) & (first > 0):
+            # past the end with no kept token at or after chunk c_first: the last kept token before it
+            for start2 in range(0, first, BLOCK_V):
+                idx = start2 + cols
+                lg = tl.load(base + idx, mask=idx < first, other=float("-inf")).to(tl.float32)
+                e = tl.minimum(tl.math.exp2((lg - m) * scale), 1.0)
+                last = tl.maximum(last, tl.max(tl.where((idx < first) & (e >= thresh_f) & (e > 0.0), idx, -1),
+                                               axis=0))
         # rounding can leave u * total past the end: the last kept token, as the reference does
-        token = tl.where(found < V, found, last)
+        token = tl.where(found < V, found, tl.maximum(last, 0))
 
     # ---- logprob of the chosen token, computed as torch's log_softmax does ----------------
     l_tok = tl.load(base + token).to(tl.float32)
@@ -266,6 +341,35 @@ def _check_row_param(name, x, batch, dtype, device):
     assert x.dtype == dtype, f"{name} must be {dtype}, got {x.dtype}"
     assert x.device == device, f"{name} is on {x.device}, logits on {device}"
     assert x.stride(0) == 1 or batch <= 1, f"{name} must be contiguous"
+
+
+# Launch 1 splits each row into at most this many chunks (more would make launch 2's merge wide
+# and its workspace large for little gain; a huge vocab gets longer chunks instead)
+MAX_CHUNKS = 64
+
+
+def chunk_layout(vocab: int, block_v: int = 4096, chunk: int = 8192) -> tuple[int, int, int]:
+    """(block, chunk_len, num_chunks) of a row of `vocab` logits: the block both launches step by,
+    the chunk length (cdiv(V, S) rounded up to a multiple of the block, S = min(cdiv(V, chunk),
+    MAX_CHUNKS)) and the number of chunks, cdiv(V, chunk_len). Depends on V and the knobs only,
+    never on the batch, so a row's result does not depend on the batch it is sampled in."""
+    assert vocab >= 1 and chunk >= 1
+    block = min(block_v, triton.next_power_of_2(vocab))
+    n = min(triton.cdiv(vocab, chunk), MAX_CHUNKS)
+    chunk_len = triton.cdiv(triton.cdiv(vocab, n), block) * block
+    return block, chunk_len, triton.cdiv(vocab, chunk_len)
+
+
+def workspace_columns(vocab: int, block_v: int = 4096, chunk: int = 8192, cap: int = 512) -> int:
+    """Columns of `sample`'s float32 workspace per row: 4 per chunk (max, argmax as int32 bits,
+    the two exp sums), then `cap` for the filtered rows' threshold search."""
+    return 4 * chunk_layout(vocab, block_v, chunk)[2] + cap
+
+
+def sample_workspace(batch: int, vocab: int, device, block_v: int = 4096, chunk: int = 8192,
+                     cap: int = 512) -> torch.Tensor:
+    """A preallocated workspace for `sample` on [batch, vocab] logits with the same knobs."""
+    return torch.empty((batch, workspace_columns(vocab, block_v, chunk, cap)), dtype=torch.float32, device=device)
 
 
 def sample(
@@ -284,6 +388,8 @@ def sample(
     num_thresholds: int = 8,
     cap: int = 512,
     num_warps: int = 8,
+    chunk: int = 8192,
+    num_warps_partials: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] float32 / bfloat16 / float16 (row stride free) -> (tokens [B] int64, logprobs [B] float32).
 
@@ -291,11 +397,12 @@ def sample(
     top_p [B] float32 (1 = off), min_p [B] float32 (0 = off), raw_logprobs [B] bool.
     Randomness: exactly one of `uniform` [B] float32 in [0, 1), or
     `keys` = (seed, prompt_index, sample_index, position), each [B] int64.
-    `out` = (tokens, logprobs) and `workspace` [>= B, cap] float32 may be preallocated
-    (otherwise allocated here; sizes depend on shapes only, so CUDA-graph capture works either way).
-    The tuning knobs (block_v, block_s, num_thresholds, cap, num_warps) change speed, not results
-    beyond float rounding. Defaults: the fastest of a small sweep on an H200 at V = 151936
-    (`.kbench`-style do_bench; B=256, top_k 20 + top_p .95 + min_p .01: 1.15 ms; temperature only: 0.25 ms).
+    `out` = (tokens, logprobs) and `workspace` [>= B, workspace_columns(V, block_v, chunk, cap)]
+    float32 (`sample_workspace`) may be preallocated (otherwise allocated here; sizes depend on
+    shapes only, so CUDA-graph capture works either way).
+    The tuning knobs (block_v, block_s, num_thresholds, cap, num_warps, chunk, num_warps_partials)
+    change speed, not results beyond float rounding; `chunk` is the target chunk length of launch 1
+    (see `chunk_layout`), num_warps_partials its warps, num_warps launch 2's.
     """
     # bf16/fp16 logits are read and upcast in the kernel: the same numbers as a float32 copy, without
     # a cast kernel writing [B, V] float32 first (at B 256 x V 151936: 112 us of a 7.3 ms step)
@@ -328,18 +435,27 @@ def sample(
         _check_row_param("out logprobs", logprobs, batch, torch.float32, dev)
     for name, n in (("block_v", block_v), ("block_s", block_s), ("num_thresholds", num_thresholds), ("cap", cap)):
         assert n >= 2 and n & (n - 1) == 0, f"{name} must be a power of two >= 2"
+    assert chunk >= 1, "chunk must be positive"
+    block, chunk_len, num_chunks = chunk_layout(vocab, block_v, chunk)
+    cols = 4 * num_chunks + cap
     if workspace is None:
-        workspace = torch.empty((batch, cap), dtype=torch.float32, device=dev)
+        workspace = torch.empty((batch, cols), dtype=torch.float32, device=dev)
     assert workspace.dtype == torch.float32 and workspace.is_contiguous() and workspace.device == dev
-    assert workspace.dim() == 2 and workspace.shape[0] >= batch and workspace.shape[1] == cap, "workspace [>= B, cap]"
+    assert workspace.dim() == 2 and workspace.shape[0] >= batch and workspace.shape[1] == cols, \
+        f"workspace must be [>= {batch}, {cols}] (workspace_columns(V, block_v, chunk, cap))"
     if batch == 0:
         return tokens, logprobs
+    ws_int = workspace.view(torch.int32)  # the same memory: the argmax columns are stored as int32
+    _chunk_partials_kernel[(batch, num_chunks)](
+        logits, logits.stride(0), vocab, temperature, workspace, ws_int, cols, chunk_len, num_chunks,
+        BLOCK_V=block, num_warps=num_warps_partials,
+    )
     _sampling_kernel[(batch,)](
         logits, logits.stride(0), vocab,
         temperature, top_k, top_p, min_p, raw_logprobs,
         u_arg, *key_args,
-        tokens, logprobs, workspace,
-        KEYED=keys is not None, BLOCK_V=min(block_v, triton.next_power_of_2(vocab)),
+        tokens, logprobs, workspace, ws_int, cols, chunk_len, num_chunks,
+        KEYED=keys is not None, S_BLOCK=max(2, triton.next_power_of_2(num_chunks)), BLOCK_V=block,
         BLOCK_S=min(block_s, triton.next_power_of_2(vocab)), NT=num_thresholds, CAP=cap,
         num_warps=num_warps,
     )
@@ -389,3 +505,48 @@ def sample_uniform_ref(seed, prompt_index, sample_index, position) -> torch.Tens
     values = [py_uniform(*k) for k in zip(seed.tolist(), prompt_index.tolist(), sample_index.tolist(),
                                           position.tolist())]
     return torch.tensor(values, dtype=torch.float32)
+
+
+
+def benchmark_sample(batch: int = 256, vocab: int = 151936, dtype=torch.bfloat16, setting: str = "plain",
+                     hbm_bytes_per_s: float | None = None, **knobs) -> dict:
+    """Time `sample` on CUDA (triton.testing.do_bench, median) for one step of keyed draws.
+
+    setting: "plain" (temperature 1, no filtering), "filtered" (top_k 20, top_p 0.95, min_p 0.01)
+    or "greedy" (temperature 0). Logits are standard normal times 4. GB/s counts the logits
+    read once (the floor: the filtered path reads them several times); `hbm_fraction` divides
+    by `hbm_bytes_per_s` when given. `knobs` go to `sample`.
+    """
+    assert torch.cuda.is_available(), "benchmark_sample needs a CUDA device"
+    import triton.testing
+    settings = {"plain": (1.0, 0, 1.0, 0.0), "filtered": (1.0, 20, 0.95, 0.01), "greedy": (0.0, 0, 1.0, 0.0)}
+    assert setting in settings, f"setting must be one of {sorted(settings)}"
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randn((batch, vocab), device=device, generator=gen) * 4.0).to(dtype)
+    t, k, p, mp = settings[setting]
+    temperature = torch.full((batch,), t, dtype=torch.float32, device=device)
+    top_k = torch.full((batch,), k, dtype=torch.int64, device=device)
+    top_p = torch.full((batch,), p, dtype=torch.float32, device=device)
+    min_p = torch.full((batch,), mp, dtype=torch.float32, device=device)
+    raw = torch.zeros(batch, dtype=torch.bool, device=device)
+    keys = tuple(torch.randint(0, 2**62, (batch,), device=device, generator=gen) for _ in range(4))
+    out = (torch.empty(batch, dtype=torch.int64, device=device), torch.empty(batch, device=device))
+    ws = sample_workspace(batch, vocab, device, knobs.get("block_v", 4096), knobs.get("chunk", 8192),
+                          knobs.get("cap", 512))
+
+    def step():
+        sample(logits, temperature, top_k, top_p, min_p, raw, keys=keys, out=out, workspace=ws, **knobs)
+
+    step()
+    seconds = triton.testing.do_bench(step, return_mode="median") * 1e-3
+    total = logits.numel() * logits.element_size()
+    block, chunk_len, num_chunks = chunk_layout(vocab, knobs.get("block_v", 4096), knobs.get("chunk", 8192))
+    result = {
+        "batch": batch, "vocab": vocab, "dtype": str(dtype).removeprefix("torch."), "setting": setting,
+        "num_chunks": num_chunks, "chunk_len": chunk_len, "time_us": seconds * 1e6, "bytes": total,
+        "gb_per_s": total / seconds / 1e9,
+    }
+    if hbm_bytes_per_s is not None:
+        result["hbm_fraction"] = total / seconds / hbm_bytes_per_s
+    return result
