@@ -16,6 +16,7 @@ from rollout_cli.engine.attention import KVCache
 from rollout_kernels.decode_attention import decode_attention
 from rollout_kernels.extend_attention import extend_attention
 from rollout_kernels.kv_store import store_kv
+from rollout_kernels.qk_norm_rope_store import qk_norm_rope_store
 
 
 # Decode programs wanted in flight: about four per SM of the H100/H200's 132. More KV splits only
@@ -73,10 +74,29 @@ class TritonAttentionBatch:
         self.extend = extend
         self.scale = scale
 
+    # DecoderAttention hands this batch its pre-norm, pre-RoPE q/k (forward_prologue_fused)
+    fuses_qk_norm_rope_store = True
+
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]."""
         k_pool, v_pool = self.kv.k[layer_idx], self.kv.v[layer_idx]
         store_kv(k_pool, v_pool, self.store_slots, k, v)
+        return self._attend(layer_idx, q)
+
+    def forward_prologue_fused(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                               q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                               eps: float) -> torch.Tensor:
+        """forward() for q/k not yet normed (per-head RMSNorm with q_weight/k_weight [d], or none
+        when both are None) nor rotated (positions [T], float32 cos/sin [max_pos, rotary_dim]): one
+        kernel norms and rotates q in place and writes the normed, rotated k and v into the pool."""
+        k_pool, v_pool = self.kv.k[layer_idx], self.kv.v[layer_idx]
+        qk_norm_rope_store(q, k, v, positions, cos, sin, k_pool, v_pool, self.store_slots, q_weight, k_weight, eps)
+        return self._attend(layer_idx, q)
+
+    def _attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """q [T, heads, d] over the pool, this step's k/v already in it -> [T, heads, d]."""
+        k_pool, v_pool = self.kv.k[layer_idx], self.kv.v[layer_idx]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = self.num_decode
         if nd:

@@ -174,10 +174,15 @@ class RotaryEmbedding(nn.Module):
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
+    def tables_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [max_positions, rotary_dim] float32 on `device` (copied there once)."""
+        if self.cos.device != device:
+            self.cos, self.sin = self._tables.on(device)
+        return self.cos, self.sin
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, heads, head_dim]; k [T, kv_heads, head_dim]."""
-        if self.cos.device != positions.device:
-            self.cos, self.sin = self._tables.on(positions.device)
+        self.tables_on(positions.device)
         if self.use_triton:
             from rollout_kernels.rotary import apply_rotary
 

@@ -3,7 +3,9 @@
 They differ only in biases (Qwen2: q/k/v; Llama: `attention_bias`, `mlp_bias`)
 and Qwen3's per-head RMSNorm on q and k before RoPE. Attention itself lives
 in the engine: each layer hands q, k, v to `attn.forward(layer_idx, ...)`,
-which stores k/v in the KV pool and attends over the request's context.
+which stores k/v in the KV pool and attends over the request's context. A
+Triton attention batch takes them before norm and RoPE instead
+(`forward_prologue_fused`): one kernel norms, rotates and stores them.
 """
 
 from __future__ import annotations
@@ -65,11 +67,31 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self._fuses_prologue(attn, q):  # q/k norm, RoPE and the KV write in one launch
+            cos, sin = self.rotary.tables_on(positions.device)
+            qn, kn = self.q_norm, self.k_norm
+            out = attn.forward_prologue_fused(
+                self.layer_idx, q, k, v, positions, cos, sin,
+                qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+                qn.eps if qn is not None else 0.0)
+            return self.o_proj(out.reshape(out.shape[0], -1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = attn.forward(self.layer_idx, q, k, v)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+    def _fuses_prologue(self, attn, q: torch.Tensor) -> bool:
+        """Whether the attention batch can take q/k before norm and RoPE (the Triton backend), and
+        this layer's norm and RoPE run their Triton kernels, whose rounding the fused kernel keeps."""
+        if not (getattr(attn, "fuses_qk_norm_rope_store", False) and self.rotary.use_triton):
+            return False
+        qn, kn = self.q_norm, self.k_norm
+        if qn is None or kn is None:
+            return qn is None and kn is None
+        return (qn.use_triton and kn.use_triton and qn.eps == kn.eps
+                and qn.weight.dtype == kn.weight.dtype == q.dtype)
 
 
 class DecoderMLP(nn.Module):

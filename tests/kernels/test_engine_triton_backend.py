@@ -26,3 +26,28 @@ def test_triton_backend_matches_torch_backend(tiny_checkpoints, params):
     prompts = [[rng.randrange(400) for _ in range(rng.randint(3, 40))] for _ in range(3)]
     runs, _ = generate_on_both_backends(model_dir, prompts, params, max_model_len=128, max_batch_tokens=16)
     assert_same_samples(runs)
+
+
+@interpreter_only
+def test_qwen3_fused_qk_norm_rope_store(tiny_checkpoints, monkeypatch):
+    """Qwen3 (per-head q/k norm): the Triton batch takes q/k before norm and RoPE, one fused kernel
+    per layer norms, rotates and stores them (never store_kv), and the greedy tokens are the torch path's."""
+    import rollout_cli.engine.triton_attention as triton_attention
+
+    calls = {"fused": 0, "store_kv": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(triton_attention, "qk_norm_rope_store", counted("fused", triton_attention.qk_norm_rope_store))
+    monkeypatch.setattr(triton_attention, "store_kv", counted("store_kv", triton_attention.store_kv))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(3, 20))] for _ in range(2)]
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=4)
+    runs, _ = generate_on_both_backends(tiny_checkpoints["qwen3"], prompts, params, max_model_len=64,
+                                        max_batch_tokens=16)
+    assert_same_samples(runs)
+    assert calls["fused"] > 0 and calls["store_kv"] == 0
