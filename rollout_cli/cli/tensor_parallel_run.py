@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import sys
@@ -57,10 +58,29 @@ def follow_leader(config, daemon: bool = False) -> None:
     if daemon:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
+    engine = None
     try:
-        follow(Engine(config))
+        engine = Engine(config)
+        follow(engine)
     finally:
+        if engine is not None:
+            close_weight_groups(engine)
         close_tensor_parallel()
+    # A follower owns no output (rank 0 writes every file), so it skips interpreter finalization:
+    # gloo's worker threads can still hold tensors then, and freeing them without a live interpreter
+    # aborts the process ("terminate called without an active exception", exit -6; seen once in CI
+    # after a weight-update group was used), which torch.distributed.run reports as a failed command.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def close_weight_groups(engine) -> None:
+    """Leave every trainer weight-update group this rank still belongs to (a trainer may never destroy it)."""
+    for group in list(engine.weight_update_groups.values()):
+        group.close()
+    engine.weight_update_groups.clear()
 
 
 @contextlib.contextmanager
