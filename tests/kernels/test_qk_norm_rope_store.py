@@ -1,6 +1,7 @@
-"""qk_norm_rope_store against its torch reference and, bit for bit, against the unfused Triton chain
-(rms_norm x2 -> apply_rotary -> store_kv): strided q/k/v views of one fused qkv output, partial
-rotary, with and without norm weights, negative slots skipped."""
+"""qk_norm_rope_store against its torch reference and against the unfused Triton chain (rms_norm x2 ->
+apply_rotary -> store_kv; bit for bit under the interpreter, to rounding when compiled for the GPU):
+strided q/k/v views of one fused qkv output, partial rotary, with and without norm weights, negative
+slots skipped."""
 
 from __future__ import annotations
 
@@ -88,6 +89,19 @@ def _check(case, got, want, dtype):
     assert gk[untouched].isnan().all() and gv[untouched].isnan().all()  # skipped rows: never written
 
 
+def _assert_matches_chain(got, want, dtype):
+    """Compiled for the GPU, the fused kernel and the chain reduce the head's sum of squares in different
+    tile shapes and contract rotary multiply-adds into FMAs differently, so they agree to rounding, not
+    bit for bit (the interpreter on the CPU runs both in numpy order: bit-exact there). v is a copy and
+    the skipped slots stay unwritten in both: exact."""
+    tol = TOL[dtype]
+    torch.testing.assert_close(got[0].float(), want[0].float(), atol=tol, rtol=tol)
+    for g, w in zip(got[1:], want[1:]):
+        assert torch.equal(g.isnan(), w.isnan())
+    torch.testing.assert_close(got[1].float().nan_to_num(0.0), want[1].float().nan_to_num(0.0), atol=tol, rtol=tol)
+    assert torch.equal(got[2].nan_to_num(123.0), want[2].nan_to_num(123.0))
+
+
 @pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("t,h,kvh,d,rotary_dim", SHAPES)
@@ -156,10 +170,7 @@ def test_gpu(t, h, kvh, d, rotary_dim, dtype, norm):
     ref_case, chain_case = _clone_case(case), _clone_case(case)
     got = _run(qk_norm_rope_store, case)
     _check(case, got, _run(qk_norm_rope_store_ref, ref_case), dtype)
-    want = _run(qk_norm_rope_store_chain, chain_case)
-    assert torch.equal(got[0], want[0])
-    assert torch.equal(got[1].nan_to_num(123.0), want[1].nan_to_num(123.0))
-    assert torch.equal(got[2].nan_to_num(123.0), want[2].nan_to_num(123.0))
+    _assert_matches_chain(got, _run(qk_norm_rope_store_chain, chain_case), dtype)
 
 
 @pytest.mark.gpu
@@ -176,6 +187,4 @@ def test_gpu_cuda_graph():
     v_pool.fill_(float("nan"))
     chain_case = _clone_case(case)
     graph.replay()
-    want = _run(qk_norm_rope_store_chain, chain_case)
-    assert torch.equal(q, want[0])
-    assert torch.equal(k_pool.nan_to_num(1.0), want[1].nan_to_num(1.0))
+    _assert_matches_chain((q, k_pool, v_pool), _run(qk_norm_rope_store_chain, chain_case), dtype)
