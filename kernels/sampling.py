@@ -202,32 +202,28 @@ def _chunk_partials_kernel(
     NEG_INF: tl.constexpr = float("-inf")
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
-    # Block-wise online softmax with a scalar running max: per logit one exp2 per sum, and only
-    # one when T = 1 (zt = z1 then, bit for bit). A per-lane running max would cost two more
-    # exp2 per logit for the rescales; the exp2 unit, not HBM, then bounds the kernel.
-    LOG2E: tl.constexpr = 1.4426950408889634
-    one_scale = scale == LOG2E  # T = 1 (greedy rows too): the two sums are the same sum
-    m_c = tl.full((), NEG_INF, tl.float32)
-    i_c = tl.zeros((), tl.int32)  # an all -inf chunk reports 0, so an all -inf row's argmax is 0
-    z1_c = tl.zeros((), tl.float32)  # sum exp(l - m_c)
-    zt_c = tl.zeros((), tl.float32)  # sum exp((l - m_c) / T)
+    m_acc = tl.full((BLOCK_V,), NEG_INF, tl.float32)
+    i_acc = tl.zeros((BLOCK_V,), tl.int32)
+    z1_acc = tl.zeros((BLOCK_V,), tl.float32)  # sum exp(l - m_acc)
+    zt_acc = tl.zeros((BLOCK_V,), tl.float32)  # sum exp((l - m_acc) / T)
     for start in range(lo, hi, BLOCK_V):
         idx = start + cols
         lg = tl.load(base + idx, mask=idx < hi, other=NEG_INF).to(tl.float32)
-        m_b = tl.max(lg, axis=0)
-        i_b = tl.min(tl.where(lg == m_b, idx, V), axis=0)  # the block's first max
-        i_c = tl.where(m_b > m_c, i_b, i_c)  # strict: an earlier block keeps a tie
-        new_m = tl.maximum(m_c, m_b)
+        i_acc = tl.where(lg > m_acc, idx, i_acc)  # strict: each lane keeps its first max
+        new_m = tl.maximum(m_acc, lg)
         live = new_m > NEG_INF
-        safe_m = tl.where(live, new_m, 0.0)  # all -inf so far: keep -inf - (-inf) out
-        z1_c = tl.where(live, z1_c * tl.math.exp2((m_c - safe_m) * LOG2E)
-                        + tl.sum(tl.math.exp2((lg - safe_m) * LOG2E), axis=0), 0.0)
-        if one_scale:
-            zt_c = z1_c
-        else:
-            zt_c = tl.where(live, zt_c * tl.math.exp2((m_c - safe_m) * scale)
-                            + tl.sum(tl.math.exp2((lg - safe_m) * scale), axis=0), 0.0)
-        m_c = tl.where(live, new_m, NEG_INF)
+        new_m = tl.where(live, new_m, 0.0)  # lanes that saw only -inf: keep -inf - (-inf) out
+        z1_acc = tl.where(live, z1_acc * tl.math.exp2((m_acc - new_m) * 1.4426950408889634)
+                          + tl.math.exp2((lg - new_m) * 1.4426950408889634), 0.0)
+        zt_acc = tl.where(live, zt_acc * tl.math.exp2((m_acc - new_m) * scale)
+                          + tl.math.exp2((lg - new_m) * scale), 0.0)
+        m_acc = tl.where(live, new_m, NEG_INF)
+    m_c = tl.max(m_acc, axis=0)
+    # an all -inf chunk: every lane ties at -inf with index 0, so an all -inf row's argmax is 0 as before
+    i_c = tl.min(tl.where(m_acc == m_c, i_acc, V), axis=0)
+    z1_c = tl.sum(tl.where(m_acc > NEG_INF, z1_acc * tl.math.exp2((m_acc - m_c) * 1.4426950408889634), 0.0),
+                  axis=0)
+    zt_c = tl.sum(tl.where(m_acc > NEG_INF, zt_acc * tl.math.exp2((m_acc - m_c) * scale), 0.0), axis=0)
     out = ws_ptr + row * ws_stride
     tl.store(out + c, m_c)
     tl.store(ws_int_ptr + row * ws_stride + S + c, i_c)
