@@ -38,9 +38,10 @@ def _case(t, h, kvh, d, rotary_dim, dtype, norm, seed=0):
     v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
     cos, sin = _tables(rotary_dim)
     positions = torch.randint(0, MAX_POS, (t,), generator=g).to(DEV)
-    slots = torch.randperm(NUM_SLOTS, generator=g)[:t].to(DEV)
+    num_slots = max(NUM_SLOTS, t + 7)  # room for every token (the 256- and 300-token GPU cases)
+    slots = torch.randperm(num_slots, generator=g)[:t].to(DEV)
     slots[1::3] = -1  # padding rows: no KV write
-    k_pool = torch.full((NUM_SLOTS, kvh, d), float("nan"), dtype=dtype, device=DEV)
+    k_pool = torch.full((num_slots, kvh, d), float("nan"), dtype=dtype, device=DEV)
     v_pool = torch.full_like(k_pool, float("nan"))
     weights = (None, None)
     if norm:
