@@ -7,6 +7,7 @@ source "$(dirname "$0")/device_env.sh"
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_chunk_gated_delta_rule.py \
     tests/kernels/test_causal_conv1d_varlen.py tests/kernels/test_linear_state_triton.py \
     tests/kernels/test_gated_delta_rule_decode.py tests/kernels/test_causal_conv1d_decode.py \
+    tests/kernels/test_gdn_gating_norm.py \
     2>&1 | tee "$OUT/hybrid_kernel_tests.log" | tail -8
 timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/chunk_gdr_bench.log"
 from rollout_kernels.chunk_gated_delta_rule import benchmark_chunk_gated_delta_rule

@@ -98,6 +98,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
         self.out_proj = Linear(value_size, H)
         self.activation = getattr(config, "hidden_act", "silu")
+        self.use_triton = False  # the gating in one launch (kernels/gdn_gating_norm.py)
 
     def forward(self, hidden: torch.Tensor, linear) -> torch.Tensor:
         """hidden [T, H] -> [T, H]; `linear` is the step's linear-state batch (engine.linear_state)."""
@@ -109,8 +110,15 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(T, self.num_k_heads, self.k_dim)
         k = k.reshape(T, self.num_k_heads, self.k_dim)
         v = v.reshape(T, self.num_v_heads, self.v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] float32, <= 0
+        g, beta = self._gating(a, b)  # [T, Hv] float32 (<= 0) and [T, Hv] in b's dtype
         out = linear.delta_rule(self.linear_idx, q, k, v, g, beta)  # [T, Hv, dv]
-        out = self.norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
+        out = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.v_dim)))  # per value head
         return self.out_proj(out.reshape(T, -1))
+
+    def _gating(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """a, b [T, Hv] -> (g = -exp(A_log) * softplus(a + dt_bias) float32, beta = sigmoid(b))."""
+        if self.use_triton:
+            from rollout_kernels.gdn_gating_norm import gdn_gating
+
+            return gdn_gating(a, b, self.A_log, self.dt_bias)
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()

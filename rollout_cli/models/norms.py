@@ -38,15 +38,21 @@ class ZeroCentredRMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """x, z [N, head_dim] -> (w * rmsnorm(x).to(dtype)) * silu(z) in float32, cast to x's dtype."""
+    """x, z [N, head_dim] or [T, heads, head_dim] (z may be a strided view) -> (w * rmsnorm(x).to(dtype))
+    * silu(z) in float32, cast to x's dtype."""
 
     def __init__(self, head_dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(head_dim), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
         self.eps = eps
+        self.use_triton = False  # one launch, same rounding steps (kernels/gdn_gating_norm.py)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if self.use_triton and self.weight.dtype == x.dtype:
+            from rollout_kernels.gdn_gating_norm import gated_rms_norm
+
+            return gated_rms_norm(x, z, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

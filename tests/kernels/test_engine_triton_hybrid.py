@@ -1,7 +1,7 @@
 """Hybrid linear-attention models on the Triton backend under the interpreter on the CPU: gated attention
 over the Triton attention batch, the Triton conv and delta-rule kernels (decode and chunked prefill), the
-fused MoE; same greedy tokens and logprobs as the torch path, through chunked prefill, n samples forking
-the prompt's state snapshot, and decode. (CUDA graphs: tests/e2e/test_gpu_hybrid.py.)"""
+gating and gated RMSNorm kernels, the fused MoE; same greedy tokens and logprobs as the torch path,
+through chunked prefill, n samples forking the prompt's state snapshot, and decode. (CUDA graphs: tests/e2e/test_gpu_hybrid.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 
 from backends import assert_same_samples, generate_on_both_backends, interpreter_only, prompts_with_shared_prefix
 from rollout_cli import Engine, SamplingParams
+from rollout_cli.models.gated_deltanet import GatedDeltaNet
 from rollout_cli.models.layers import RotaryEmbedding
+from rollout_cli.models.norms import GatedRMSNorm
 
 
 @interpreter_only
@@ -22,6 +24,8 @@ def test_triton_backend_matches_torch_backend_on_hybrids(tiny_hybrid_checkpoints
     runs, engine = generate_on_both_backends(model_dir, prompts, params, dtype="float32", max_model_len=64,
                                              max_batch_tokens=8, max_running=8)
     assert all(m.use_triton for m in engine.model.modules() if isinstance(m, RotaryEmbedding))
+    gdn = [m for m in engine.model.modules() if isinstance(m, (GatedDeltaNet, GatedRMSNorm))]
+    assert gdn and all(m.use_triton for m in gdn)  # the gating and the output norm: kernels/gdn_gating_norm.py
     assert engine.scheduler.stats.prefix_hit_rate > 0  # the second samples forked the prompt snapshot
     assert_same_samples(runs)
 
