@@ -4,6 +4,8 @@ Matches `rollout_cli.models.layers.RMSNorm` rounding step for step:
     s      = (x + residual)                      # in the activation dtype (fused variant)
     normed = weight * (s32 * rsqrt(mean(s32^2) + eps)).to(dtype)
 where the last product is rounded once to promote(weight.dtype, dtype), as torch does.
+`zero_centred=True` is the Qwen3-Next / Qwen3.5 variant (models/norms.ZeroCentredRMSNorm, w stored
+zero-centred): normed = (s32 * rsqrt(mean(s32^2) + eps) * (1 + w32)).to(dtype), rounded once.
 
 One program per row. Rows may be strided (a slice of a wider tensor) and the
 input may be 3-D [T, H, D] (per-head q/k norm on a strided view of a fused qkv
@@ -25,7 +27,7 @@ def _rms_norm_kernel(
     H, N,
     sx0, sx1, sr0, sr1, so0, so1, sro0, sro1,
     eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # rows are (t, h) pairs of a [T, H, N] view; 2-D inputs have H == 1
     row = tl.program_id(0).to(tl.int64)
@@ -41,10 +43,12 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + t * sro0 + h * sro1 + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    # (x32 * rstd) is rounded to the activation dtype before the weight multiply, as in torch
-    normed = (xf * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = normed * w
+    if ZERO_CENTRED:
+        y = (xf * rstd) * (1.0 + w)  # all in float32, rounded once at the store
+    else:
+        # (x32 * rstd) is rounded to the activation dtype before the weight multiply, as in torch
+        y = (xf * rstd).to(x.dtype).to(tl.float32) * w
     tl.store(out_ptr + t * so0 + h * so1 + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -60,7 +64,7 @@ def _check_rows(name: str, t: torch.Tensor, shape, dtype=None) -> None:
         assert t.dtype == dtype, f"{name} has dtype {t.dtype}, expected {dtype}"
 
 
-def _launch(x, residual, weight, eps, out, residual_out) -> None:
+def _launch(x, residual, weight, eps, out, residual_out, zero_centred: bool) -> None:
     n = x.shape[-1]
     assert 1 <= n <= MAX_N, f"rms_norm supports 1 <= N <= {MAX_N}, got {n}"
     assert weight.dim() == 1 and weight.shape[0] == n and weight.stride(0) == 1, "weight must be contiguous [N]"
@@ -79,29 +83,36 @@ def _launch(x, residual, weight, eps, out, residual_out) -> None:
         o3.stride(0), o3.stride(1), ro3.stride(0), ro3.stride(1),
         float(eps),
         HAS_RESIDUAL=residual is not None,
+        ZERO_CENTRED=zero_centred,
         BLOCK_N=triton.next_power_of_2(n),
         num_warps=4 if n <= 2048 else 8 if n <= 8192 else 16,
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def _out_dtype(x, weight, zero_centred: bool) -> torch.dtype:
+    # `weight * x.to(dtype)` promotes; the zero-centred variant casts back to x's dtype
+    return x.dtype if zero_centred else torch.promote_types(weight.dtype, x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+             zero_centred: bool = False) -> torch.Tensor:
     """x [T, N] or [T, H, N] (strided rows allowed) -> normed, same shape.
 
-    dtype of the result: promote(weight.dtype, x.dtype), as `weight * x` gives in torch.
-    `out` may be given (any row strides, e.g. `out=x` for in place); else a new tensor.
+    dtype of the result: promote(weight.dtype, x.dtype), as `weight * x` gives in torch (x's dtype
+    when zero_centred). `out` may be given (any row strides, e.g. `out=x` for in place); else a new tensor.
     """
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out_dtype = _out_dtype(x, weight, zero_centred)
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     _check_rows("x", x, x.shape)
     _check_rows("out", out, x.shape, out_dtype)
-    _launch(x, None, weight, eps, out, None)
+    _launch(x, None, weight, eps, out, None, zero_centred)
     return out
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, zero_centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual) then RMSNorm; returns (normed, new_residual). IN PLACE by default:
 
@@ -109,7 +120,7 @@ def fused_add_rms_norm(
     normed is written into `x` (needs weight.dtype == x.dtype); pass `out` /
     `residual_out` to write elsewhere. x, residual: [T, N] or [T, H, N], same dtype.
     """
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out_dtype = _out_dtype(x, weight, zero_centred)
     if out is None:
         assert out_dtype == x.dtype, (
             f"in-place fused_add_rms_norm needs weight dtype {weight.dtype} == x dtype {x.dtype}; pass out=")
@@ -120,18 +131,20 @@ def fused_add_rms_norm(
     _check_rows("residual", residual, x.shape, x.dtype)
     _check_rows("out", out, x.shape, out_dtype)
     _check_rows("residual_out", residual_out, x.shape, x.dtype)
-    _launch(x, residual, weight, eps, out, residual_out)
+    _launch(x, residual, weight, eps, out, residual_out, zero_centred)
     return out, residual_out
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm._norm in plain torch."""
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    """RMSNorm._norm (ZeroCentredRMSNorm._norm when zero_centred) in plain torch."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
     return weight * x32.to(x.dtype)
 
 
-def fused_add_rms_norm_ref(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm_ref(x, residual, weight, eps, zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm.forward(x, residual) in plain torch: (normed, x + residual)."""
     s = x + residual
-    return rms_norm_ref(s, weight, eps), s
+    return rms_norm_ref(s, weight, eps, zero_centred), s

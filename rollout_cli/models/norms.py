@@ -24,6 +24,7 @@ class ZeroCentredRMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader
         self.weight.dummy_fill = 0.0  # random-weight runs: scale 1, as HF initialises it
         self.eps = eps
+        self.use_triton = False  # kernels/rmsnorm.py with zero_centred=True, same rounding
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -31,6 +32,13 @@ class ZeroCentredRMSNorm(nn.Module):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.use_triton:
+            from rollout_kernels.rmsnorm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps, zero_centred=True)
+            # in place: x and residual are the layer's temporaries, as in layers.RMSNorm
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, zero_centred=True)
         if residual is None:
             return self._norm(x)
         x = x + residual  # in the activation dtype, as HF's `residual + hidden_states`

@@ -1,7 +1,8 @@
 """Hybrid linear-attention models on the Triton backend under the interpreter on the CPU: gated attention
 over the Triton attention batch, the Triton conv and delta-rule kernels (decode and chunked prefill), the
-gating and gated RMSNorm kernels, the fused MoE; same greedy tokens and logprobs as the torch path,
-through chunked prefill, n samples forking the prompt's state snapshot, and decode. (CUDA graphs: tests/e2e/test_gpu_hybrid.py.)"""
+gating, gated RMSNorm and zero-centred RMSNorm kernels, the fused MoE; same greedy tokens and logprobs
+as the torch path, through chunked prefill, n samples forking the prompt's state snapshot, and decode.
+(CUDA graphs: tests/e2e/test_gpu_hybrid.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from backends import assert_same_samples, generate_on_both_backends, interpreter
 from rollout_cli import Engine, SamplingParams
 from rollout_cli.models.gated_deltanet import GatedDeltaNet
 from rollout_cli.models.layers import RotaryEmbedding
-from rollout_cli.models.norms import GatedRMSNorm
+from rollout_cli.models.norms import GatedRMSNorm, ZeroCentredRMSNorm
 
 
 @interpreter_only
@@ -24,8 +25,9 @@ def test_triton_backend_matches_torch_backend_on_hybrids(tiny_hybrid_checkpoints
     runs, engine = generate_on_both_backends(model_dir, prompts, params, dtype="float32", max_model_len=64,
                                              max_batch_tokens=8, max_running=8)
     assert all(m.use_triton for m in engine.model.modules() if isinstance(m, RotaryEmbedding))
-    gdn = [m for m in engine.model.modules() if isinstance(m, (GatedDeltaNet, GatedRMSNorm))]
-    assert gdn and all(m.use_triton for m in gdn)  # the gating and the output norm: kernels/gdn_gating_norm.py
+    # the gating and the output norm (kernels/gdn_gating_norm.py), the (1 + w) norms (kernels/rmsnorm.py)
+    hybrid_parts = [m for m in engine.model.modules() if isinstance(m, (GatedDeltaNet, GatedRMSNorm, ZeroCentredRMSNorm))]
+    assert hybrid_parts and all(m.use_triton for m in hybrid_parts)
     assert engine.scheduler.stats.prefix_hit_rate > 0  # the second samples forked the prompt snapshot
     assert_same_samples(runs)
 

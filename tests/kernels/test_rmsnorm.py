@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rollout_cli.models.layers import RMSNorm
+from rollout_cli.models.norms import ZeroCentredRMSNorm
 from rollout_kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 
 CUDA = torch.cuda.is_available()
@@ -116,6 +117,47 @@ def test_empty_and_bad_inputs():
         rms_norm(torch.randn(8, 4, device=DEV).t(), w, 1e-6)  # last dim not contiguous
 
 
+def _zero_centred_module(n, w, dtype):
+    mod = ZeroCentredRMSNorm(n, 1e-6).to(DEV)
+    mod.weight.data = w.to(DEV, dtype)
+    return mod
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("n", [1, 63, 769])
+def test_zero_centred_against_the_hybrid_models_norm(n, dtype):
+    """The (1 + w) variant of Qwen3-Next / Qwen3.5, rounded once: plain, fused with the residual (in
+    place), and per head on a strided [T, H, D] view, against models/norms.ZeroCentredRMSNorm."""
+    torch.manual_seed(n + 11)
+    t = 6
+    w = 0.2 * torch.randn(n, device=DEV).to(dtype)  # zero-centred: the scale is 1 + w
+    mod = _zero_centred_module(n, w, dtype)
+    x = _strided_rows(t, n, dtype)
+    got = rms_norm(x, w, 1e-6, zero_centred=True)
+    assert got.dtype == dtype
+    _close(got, mod(x), dtype)
+    _close(got, rms_norm_ref(x, w, 1e-6, zero_centred=True), dtype)
+    residual = _strided_rows(t, n, dtype, pad=5)
+    want_normed, want_sum = mod(x, residual)
+    normed, new_res = fused_add_rms_norm(x, residual, w, 1e-6, zero_centred=True)
+    assert normed.data_ptr() == x.data_ptr() and torch.equal(new_res, want_sum)
+    _close(normed, want_normed, dtype)
+    qkv = torch.randn(t, 3 * 2 * n + 4, device=DEV).to(dtype)
+    heads = qkv[:, 4: 4 + 3 * n].view(t, 3, n)  # 3 heads, token stride 6n + 4
+    _close(rms_norm(heads, w, 1e-6, zero_centred=True), mod(heads), dtype)
+
+
+def test_zero_centred_keeps_the_activation_dtype_with_a_float32_weight():
+    torch.manual_seed(4)
+    x = torch.randn(5, 63, device=DEV).half()
+    w = 0.2 * torch.randn(63, device=DEV)
+    got = rms_norm(x, w, 1e-6, zero_centred=True)
+    assert got.dtype == torch.float16
+    _close(got, rms_norm_ref(x, w, 1e-6, zero_centred=True), torch.float16)
+    normed, _ = fused_add_rms_norm(x, x.clone(), w, 1e-6, zero_centred=True)  # in place is fine here
+    assert normed.dtype == torch.float16
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [64, 769, 4096, 8192])
@@ -131,6 +173,8 @@ def test_gpu_rms_norm(n, dtype):
     normed, new_res = fused_add_rms_norm(x, residual, w, 1e-6)
     assert torch.equal(new_res, want_sum)
     _close(normed, want_normed, dtype)
+    wz = 0.2 * torch.randn(n, device=DEV).to(dtype)
+    _close(rms_norm(x, wz, 1e-6, zero_centred=True), rms_norm_ref(x, wz, 1e-6, zero_centred=True), dtype)
 
 
 @pytest.mark.gpu
