@@ -7,12 +7,16 @@
 # Parts: tests (GPU engine + MoE engine tests), b06 (Qwen3-0.6B fixed, HF baseline), b8 (Qwen3-8B
 # fixed, HF baseline), mixed, grpo, moe30 (Qwen3-30B-A3B, capture off/on/on/off), moe30hf (the same
 # with the HF baseline; a call of its own: HF stops after 400 s and reports a bound), control (reload, CUDA IPC, release / resume on the 8B shape), memtests
-# (memory, weight-update and sampler GPU tests). Logs and JSON go to $OUT.
+# (memory, weight-update and sampler GPU tests), kernels (every kernel's GPU tests), hybrid (the
+# Qwen3-Next slice, 256 x 256 in x 2048 out), dense12 (the dense model of the same active size, same
+# workload: issue 8's comparison), hybridhf (the slice with the HF baseline, stopped after 300 s: a
+# bound). Logs and JSON go to $OUT.
 # torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 PARTS=${*:-tests b06 b8 mixed grpo moe30 moe30hf control memtests}
 Q06=recipes/configs/qwen3-0.6b Q8=recipes/configs/qwen3-8b Q30=recipes/configs/qwen3-30b-a3b
+NEXT=recipes/configs/qwen3-next-80b-a3b-12l DENSE12=recipes/configs/qwen3-dense-a3b-12l
 bench() {  # NAME TIMEOUT ARGS...: one bench, its table to the log and the reply, its JSON to $OUT
     local name=$1 limit=$2; shift 2
     echo "== $name: rollout bench $*"
@@ -28,6 +32,12 @@ for part in $PARTS; do
            grep -q " failed" "$OUT/gpu_tests.log" && { echo "GPU tests failed: no benches"; exit 1; } ;;
     memtests) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_gpu_memory.py \
                tests/e2e/test_gpu_weight_updates.py tests/kernels/test_sampling.py 2>&1 | tee "$OUT/gpu_memtests.log" | tail -4 ;;
+    kernels) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 \
+               | tee "$OUT/gpu_kernel_tests.log" | grep -E "^FAILED|passed|failed" | tail -20 ;;
+    hybrid) bench next12_fixed 150 --model $NEXT --num-prompts 256 --input-len 256 --output-len 2048 ;;
+    dense12) bench dense12_fixed 150 --model $DENSE12 --num-prompts 256 --input-len 256 --output-len 2048 ;;
+    hybridhf) bench next12_hf 480 --model $NEXT --num-prompts 256 --input-len 256 --output-len 2048 --baseline hf \
+               --baseline-time-limit 300 ;;
     b06) bench b06_fixed 150 --model $Q06 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --profile ;;
     b8) bench b8_fixed 200 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --profile ;;
     mixed) bench b06_mixed 60 --model $Q06 --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --temperature 0.6 ;;
