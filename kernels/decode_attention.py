@@ -162,13 +162,15 @@ def _decode_config(dtype, head_dim: int) -> tuple[int, int, int]:
 
 
 def decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: float,
-                     num_kv_splits: int = 16, out: torch.Tensor | None = None) -> torch.Tensor:
+                     num_kv_splits: int = 16, out: torch.Tensor | None = None,
+                     stage1_config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Attention of one new token per request over its keys [0, seq_len) in the pool.
 
     q [B, H, D] (any strides with a contiguous last dim, e.g. a slice of qkv);
     k_pool, v_pool [num_slots, KVH, D]; req_to_token [max_rows, max_len] int32;
     rows [B] int32/int64: table row of each request; seq_lens [B] int32 (>= 1;
     0 gives zeros). Returns out [B, H, D] in q.dtype (written into `out` if given).
+    `stage1_config` (BLOCK_N, num_warps, num_stages) overrides `_decode_config` (benchmark sweeps).
     """
     assert q.dim() == 3, f"q {tuple(q.shape)}: want [batch, num_heads, head_dim]"
     num_heads, num_kv_heads, head_dim = _check_common(q, k_pool, v_pool, req_to_token, rows, seq_lens)
@@ -183,7 +185,7 @@ def decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: flo
 
     group = num_heads // num_kv_heads
     block_h = max(16, triton.next_power_of_2(group))
-    block_n, num_warps, num_stages = _decode_config(q.dtype, head_dim)
+    block_n, num_warps, num_stages = stage1_config or _decode_config(q.dtype, head_dim)
     # scratch sized from shapes only: fine under CUDA graph capture (one split: unused, one element)
     parts = (batch, num_heads, num_kv_splits) if num_kv_splits > 1 else (1, 1, 1)
     mid_o = torch.empty((*parts, head_dim), dtype=torch.float32, device=q.device)
@@ -233,7 +235,8 @@ def decode_attention_ref(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale:
 
 def benchmark_decode_attention(batch: int = 64, context: int = 4096, num_heads: int = 16, num_kv_heads: int = 8,
                                head_dim: int = 128, dtype=torch.bfloat16, num_kv_splits: int = 16,
-                               hbm_bytes_per_s: float | None = None) -> dict:
+                               hbm_bytes_per_s: float | None = None,
+                               stage1_config: tuple[int, int, int] | None = None) -> dict:
     """Time decode_attention on CUDA (triton.testing.do_bench, median) for one decode step.
 
     Every request has `context` keys in scattered slots (a random permutation of
@@ -254,7 +257,8 @@ def benchmark_decode_attention(batch: int = 64, context: int = 4096, num_heads: 
     scale = 1.0 / math.sqrt(head_dim)
 
     def step():
-        decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale, num_kv_splits, out=out)
+        decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale, num_kv_splits, out=out,
+                         stage1_config=stage1_config)
 
     step()
     seconds = triton.testing.do_bench(step, return_mode="median") * 1e-3
@@ -264,6 +268,7 @@ def benchmark_decode_attention(batch: int = 64, context: int = 4096, num_heads: 
     result = {
         "batch": batch, "context": context, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
         "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."), "num_kv_splits": num_kv_splits,
+        "stage1_config": list(stage1_config or _decode_config(dtype, head_dim)),
         "time_us": seconds * 1e6, "bytes": total, "gb_per_s": total / seconds / 1e9,
     }
     if hbm_bytes_per_s is not None:

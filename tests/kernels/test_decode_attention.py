@@ -86,6 +86,15 @@ def test_decode_allocates_contiguous_out_and_takes_int64_rows():
     torch.testing.assert_close(result, decode_attention_ref(**case), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("stage1_config", [(16, 2, 1), (32, 4, 2)])
+def test_decode_with_other_stage1_knobs(stage1_config):
+    """The knobs a benchmark sweeps change tiling only: keys past a BLOCK_N boundary, a group of 4."""
+    case = make_decode_case([37, 5, 70], 8, 2, 32, torch.float32)
+    for splits in (1, 3):
+        out = decode_attention(**case, num_kv_splits=splits, stage1_config=stage1_config)
+        torch.testing.assert_close(out, decode_attention_ref(**case), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("num_kv_splits", [4, 1])  # 1: stage 1 writes the output itself
 def test_decode_zero_length_gives_zeros(num_kv_splits):
     """seq_len 0 (a padded CUDA-graph entry) must not produce NaN."""
