@@ -53,6 +53,7 @@ def follow_leader(config, daemon: bool = False) -> None:
     clients and then stops the followers; a follower dies on its own only if rank 0 disappears."""
     from rollout_cli.engine.engine import Engine
     from rollout_cli.engine.tensor_parallel import follow
+    from rollout_cli.engine.weight_updates import close_weight_update_groups
     from rollout_cli.models.tensor_parallel import close_tensor_parallel
 
     if daemon:
@@ -64,7 +65,7 @@ def follow_leader(config, daemon: bool = False) -> None:
         follow(engine)
     finally:
         if engine is not None:
-            close_weight_groups(engine)
+            close_weight_update_groups(engine)
         close_tensor_parallel()
     # A follower owns no output (rank 0 writes every file), so it skips interpreter finalization:
     # gloo's worker threads can still hold tensors then, and freeing them without a live interpreter
@@ -74,13 +75,6 @@ def follow_leader(config, daemon: bool = False) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def close_weight_groups(engine) -> None:
-    """Leave every trainer weight-update group this rank still belongs to (a trainer may never destroy it)."""
-    for group in list(engine.weight_update_groups.values()):
-        group.close()
-    engine.weight_update_groups.clear()
 
 
 @contextlib.contextmanager

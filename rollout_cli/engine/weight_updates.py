@@ -143,6 +143,14 @@ def destroy_weights_update_group(engine, group_name: str) -> None:
     group.close()
 
 
+def close_weight_update_groups(engine) -> None:
+    """Leave every trainer group this process still belongs to (at exit: a trainer may never destroy
+    them, and a gloo group still alive at interpreter finalization can abort the process)."""
+    for group in engine.weight_update_groups.values():
+        group.close()
+    engine.weight_update_groups.clear()
+
+
 def _metadata(names, dtypes, shapes) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     if not (len(names) == len(dtypes) == len(shapes)):
         raise RolloutError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")

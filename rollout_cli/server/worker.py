@@ -148,7 +148,9 @@ class EngineWorker(threading.Thread):
                 self._handle(self.commands.get(), in_job=False)
         finally:
             from rollout_cli.engine.tensor_parallel import release_followers
+            from rollout_cli.engine.weight_updates import close_weight_update_groups
 
+            close_weight_update_groups(self.engine)  # this rank's; the followers leave theirs as they exit
             release_followers(self.engine)  # --tp: the other ranks exit
         self._drain_failed()
 
