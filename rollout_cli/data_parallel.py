@@ -28,6 +28,7 @@ class ReplicaGroup:
     rank: int
     size: int
     local_rank: int
+    process_group: object = None  # the collectives' group: None is WORLD (--dp); the engines' leaders (--tp with --dp)
 
     @classmethod
     def from_environment(cls) -> "ReplicaGroup | None":
@@ -51,14 +52,14 @@ class ReplicaGroup:
     def barrier(self) -> None:
         import torch.distributed as dist
 
-        dist.barrier()
+        dist.barrier(group=self.process_group)
 
     def gather(self, value) -> list:
         """Every replica's `value`, in rank order (on every replica)."""
         import torch.distributed as dist
 
         values = [None] * self.size
-        dist.all_gather_object(values, value)
+        dist.all_gather_object(values, value, group=self.process_group)
         return values
 
     def close(self) -> None:

@@ -94,7 +94,7 @@ def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg):
     if not is_rank():
         check_tensor_parallel(hf_config, tp)
         launch_ranks(tp, "bench")
-    engine_config, rank = rank_config(engine_config, tp)
+    engine_config, rank = rank_config(engine_config, tp, "bench")
     if rank != 0:
         follow_leader(engine_config)
         return None

@@ -38,7 +38,7 @@ def run_command(
     flush_seconds: Annotated[float, typer.Option(help="Close a shard when its oldest row waited this long.", rich_help_panel=DATA)] = 10.0,
     capture_routing: Annotated[bool, typer.Option("--capture-routing", help="MoE models: write every token's expert ids to OUT/routing/ (routing replay).", rich_help_panel=DATA)] = False,
     dp: Annotated[int, typer.Option(help="Data parallel: run N engine replicas (one per GPU, or N processes on the CPU) that split the prompts and share OUT. Across machines, start `rollout run` with torchrun instead.", rich_help_panel=opt.ENGINE)] = 1,
-    tp: Annotated[int, typer.Option(help="Tensor parallel: split the model over N GPUs (N processes on the CPU); dense Llama / Qwen2 / Qwen3 and MoE Qwen2-MoE / Qwen3-MoE / Mixtral models.", rich_help_panel=opt.ENGINE)] = 1,
+    tp: Annotated[int, typer.Option(help="Tensor parallel: split the model over N GPUs (N processes on the CPU); dense Llama / Qwen2 / Qwen3 and MoE Qwen2-MoE / Qwen3-MoE / Mixtral models. With --dp M: M such engines share the prompts.", rich_help_panel=opt.ENGINE)] = 1,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary table.")] = False,
     engine: opt.EngineAddress = None,
     token_file: opt.TokenFile = None,
@@ -65,17 +65,16 @@ def run_command(
 
             raise RolloutError("--dp must be >= 1" if dp < 1 else
                                "--dp starts embedded replicas: give --model (a daemon serves one engine)")
-    if tp != 1 and (remote or tp < 1 or dp != 1):
+    if tp != 1 and (remote or tp < 1):
         with user_errors():
             from rollout_cli.errors import RolloutError
 
             raise RolloutError("--tp must be >= 1" if tp < 1 else
-                               "--tp with --dp is not supported yet; use one of them" if dp != 1 else
                                "--tp starts an embedded engine: give --model (a daemon serves one engine)")
     if tp > 1 and not remote:
         from rollout_cli.cli.tensor_parallel_run import tensor_parallel_run
 
-        tensor_parallel_run(tp, engine_options, quiet, out, job_args=dict(
+        tensor_parallel_run(tp, dp, engine_options, quiet, out, job_args=dict(
             data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume, skip_invalid=skip_invalid,
             shard_rows=shard_rows, flush_seconds=flush_seconds, capture_routing=capture_routing), sampling=dict(
             n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -74,7 +74,7 @@ def _tensor_parallel_rank(engine_config, hf_config, tp: int, socket: str | None)
             raise RolloutError(f"an engine is already serving on {socket}; stop it with "
                                f"rollout shutdown --engine {socket}, or pass another --socket")
         launch_ranks(tp, "serve", signal_exit_code=0)
-    engine_config, rank = rank_config(engine_config, tp)
+    engine_config, rank = rank_config(engine_config, tp, "serve")
     if rank != 0:
         follow_leader(engine_config, daemon=True)
         return None

@@ -37,10 +37,16 @@ def launch_ranks(tp: int, command: str, signal_exit_code: int | None = None) -> 
     raise typer.Exit(code)
 
 
-def rank_config(config, tp: int):
-    """(this rank's engine config: --tp and its device, rank) inside a process torch.distributed.run started."""
+def rank_config(config, tp: int, command: str | None = None):
+    """(this rank's engine config: --tp and its device, rank) inside a process torch.distributed.run started.
+    `command` (bench, serve) runs one engine: a world of more than `tp` processes is refused."""
     from rollout_cli.data_parallel import ReplicaGroup, replica_device
+    from rollout_cli.errors import RolloutError
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if command is not None and world != tp:
+        raise RolloutError(f"{command} --tp {tp} runs one engine: start {tp} processes, not {world} "
+                           f"(several engines: `rollout run --tp {tp} --dp M`)")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     device = replica_device(config.device, ReplicaGroup(rank, tp, local_rank))
     return dataclasses.replace(config, tensor_parallel_size=tp, device=device), rank
@@ -88,9 +94,12 @@ def leading(engine):
         release_followers(engine)
 
 
-def tensor_parallel_run(tp: int, engine_options: dict, quiet: bool, out: str, job_args: dict, sampling: dict,
-                        model: str) -> None:
+def tensor_parallel_run(tp: int, dp: int, engine_options: dict, quiet: bool, out: str, job_args: dict,
+                        sampling: dict, model: str) -> None:
+    """`run --tp N [--dp M]`: M engines of N ranks each (ranks r*N .. r*N + N - 1 form engine r); each
+    engine's rank 0 runs its share of the job as a data-parallel replica, the other ranks follow it."""
     from rollout_cli.cli.run import _progress_bar, _summary_table
+    from rollout_cli.data_parallel import ReplicaGroup
     from rollout_cli.engine.engine import Engine
     from rollout_cli.engine.sampling_params import SamplingParams
     from rollout_cli.job import JobConfig, check_job_inputs, run_job
@@ -104,15 +113,20 @@ def tensor_parallel_run(tp: int, engine_options: dict, quiet: bool, out: str, jo
         if not is_rank():  # the command the user typed: check the inputs, then start the ranks
             check_job_inputs(job)
             check_tensor_parallel(load_model_config(model), tp)
-            launch_ranks(tp, "run")
+            launch_ranks(tp * dp, "run")
         config, rank = rank_config(config, tp)
-        if rank != 0:
+        if rank % tp != 0:
             follow_leader(config)
             return
-        console = Console(stderr=True, quiet=quiet)
+        # replicas other than the first draw nothing: engine 0's bar shows its share of the prompts
+        console = Console(stderr=True, quiet=quiet or rank != 0)
         with console.status("loading model"):
             engine = Engine(config)
+        replicas = None
+        if engine.tp.num_replicas > 1:
+            replicas = ReplicaGroup(engine.tp.replica, engine.tp.num_replicas, int(os.environ.get("LOCAL_RANK", "0")),
+                                    process_group=engine.tp.leaders_group)
         with leading(engine), _progress_bar(console) as (_, update):
-            manifest = run_job(engine, params, job, on_progress=update)
-        if not quiet:
+            manifest = run_job(engine, params, job, on_progress=update, group=replicas)
+        if not quiet and rank == 0:
             console.print(_summary_table(manifest, out))

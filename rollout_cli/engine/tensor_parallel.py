@@ -36,7 +36,7 @@ def _broadcast(group: TensorParallelGroup, message=None):
     import torch.distributed as dist
 
     box = [message]
-    dist.broadcast_object_list(box, src=0, group=group.cpu_group)
+    dist.broadcast_object_list(box, group=group.cpu_group, group_src=0)  # this engine's rank 0
     return box[0]
 
 

@@ -49,10 +49,13 @@ class TensorParallelGroup:
     touch the GPU stream, and waits for them as long as a daemon idles (FOLLOWER_WAIT).
     """
 
-    rank: int
+    rank: int  # within this engine's ranks
     size: int
     group: object
     cpu_group: object
+    replica: int = 0  # which engine (--tp N --dp M: 0 .. M - 1)
+    num_replicas: int = 1
+    leaders_group: object = None  # gloo group of the engines' rank 0s, when num_replicas > 1
 
     @property
     def is_leader(self) -> bool:
@@ -76,23 +79,32 @@ def tp_rank() -> int:
 
 
 def init_tensor_parallel(size: int, device: torch.device) -> TensorParallelGroup:
-    """Join the process group torchrun set up (WORLD_SIZE == size); idempotent."""
+    """Join the process group torchrun set up; idempotent. WORLD_SIZE is `size` (one engine) or a
+    multiple of it (`--tp N --dp M`: M engines of N consecutive ranks each, e.g. ranks 0-1 and 2-3)."""
     global _GROUP
     import torch.distributed as dist
 
     if _GROUP is not None:
         return _GROUP
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != size or "RANK" not in os.environ:
-        raise RolloutError(f"--tp {size} needs {size} processes started by torch.distributed.run "
+    if world % size or "RANK" not in os.environ:
+        raise RolloutError(f"--tp {size} needs a multiple of {size} processes started by torch.distributed.run "
                            f"(found WORLD_SIZE={world}); use `rollout run --tp {size}`")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's collectives run on the current device: this rank's GPU
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    # the followers wait on this group for rank 0's next message, however long a daemon sits idle
-    cpu_group = dist.new_group(backend="gloo", timeout=FOLLOWER_WAIT)
-    _GROUP = TensorParallelGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, cpu_group)
+    rank, replicas = dist.get_rank(), world // size
+    replica = rank // size
+    # every process creates every group, in the same order (torch.distributed requires it)
+    engine_ranks = [list(range(r * size, (r + 1) * size)) for r in range(replicas)]
+    groups = [dist.group.WORLD] if replicas == 1 else [dist.new_group(ranks) for ranks in engine_ranks]
+    # the followers wait on this group for their leader's next message, however long a daemon sits idle
+    cpu_groups = [dist.new_group(ranks, backend="gloo", timeout=FOLLOWER_WAIT) for ranks in engine_ranks]
+    # the engines' leaders (ranks 0, N, 2N, ...) share the data-parallel job: its barrier and gathers
+    leaders = dist.new_group([r * size for r in range(replicas)], backend="gloo") if replicas > 1 else None
+    _GROUP = TensorParallelGroup(rank % size, size, groups[replica], cpu_groups[replica],
+                                 replica=replica, num_replicas=replicas, leaders_group=leaders)
     return _GROUP
 
 

@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU (gloo, two processes): `rollout run --tp 2` writes the same greedy
 tokens as `--tp 1`, logprobs within 1e-5 in float32, and a reload under tp 2 equals tp 1 on the new
-weights. Rank slicing itself is unit-tested in tests/unit/test_tensor_parallel_loader.py."""
+weights; `--tp 2 --dp 2` (four processes, two engines) equals one engine. Rank slicing itself is unit-tested in tests/unit/test_tensor_parallel_loader.py."""
 
 from __future__ import annotations
 
@@ -95,6 +95,50 @@ def test_tp2_equals_tp1(tiny_checkpoints, prompts, tmp_path, name, extra):
     assert manifest["status"] == "complete" and manifest["engine"]["tensor_parallel"] == 2
 
 
+def test_tp2_with_dp2_equals_one_engine_and_resumes(tiny_checkpoints, prompts, tmp_path):
+    """Four processes: two engines of two tensor-parallel ranks each, sharing the prompts as data-parallel
+    replicas (ranks 0-1 and 2-3); the union of their shards equals one single-process engine, and a
+    --resume after losing replica 1's shards (under plain --tp 2) redoes only those rows."""
+    args = ["--model", tiny_checkpoints["qwen3"], "--data", prompts, "--n", "2", "--max-new-tokens", "10",
+            "--temperature", "0", "--device", "cpu", "--kv-cache-tokens", "1024", "--quiet"]
+    one = _run(*args, "--out", tmp_path / "one")
+    assert one.returncode == 0, one.stderr
+    both = tmp_path / "tp2dp2"
+    run = _run(*args, "--out", both, "--tp", "2", "--dp", "2", timeout=400)
+    assert run.returncode == 0, run.stderr
+    shards = sorted(p.name for p in (both / "trajectories").glob("*.parquet"))
+    assert {name[:10] for name in shards} == {"part-r000-", "part-r001-"}, shards
+
+    def check(out):
+        want, got = _rows(tmp_path / "one"), _rows(out)
+        assert [(r["prompt_index"], r["sample_index"]) for r in got] == [(r["prompt_index"], r["sample_index"])
+                                                                        for r in want]
+        for a, b in zip(got, want):
+            assert a["response_token_ids"] == b["response_token_ids"], a["prompt_index"]
+            assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=LP_TOL), a["prompt_index"]
+
+    check(both)
+    manifest = json.loads((both / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["engine"]["tensor_parallel"] == 2
+    for shard in (both / "trajectories").glob("part-r001-*"):
+        shard.unlink()
+    resumed = _run(*args, "--out", both, "--tp", "2", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    check(both)
+
+
+@pytest.mark.parametrize("command, args", [("bench", ["--num-prompts", "2"]), ("serve", ["--socket", "engine.sock"])])
+def test_bench_and_serve_refuse_a_world_of_several_engines(tiny_checkpoints, tmp_path, command, args):
+    """As torchrun would start them with 4 processes for --tp 2: one line, before any process group."""
+    args = [str(tmp_path / a) if a == "engine.sock" else a for a in args]
+    result = _run("--model", tiny_checkpoints["qwen3"], "--tp", "2", "--device", "cpu", *args, command=command,
+                  env={"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: {command} --tp 2 runs one engine: start 2 processes, not 4 (several engines: "
+        "`rollout run --tp 2 --dp M`)"]
+
+
 def _perturbed(src: str, dst: Path, scale: float) -> str:
     """A copy of the checkpoint with other weights (same names and shapes)."""
     shutil.copytree(src, dst)
@@ -141,7 +185,7 @@ def test_reload_under_tp2_equals_tp1_on_the_new_weights(tiny_checkpoints, tmp_pa
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--tp", "2", "--dp", "2"], "error: --tp with --dp is not supported yet; use one of them"),
+    (["--tp", "2", "--dp", "0"], "error: --dp must be >= 1"),
     (["--tp", "3"], "error: --tp 3 must divide the 4 attention heads; choose a divisor"),
     (["--tp", "0"], "error: --tp must be >= 1"),
     (["--tp", "2", "--engine", "/nonexistent/rollout.sock"],
