@@ -82,6 +82,23 @@ def test_samples_fork_the_prompt_snapshot_and_chunks_stop_at_it():
     assert linear.allocator.num_free == 16 - 1  # every request slot back; the snapshot keeps one
 
 
+@pytest.mark.parametrize("prompt_len", [2, 3, 5])
+def test_short_prompts_still_share_their_state(prompt_len):
+    """No block size hides short prompts: a 2-token prompt's samples fork the state after its first token,
+    so the hit rate counts every sample but the first however short the prompt."""
+    import itertools
+
+    sched = Scheduler(num_kv_slots=400, max_running=8, max_batch_tokens=64, linear_state_slots=17)
+    runner = StateOracleRunner()
+    ids = itertools.count()
+    add_prompt(sched, ids, 0, list(range(3, 3 + prompt_len)), SamplingParams(n=4, max_new_tokens=2))
+    assert len(drive(sched, runner)) == 4
+    for rid in (1, 2, 3):
+        assert [(s, n) for r, s, n in runner.entry_log if r == rid][0] == (prompt_len - 1, 1)
+    assert sched.stats.cached_prompt_tokens == 3 * (prompt_len - 1)
+    assert sched.stats.prefix_hit_rate > 0
+
+
 def test_n1_prompts_take_no_snapshot_and_state_slots_bound_running():
     import itertools
 
