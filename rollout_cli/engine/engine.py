@@ -183,6 +183,8 @@ class Engine:
                 linear_state_memory_ratio=cfg.linear_state_memory_ratio, **sizes)
         if self.tp is not None:  # every rank needs the same slots: the scheduler on rank 0 hands them out
             num_slots = _min_over_ranks(num_slots, self.tp)
+            if state_slots is not None:
+                state_slots = _min_over_ranks(state_slots, self.tp)
         with self.memory.region("kv_cache"):  # the linear-attention states are cache memory too
             if state_shape is not None:
                 self.linear_states = LinearStatePool(state_shape, state_slots, self.device)
@@ -206,7 +208,8 @@ class Engine:
         """KV heads this process keeps in its pool: all of them, or this tensor-parallel rank's."""
         if self.tp is None:
             return self.hf_config.num_key_value_heads
-        return self.model.model.layers[0].self_attn.num_kv_heads
+        # the first layer with attention (hybrid models start with linear-attention layers)
+        return next(layer.self_attn.num_kv_heads for layer in self.model.model.layers if layer.self_attn is not None)
 
     def _profile_step(self) -> None:
         """One prefill chunk of max_batch_tokens over a throwaway KV pool, to measure activations."""

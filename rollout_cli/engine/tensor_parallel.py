@@ -14,12 +14,14 @@ their own) stay on rank 0.
 
 Messages, rank 0 -> all:
 
-    ("step", [BatchEntry without its request, ...])   one forward
+    ("step", [BatchEntry, its request cut to the state slot, ...], state copies)   one forward
     ("call", operation, args, kwargs)                  a control operation (CONTROL_OPERATIONS) on every rank
     ("stop",)                                         followers return from `follow`
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -48,10 +50,17 @@ def _gather(group: TensorParallelGroup, value) -> list:
     return values
 
 
+@dataclass(slots=True)
+class FollowerRequest:
+    """What a follower's forward reads of a request: its linear-state slot (hybrid models; -1 otherwise)."""
+
+    state_slot: int
+
+
 def _wire(entry: BatchEntry) -> BatchEntry:
-    """The entry as followers need it: no Request (only rank 0 samples)."""
-    return BatchEntry(None, entry.table_row, entry.start, entry.token_ids, entry.table_start,
-                      entry.table_slots, entry.sample)
+    """The entry as followers need it: no Request (only rank 0 samples), only its state slot."""
+    return BatchEntry(FollowerRequest(entry.request.state_slot), entry.table_row, entry.start, entry.token_ids,
+                      entry.table_start, entry.table_slots, entry.sample)
 
 
 class TensorParallelRunner(ModelRunner):
@@ -59,14 +68,15 @@ class TensorParallelRunner(ModelRunner):
 
     def _run_eager(self, out: ScheduleOutput) -> tuple[list[int], list[float]]:
         """Rank 0: send the step (sorted by launch(), input tokens known) to the followers, then run it."""
-        _broadcast(tp_group(), (STEP, [_wire(e) for e in out.entries]))
+        # hybrid models: the step's state copies (snapshots, forks) go along, applied on every rank
+        _broadcast(tp_group(), (STEP, [_wire(e) for e in out.entries], out.state_copies))
         return super()._run_eager(out)
 
     @torch.inference_mode()
-    def follow_step(self, entries: list[BatchEntry]) -> None:
+    def follow_step(self, entries: list[BatchEntry], state_copies: list[tuple[int, int]]) -> None:
         """A follower's share of one step: table writes and the forward (its logits are dropped)."""
         self._write_table(entries)
-        self._eager_logits(ScheduleOutput(entries))
+        self._eager_logits(ScheduleOutput(entries, state_copies=state_copies))
 
 
 def follow(engine) -> None:
@@ -76,7 +86,7 @@ def follow(engine) -> None:
         message = _broadcast(group)
         kind = message[0]
         if kind == STEP:
-            engine.runner.follow_step(message[1])
+            engine.runner.follow_step(message[1], message[2])
         elif kind == CALL:
             _call_here(engine, *message[1:])
         elif kind == STOP:

@@ -27,6 +27,7 @@ from torch import nn
 
 from rollout_cli.models.layers import FusedLinear, Linear, _copy_checked, default_weight_loader
 from rollout_cli.models.norms import GatedRMSNorm
+from rollout_cli.models.tensor_parallel import RowParallelLinear, mark_row_pieces, tp_rank, tp_size
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class LinearStateShape:
 
 
 def linear_state_shape(config, num_layers: int) -> LinearStateShape:
-    k_heads, v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+    """This process's state per sequence: under --tp N, its 1/N of the heads."""
+    k_heads, v_heads = config.linear_num_key_heads // tp_size(), config.linear_num_value_heads // tp_size()
     k_dim, v_dim = config.linear_key_head_dim, config.linear_value_head_dim
     return LinearStateShape(num_layers, 2 * k_heads * k_dim + v_heads * v_dim, config.linear_conv_kernel_dim,
                             v_heads, k_dim, v_dim)
@@ -72,7 +74,11 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.linear_idx = linear_idx  # index among the linear layers: the state pool's layer axis
         H = config.hidden_size
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        # --tp N: this rank's 1/N of the key heads and of the value heads (a value head's key head
+        # is on the same rank); every size below is this rank's
+        size = tp_size()
+        self.num_k_heads = config.linear_num_key_heads // size
+        self.num_v_heads = config.linear_num_value_heads // size
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         key_size, value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
         self.splits = [key_size, key_size, value_size]
@@ -96,9 +102,40 @@ class GatedDeltaNet(nn.Module):
         for param in (self.dt_bias, self.A_log):
             param.weight_loader = default_weight_loader
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
-        self.out_proj = Linear(value_size, H)
+        if size == 1:
+            self.out_proj = Linear(value_size, H)
+        else:
+            self.out_proj = RowParallelLinear(value_size * size, H, size, tp_rank())
+            self._mark_rank_slices(grouped_checkpoint, size, tp_rank())
         self.activation = getattr(config, "hidden_act", "silu")
         self.use_triton = False  # the gating in one launch (kernels/gdn_gating_norm.py)
+
+    def _mark_rank_slices(self, grouped_checkpoint: bool, size: int, rank: int) -> None:
+        """Which rows of each full checkpoint tensor this rank holds (models/tensor_parallel.py)."""
+        H = self.in_proj_qkvz.weight.shape[1]
+        key, value = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim  # this rank's
+        full_key, full_value = key * size, value * size
+        # conv channels q | k | v: the rank's q heads, its k heads, its v heads
+        qkv = [(rank * key, key), (full_key + rank * key, key), (2 * full_key + rank * value, value)]
+        full_conv = 2 * full_key + full_value
+        if grouped_checkpoint:  # rows grouped per key head: the rank's key heads are one range
+            rows = self.in_proj_qkvz.weight.shape[0] // self.num_k_heads
+            ba = self.in_proj_ba.weight.shape[0] // self.num_k_heads
+            mark_row_pieces(self.in_proj_qkvz.weight, {None: [(rank * self.in_proj_qkvz.weight.shape[0],
+                                                                self.in_proj_qkvz.weight.shape[0])]},
+                            {None: (rows * self.num_k_heads * size, H)})
+            mark_row_pieces(self.in_proj_ba.weight, {None: [(rank * self.in_proj_ba.weight.shape[0],
+                                                              self.in_proj_ba.weight.shape[0])]},
+                            {None: (ba * self.num_k_heads * size, H)})
+        else:  # Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, part-major
+            heads = self.num_v_heads
+            mark_row_pieces(self.in_proj_qkvz.weight, {"qkv": qkv, "z": [(rank * value, value)]},
+                            {"qkv": (full_conv, H), "z": (full_value, H)})
+            mark_row_pieces(self.in_proj_ba.weight, {"b": [(rank * heads, heads)], "a": [(rank * heads, heads)]},
+                            {"b": (heads * size, H), "a": (heads * size, H)})
+        mark_row_pieces(self.conv1d.weight, {None: qkv}, {None: (full_conv, 1, self.conv1d.weight.shape[2])})
+        for param in (self.dt_bias, self.A_log):
+            param.tp_split = {None: (0, rank * self.num_v_heads, self.num_v_heads, self.num_v_heads * size)}
 
     def forward(self, hidden: torch.Tensor, linear) -> torch.Tensor:
         """hidden [T, H] -> [T, H]; `linear` is the step's linear-state batch (engine.linear_state)."""

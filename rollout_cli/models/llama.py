@@ -135,14 +135,28 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def vocab_embedding(config) -> nn.Module:
+    """The token embedding: whole, or under --tp this rank's rows of the vocabulary."""
+    if tp_size() == 1:
+        return VocabEmbedding(config.vocab_size, config.hidden_size)
+    return VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_size(), tp_rank())
+
+
+def untied_lm_head(config, embed: nn.Module) -> Linear:
+    """A head of its own: whole, or under --tp the same rows of the vocabulary as the embedding."""
+    if tp_size() == 1:
+        return Linear(config.hidden_size, config.vocab_size)
+    head = Linear(config.hidden_size, embed.weight.shape[0])
+    head.weight.data.zero_()
+    mark_vocab_rows(head.weight, embed.start, embed.size, config.vocab_size)
+    return head
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config, flags: dict, max_positions: int, make_mlp=None):
         """make_mlp(layer_idx) -> the layer's MLP module, or None for the dense DecoderMLP."""
         super().__init__()
-        if tp_size() == 1:
-            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        else:
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_size(), tp_rank())
+        self.embed_tokens = vocab_embedding(config)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, flags, max_positions, make_mlp(i) if make_mlp else None)
             for i in range(config.num_hidden_layers)
@@ -185,15 +199,7 @@ class LlamaForCausalLM(nn.Module):
         flags = self.flags_for(config)
         self.model = DecoderModel(config, flags, max_positions, lambda i: self.make_mlp(config, i, flags))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        elif tp_size() == 1:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        else:  # the same rows of the vocabulary as the embedding
-            embed = self.model.embed_tokens
-            self.lm_head = Linear(config.hidden_size, embed.weight.shape[0])
-            self.lm_head.weight.data.zero_()
-            mark_vocab_rows(self.lm_head.weight, embed.start, embed.size, config.vocab_size)
+        self.lm_head = None if self.tie_word_embeddings else untied_lm_head(config, self.model.embed_tokens)
 
     def make_mlp(self, config, layer_idx: int, flags: dict) -> nn.Module | None:
         """The MLP of layer `layer_idx`; None keeps the dense DecoderMLP (MoE models override)."""

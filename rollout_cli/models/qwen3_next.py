@@ -22,8 +22,10 @@ import torch
 from torch import nn
 
 from rollout_cli.models.gated_deltanet import GatedDeltaNet, linear_state_shape
-from rollout_cli.models.layers import FusedLinear, Linear, RotaryEmbedding, VocabEmbedding
-from rollout_cli.models.llama import DecoderMLP, DecoderModel, LlamaForCausalLM, head_dim_of
+from rollout_cli.models.layers import FusedLinear, Linear, RotaryEmbedding
+from rollout_cli.models.llama import (DecoderMLP, DecoderModel, LlamaForCausalLM, head_dim_of, untied_lm_head,
+                                      vocab_embedding)
+from rollout_cli.models.tensor_parallel import HeadSplit, RowParallelLinear, mark_split, tp_rank, tp_size
 from rollout_cli.models.moe import MoeMixin, SparseMoeBlock
 from rollout_cli.models.norms import ZeroCentredRMSNorm
 
@@ -32,13 +34,23 @@ class GatedAttention(nn.Module):
     def __init__(self, config, kv_layer_idx: int, max_positions: int):
         super().__init__()
         self.layer_idx = kv_layer_idx
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = head_dim_of(config)
+        total = HeadSplit.of(config.num_attention_heads, config.num_key_value_heads, 1, 0)
+        split = HeadSplit.of(total.num_heads, total.num_kv_heads, tp_size(), tp_rank())  # this rank's heads
+        self.num_heads, self.num_kv_heads = split.num_heads, split.num_kv_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
-        # q_proj rows are per head [query (head_dim), gate (head_dim)]
+        # q_proj rows are per head [query (head_dim), gate (head_dim)]: a rank's heads are one range
         self.qkv_proj = FusedLinear(config.hidden_size, {"q": 2 * q_size, "k": kv_size, "v": kv_size}, bias=bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=bias)
+        if tp_size() == 1:
+            self.o_proj = Linear(q_size, config.hidden_size, bias=bias)
+        else:
+            hd = self.head_dim
+            mark_split(self.qkv_proj, {
+                "q": (0, 2 * split.q_start * hd, 2 * q_size, 2 * total.num_heads * hd),
+                "k": (0, split.kv_start * hd, kv_size, total.num_kv_heads * hd),
+                "v": (0, split.kv_start * hd, kv_size, total.num_kv_heads * hd)})
+            self.o_proj = RowParallelLinear(total.num_heads * hd, config.hidden_size, tp_size(), tp_rank(), bias=bias)
         self.q_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, self.head_dim, max_positions)
@@ -85,7 +97,7 @@ class HybridDecoderLayer(nn.Module):
 class HybridModel(nn.Module):
     def __init__(self, config, layers: list[HybridDecoderLayer]):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config)
         self.layers = nn.ModuleList(layers)
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -120,7 +132,7 @@ class Qwen3NextForCausalLM(MoeMixin, nn.Module):
         self.linear_state_shape = linear_state_shape(config, num_linear)
         self.attention_head_dim = head_dim_of(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = None if self.tie_word_embeddings else untied_lm_head(config, self.model.embed_tokens)
 
     def sparse_layers(self, config) -> list[int]:
         from rollout_cli.models.moe import moe_layer_ids
@@ -172,6 +184,10 @@ class Qwen3_5ForCausalLM(Qwen3_5MoeForCausalLM):
     @staticmethod
     def experts_of(config) -> tuple[int, int]:
         return 0, 0
+
+    @staticmethod
+    def mlp_widths(config) -> dict[str, int]:
+        return {"intermediate size": config.intermediate_size}
 
     def sparse_layers(self, config) -> list[int]:
         return []

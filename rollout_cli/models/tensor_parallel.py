@@ -1,4 +1,4 @@
-"""Tensor parallelism for the dense decoders: who this process is, and the split layers.
+"""Tensor parallelism for the dense, MoE and hybrid decoders: who this process is, and the split layers.
 
 `rollout run --tp N` starts N processes (torch.distributed.run); each builds the model with its
 share of the attention heads and of the MLP's intermediate size:
@@ -11,6 +11,8 @@ share of the attention heads and of the MLP's intermediate size:
     embed_tokens, lm_head   vocab-parallel: each rank holds ceil(V / N) rows of the vocabulary (the last
                             rank's tail zero-padded); the embedding looks up the ids it holds (others
                             masked to zero) and all-reduces; the head all-gathers the logits
+    Gated DeltaNet          (hybrid models) 1/N of the key and of the value heads: its rows of the projections
+                            and conv channels (`mark_row_pieces`), its own state pool, out_proj row-parallel
     MoE experts             every expert split like a dense MLP: w13 [E, 2 I / N, H] holds the rank's gate
                             and up rows of each expert, w2 [E, H, I / N] the matching input columns; the
                             shared expert (Qwen2-MoE) is split the same way and its down projection does
@@ -260,24 +262,54 @@ def _mark(layer: FusedLinear, split: dict) -> None:
             param.tp_split = split  # a bias [out] splits along dim 0 like the weight's rows
 
 
+def mark_row_pieces(param: torch.nn.Parameter, pieces: dict, full_shapes: dict, dim: int = 0) -> None:
+    """`param` (each of its shards) holds several pieces of the checkpoint tensor along `dim`, concatenated:
+    pieces[shard_id] = [(start, size), ...], full_shapes[shard_id] the checkpoint tensor's shape (what the
+    loader checks). For projections whose rank slice is not one range: Gated DeltaNet's q | k | v
+    channels. The loader hands over the whole tensor (these are small) and the pieces are cut here,
+    before the parameter's own weight_loader (fused shards, grouped rows) runs."""
+    inner = param.weight_loader
+
+    def load(target: torch.nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+        if tuple(tensor.shape) == tuple(full_shapes[shard_id]):
+            tensor = torch.cat([tensor.narrow(dim, start, size) for start, size in pieces[shard_id]], dim)
+        inner(target, tensor, shard_id)
+
+    param.shard_shape = lambda shard_id: tuple(full_shapes[shard_id])
+    param.weight_loader = load
+
+
+def mark_split(layer: FusedLinear, split: dict) -> None:
+    """Mark a fused column-parallel layer's shards: split = {shard_id: (dim, start, size, full_size)}."""
+    _mark(layer, split)
+
+
 # Architectures whose layers are all built from the split layers above.
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+# Gated DeltaNet heads split like attention heads (models/gated_deltanet.py), full attention as above
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 
 
 def check_tensor_parallel(hf_config, size: int) -> None:
-    """Refuse, in one line, a model --tp N cannot split: hybrid models, or head counts and MLP
+    """Refuse, in one line, a model --tp N cannot split: other architectures, or head counts and MLP
     widths N does not divide."""
     if size == 1:
         return
     from rollout_cli.models.registry import model_class_for
 
     cls = model_class_for(hf_config)
-    if cls.__name__ not in DENSE_ARCHITECTURES + MOE_ARCHITECTURES:
-        raise RolloutError(f"--tp {size} supports the dense and MoE decoders "
-                           f"({', '.join(DENSE_ARCHITECTURES + MOE_ARCHITECTURES)}) for now; "
+    supported = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + HYBRID_ARCHITECTURES[:3]
+    if cls.__name__ not in DENSE_ARCHITECTURES + MOE_ARCHITECTURES + HYBRID_ARCHITECTURES:
+        raise RolloutError(f"--tp {size} supports {', '.join(supported)} for now; "
                            f"{cls.__name__} runs with --tp 1 (or --dp N)")
     HeadSplit.of(hf_config.num_attention_heads, hf_config.num_key_value_heads, size, 0)
+    for what in ("linear_num_key_heads", "linear_num_value_heads"):  # Gated DeltaNet heads: split, never replicated
+        heads = getattr(hf_config, what, None)
+        if heads is not None and heads % size:
+            raise RolloutError(f"--tp {size} must divide the {heads} linear-attention "
+                               f"{'key' if 'key' in what else 'value'} heads; choose a divisor")
     for what, width in cls.mlp_widths(hf_config).items():
         if width % size:
             raise RolloutError(f"--tp {size} must divide the {what} {width}; choose a divisor")

@@ -20,6 +20,9 @@ from safetensors.torch import load_file, save_file
 from rollout_cli import Engine
 
 LP_TOL = 1e-5  # the row-parallel all-reduce sums in another order than one matmul: last float32 bits move
+# hybrid models carry those last bits through each sequence's recurrent state, token after token
+# (the largest drift seen on the tiny checkpoints: 1.5e-5, Qwen3-Next)
+HYBRID_LP_TOL = 5e-5
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 9, 17, 33, 2], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [5, 9, 17, 40]]
 
@@ -60,7 +63,7 @@ def _odd_vocabulary(src: str, dst: Path, vocab: int) -> str:
     return str(dst)
 
 
-def _tp1_and_tp2(args: list, tmp_path: Path) -> tuple[list[dict], list[dict]]:
+def _tp1_and_tp2(args: list, tmp_path: Path, lp_tol: float = LP_TOL) -> tuple[list[dict], list[dict]]:
     """`rollout run ARGS` into tmp_path/one and, with --tp 2, into tmp_path/two: (rows of one, rows of two),
     checked to hold the same greedy tokens and logprobs within LP_TOL (4 prompts x 2 samples)."""
     one = _run(*args, "--out", tmp_path / "one")
@@ -73,7 +76,7 @@ def _tp1_and_tp2(args: list, tmp_path: Path) -> tuple[list[dict], list[dict]]:
     for a, b in zip(got, want):
         key = (a["prompt_index"], a["sample_index"])
         assert a["response_token_ids"] == b["response_token_ids"], key
-        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=LP_TOL), key
+        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=lp_tol), key
     return want, got
 
 
@@ -237,14 +240,26 @@ def test_moe_tp2_on_the_triton_kernels(tiny_moe_checkpoints, prompts, tmp_path):
     assert _routing(tmp_path / "two") == _routing(tmp_path / "one")
 
 
-def test_hybrid_under_tp_is_refused(tiny_hybrid_checkpoints, prompts, tmp_path):
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_hybrid_tp2_equals_tp1(tiny_hybrid_checkpoints, prompts, tmp_path, name):
+    """Gated DeltaNet heads split over the ranks (grouped Qwen3-Next rows, split Qwen3.5 projections, the
+    q | k | v conv channels), each rank's own state pool: through chunked prefill (the state carried across
+    chunks), the second sample forking the prompt's state snapshot on every rank, and decode; MoE routing
+    capture rows equal."""
+    args = ["--model", tiny_hybrid_checkpoints[name], "--data", prompts, "--n", "2", "--max-new-tokens", "8",
+            "--temperature", "0", "--device", "cpu", "--max-model-len", "64", "--max-batch-tokens", "8",
+            "--quiet"] + (["--capture-routing"] if name != "qwen3_5" else [])
+    _tp1_and_tp2(args, tmp_path, lp_tol=HYBRID_LP_TOL)  # measured drift: 1.5e-5 (qwen3_next), 5e-6, 7e-6
+    if name != "qwen3_5":
+        assert _routing(tmp_path / "two") == _routing(tmp_path / "one")
+
+
+def test_hybrid_tp_must_divide_the_linear_heads(tiny_hybrid_checkpoints, prompts, tmp_path):
     result = _run("--model", tiny_hybrid_checkpoints["qwen3_next"], "--data", prompts, "--out", tmp_path / "o",
-                  "--device", "cpu", "--tp", "2")
+                  "--device", "cpu", "--tp", "4")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "error: --tp 2 supports the dense and MoE decoders (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-        "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM) for now; Qwen3NextForCausalLM runs with "
-        "--tp 1 (or --dp N)"]
+        "error: --tp 4 must divide the 2 linear-attention key heads; choose a divisor"]
 
 
 def test_bench_under_tp2_reports_from_rank_0(tiny_moe_checkpoints, tmp_path):

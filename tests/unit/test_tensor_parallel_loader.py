@@ -155,8 +155,14 @@ def test_splits_that_do_not_divide_are_refused(tiny_checkpoints, tiny_moe_checkp
     moe.moe_intermediate_size = 30
     with pytest.raises(RolloutError, match="--tp 4 must divide the expert intermediate size 30"):
         check_tensor_parallel(moe, 4)
-    with pytest.raises(RolloutError, match="--tp 2 supports the dense and MoE decoders"):
-        check_tensor_parallel(load_model_config(tiny_hybrid_checkpoints["qwen3_next"]), 2)
+    hybrid = load_model_config(tiny_hybrid_checkpoints["qwen3_next"])  # linear heads: 2 key, 4 value
+    check_tensor_parallel(hybrid, 2)
+    hybrid.linear_num_value_heads = 6
+    with pytest.raises(RolloutError, match="--tp 4 must divide the 2 linear-attention key heads"):
+        check_tensor_parallel(hybrid, 4)
+    hybrid.linear_num_key_heads = 4
+    with pytest.raises(RolloutError, match="--tp 4 must divide the 6 linear-attention value heads"):
+        check_tensor_parallel(hybrid, 4)
     with pytest.raises(RolloutError, match="multiple of the 3 kv heads"):
         HeadSplit.of(12, 3, 4, 0)
     assert HeadSplit.of(8, 2, 8, 5) == HeadSplit(1, 1, 5, 1)  # q head 5 uses kv head 5 // 4 = 1
