@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rollout_cli.cli import options as opt
+from rollout_cli.process_gc import freeze_long_lived_objects
 from rollout_cli.cli.errors import user_errors
 
 WORKLOAD = "Workload"
@@ -76,6 +77,7 @@ def bench_command(
                                                resolve_dtype(engine_config.dtype, torch_device), workload, cfg)
         with console.status("loading engine"):
             engine = Engine(engine_config)
+        freeze_long_lived_objects()
         with leading(engine):
             _bench_engine(engine, workload, cfg, hbm, report, json_path, profile, console)
 

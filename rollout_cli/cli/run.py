@@ -96,6 +96,7 @@ def run_command(
     import dataclasses
     import sys
 
+    from rollout_cli.process_gc import freeze_long_lived_objects
     from rollout_cli.data_parallel import ReplicaGroup, launch_replicas, replica_device, without_option
     from rollout_cli.engine.engine import Engine
     from rollout_cli.engine.sampling_params import SamplingParams
@@ -121,6 +122,7 @@ def run_command(
         console = Console(stderr=True, quiet=quiet or (group is not None and not group.is_leader))
         with console.status("loading model"):
             engine = Engine(engine_config)
+        freeze_long_lived_objects()
         try:
             with _progress_bar(console) as (progress, update):
                 manifest = run_job(engine, params, job, on_progress=update, group=group)

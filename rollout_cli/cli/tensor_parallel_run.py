@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 
 from rollout_cli.cli import options as opt
+from rollout_cli.process_gc import freeze_long_lived_objects
 from rollout_cli.cli.errors import user_errors
 
 
@@ -68,6 +69,7 @@ def follow_leader(config, daemon: bool = False) -> None:
     engine = None
     try:
         engine = Engine(config)
+        freeze_long_lived_objects()
         follow(engine)
     finally:
         if engine is not None:
@@ -122,6 +124,7 @@ def tensor_parallel_run(tp: int, dp: int, engine_options: dict, quiet: bool, out
         console = Console(stderr=True, quiet=quiet or rank != 0)
         with console.status("loading model"):
             engine = Engine(config)
+        freeze_long_lived_objects()
         replicas = None
         if engine.tp.num_replicas > 1:
             replicas = ReplicaGroup(engine.tp.replica, engine.tp.num_replicas, int(os.environ.get("LOCAL_RANK", "0")),

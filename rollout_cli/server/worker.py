@@ -156,9 +156,11 @@ class EngineWorker(threading.Thread):
 
     def _load(self) -> None:
         from rollout_cli.engine.control import checkpoint_dtypes, memory_held
+        from rollout_cli.process_gc import freeze_long_lived_objects
         from rollout_cli.engine.engine import Engine
 
         self.engine = Engine(self.engine_config)
+        freeze_long_lived_objects()
         if self.engine_config.load_format != "dummy":
             self._accepted_dtypes = checkpoint_dtypes(self.engine_config.model)
         self._publish(state="paused" if self.paused else "serving", memory=memory_held(self.engine),
