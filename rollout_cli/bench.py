@@ -1,7 +1,8 @@
 """`rollout bench`: throughput of the engine on a synthetic or given workload.
 
 Reports output and total tokens/s, time to first token, peak memory, and how
-close decode came to the limit set by memory bandwidth:
+close decode came to the limit set by memory bandwidth (and, on a GPU, to the roofline that also
+counts the matmuls' FLOPs: `roofline_seconds`):
 
     decode bytes  = sum over decode steps of (weight bytes + KV bytes per token x context tokens attended)
                     + decode tokens x 2 x linear-state bytes per sequence (hybrid models: read and written)
@@ -113,6 +114,51 @@ def measure_hbm_bandwidth(device: torch.device, gib: float = 2.0) -> float | Non
     del src, dst
     torch.cuda.empty_cache()
     return 2 * numel * 4 / statistics.median(times[2:])
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float | None:
+    """FLOP/s of a large square matmul in `dtype` (cuBLAS), median of 10 after 2 warm-ups; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n ** 3 / statistics.median(times[2:])
+
+
+def active_matmul_params(model) -> int:
+    """Weights one decode token is multiplied through (its matmul FLOPs are 2 x this): every 2-D weight
+    but the input embedding (counted as the head when tied), and of each stacked-experts module
+    (w13, w2 [E, ...]) the top_k / E share a token is routed through. Under --tp: this rank's shards."""
+    embed = model.model.embed_tokens.weight
+    experts = [m for m in model.modules() if hasattr(m, "w13") and hasattr(m, "w2")]
+    stacked = {id(p) for m in experts for p in (m.w13, m.w2)}
+    total = sum(p.numel() for p in model.parameters() if p.dim() == 2 and p is not embed and id(p) not in stacked)
+    if getattr(model, "tie_word_embeddings", False):
+        total += embed.numel()
+    top_k = getattr(model, "top_k", 0)
+    for m in experts:
+        total += (m.w13.numel() + m.w2.numel()) * top_k // m.num_experts
+    return total
+
+
+def roofline_seconds(steps: int, tokens: int, weight_bytes: int, matmul_params: int, other_bytes: int,
+                     hbm_bytes_per_s: float, flops_per_s: float) -> float:
+    """The least time the decode steps can take, kernel class by kernel class: each step's matmuls take
+    the longer of reading the weights and doing their FLOPs (2 x matmul params x the step's tokens, the
+    mean batch here), and the attention's KV (plus linear states) reads are bandwidth alone."""
+    per_step_tokens = tokens / steps
+    matmuls = max(weight_bytes / hbm_bytes_per_s, 2 * matmul_params * per_step_tokens / flops_per_s)
+    return steps * matmuls + other_bytes / hbm_bytes_per_s
 
 
 def run_hf_baseline(model_dir: str, load_format: str, device: torch.device, dtype: torch.dtype,
@@ -288,7 +334,8 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
     }
 
 
-def bandwidth_limit(engine: Engine, measured_tok_s: float, hbm_bytes_per_s: float | None) -> dict:
+def bandwidth_limit(engine: Engine, measured_tok_s: float, hbm_bytes_per_s: float | None,
+                    flops_per_s: float | None = None) -> dict:
     traffic = engine.runner.traffic
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     kv_bytes_per_token = engine.kv.bytes_per_token_of_pool
@@ -315,6 +362,19 @@ def bandwidth_limit(engine: Engine, measured_tok_s: float, hbm_bytes_per_s: floa
         limit = traffic.tokens / (decode_bytes / hbm_bytes_per_s)
         report["limit_output_tokens_per_s"] = limit
         report["fraction_of_limit"] = measured_tok_s / limit
+    if hbm_bytes_per_s and flops_per_s and traffic.steps:
+        # at large batches the matmuls run out of FLOP/s before bandwidth (the 8B shape at 256 rows)
+        params = active_matmul_params(engine.model)
+        seconds = roofline_seconds(traffic.steps, traffic.tokens, weight_bytes, params,
+                                   decode_bytes - traffic.steps * weight_bytes, hbm_bytes_per_s, flops_per_s)
+        report.update({
+            "roofline_formula": "roofline tok/s = decode tokens / (steps x max(weight bytes / HBM B/s, 2 x active "
+                                "matmul params x tokens per step / matmul FLOP/s) + other decode bytes / HBM B/s)",
+            "active_matmul_params": params,
+            "matmul_flops_per_s": flops_per_s,
+            "roofline_output_tokens_per_s": traffic.tokens / seconds,
+            "fraction_of_roofline": measured_tok_s * seconds / traffic.tokens,
+        })
     return report
 
 

@@ -48,7 +48,7 @@ def bench_command(
 
         rollout bench --model ckpt/ --load-format dummy --num-prompts 256 --tp 2
     """
-    from rollout_cli.bench import BenchConfig, make_workload, measure_hbm_bandwidth, run_hf_baseline
+    from rollout_cli.bench import BenchConfig, make_workload, measure_hbm_bandwidth, measure_matmul_flops, run_hf_baseline
     from rollout_cli.cli.tensor_parallel_run import leading
     from rollout_cli.engine.engine import Engine
     from rollout_cli.models.build import load_model_config, resolve_device, resolve_dtype
@@ -70,6 +70,7 @@ def bench_command(
         data_prompts = _read_prompts(data, prompt_key, model) if data else None
         workload = make_workload(cfg, hf_config.vocab_size, data_prompts)
         hbm = measure_hbm_bandwidth(torch_device)
+        flops = measure_matmul_flops(torch_device, resolve_dtype(engine_config.dtype, torch_device))
         report: dict = {"workload": {**cfg.__dict__, "prompts": len(workload.prompts)}}
         if baseline == "hf":
             with console.status("HF transformers baseline"):
@@ -79,7 +80,7 @@ def bench_command(
             engine = Engine(engine_config)
         freeze_long_lived_objects()
         with leading(engine):
-            _bench_engine(engine, workload, cfg, hbm, report, json_path, profile, console)
+            _bench_engine(engine, workload, cfg, hbm, report, json_path, profile, console, flops)
 
 
 def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg):
@@ -103,7 +104,8 @@ def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg):
     return engine_config
 
 
-def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: bool, console) -> None:
+def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: bool, console,
+                  flops: float | None = None) -> None:
     """The timed runs on a loaded engine, then the report (rank 0 of --tp N: the followers run the same steps)."""
     from rollout_cli.bench import bandwidth_limit, profile_decode, run_engine
 
@@ -120,7 +122,7 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
     else:
         with console.status("engine"):
             report["rollout"] = run_engine(engine, workload, cfg)
-    report["bandwidth"] = bandwidth_limit(engine, report["rollout"]["output_tokens_per_s"], hbm)
+    report["bandwidth"] = bandwidth_limit(engine, report["rollout"]["output_tokens_per_s"], hbm, flops)
     if "hf" in report:
         report["speedup_vs_hf"] = report["rollout"]["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"]
     report["versions"] = _versions(engine.device)
@@ -129,6 +131,8 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
             json.dump(report, f, indent=2, default=str)
     console.print(_table(report))
     console.print(f"[dim]{report['bandwidth']['formula']}[/dim]")
+    if "roofline_formula" in report["bandwidth"]:
+        console.print(f"[dim]{report['bandwidth']['roofline_formula']}[/dim]")
     if profile:
         console.print(profile_decode(engine, workload, cfg), soft_wrap=True)
 
@@ -203,6 +207,10 @@ def _table(report: dict) -> Table:
         table.add_row("bandwidth limit", f"{bw['limit_output_tokens_per_s']:,.0f} tok/s "
                       f"(HBM {bw['hbm_bytes_per_s'] / 1e12:.2f} TB/s)")
         table.add_row("fraction of limit", f"{bw['fraction_of_limit']:.1%}")
+    if bw.get("roofline_output_tokens_per_s"):
+        table.add_row("roofline limit", f"{bw['roofline_output_tokens_per_s']:,.0f} tok/s "
+                      f"(matmul {bw['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s)")
+        table.add_row("fraction of roofline", f"{bw['fraction_of_roofline']:.1%}")
     if "hf" in report:
         hf = report["hf"]
         bound = not hf.get("complete", True)  # stopped at --baseline-time-limit: an upper bound

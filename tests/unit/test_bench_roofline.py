@@ -1,0 +1,39 @@
+"""rollout bench's roofline: the matmul parameters a decode token goes through, and the least time
+of the decode steps when each step's matmuls are bound by either bandwidth or FLOP/s."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_cli import Engine
+from rollout_cli.bench import active_matmul_params, roofline_seconds
+
+
+def _attention_params(c) -> int:
+    heads, kv, hd, h = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
+    return h * heads * hd + 2 * h * kv * hd + heads * hd * h  # q, k, v, o
+
+
+def test_dense_counts_every_matmul_and_the_tied_head(tiny_checkpoints):
+    engine = Engine(tiny_checkpoints["qwen3"], device="cpu", max_model_len=64, kv_cache_tokens=256)
+    c = engine.hf_config
+    per_layer = _attention_params(c) + 3 * c.hidden_size * c.intermediate_size
+    assert c.tie_word_embeddings
+    assert active_matmul_params(engine.model) == c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size
+
+
+def test_moe_counts_the_routed_share_of_the_experts(tiny_moe_checkpoints):
+    engine = Engine(tiny_moe_checkpoints["qwen3_moe"], device="cpu", max_model_len=64, kv_cache_tokens=256)
+    c = engine.hf_config  # 3 layers, layer 1 dense; 8 experts, top 2; tied head
+    h = c.hidden_size
+    sparse = _attention_params(c) + c.num_experts * h + c.num_experts_per_tok * 3 * h * c.moe_intermediate_size
+    dense = _attention_params(c) + 3 * h * c.intermediate_size
+    assert active_matmul_params(engine.model) == 2 * sparse + dense + c.vocab_size * h
+
+
+def test_roofline_takes_the_slower_bound_of_each_steps_matmuls():
+    common = dict(weight_bytes=10**9, matmul_params=10**8, other_bytes=10**9, hbm_bytes_per_s=1e12, flops_per_s=1e14)
+    # 1 token a step: reading the weights (1 ms) beats 2e8 FLOP (2 us); plus 1 ms of KV reads
+    assert roofline_seconds(steps=10, tokens=10, **common) == pytest.approx(10 * 1e-3 + 1e-3)
+    # 1,000 tokens a step: 2e11 FLOP take 2 ms, longer than the 1 ms weight read
+    assert roofline_seconds(steps=10, tokens=10_000, **common) == pytest.approx(10 * 2e-3 + 1e-3)
