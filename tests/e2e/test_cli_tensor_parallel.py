@@ -254,6 +254,21 @@ def test_hybrid_tp2_equals_tp1(tiny_hybrid_checkpoints, prompts, tmp_path, name)
         assert _routing(tmp_path / "two") == _routing(tmp_path / "one")
 
 
+def test_hybrid_tp2_on_the_triton_kernels_equals_torch(tiny_hybrid_checkpoints, prompts, tmp_path):
+    """The GPU path's kernels (here under Triton's interpreter) on each rank's heads and state slots: the
+    conv and delta-rule kernels, the gating and norms, the fused MoE: the tokens of the one-process torch path."""
+    args = ["--model", tiny_hybrid_checkpoints["qwen3_next"], "--data", prompts, "--n", "2", "--max-new-tokens", "6",
+            "--temperature", "0", "--device", "cpu", "--max-model-len", "64", "--max-batch-tokens", "8", "--quiet"]
+    one = _run(*args, "--out", tmp_path / "one")
+    assert one.returncode == 0, one.stderr
+    two = _run(*args, "--out", tmp_path / "two", "--tp", "2", "--attention-backend", "triton",
+               env={"TRITON_INTERPRET": "1"})
+    assert two.returncode == 0, two.stderr
+    for a, b in zip(_rows(tmp_path / "two"), _rows(tmp_path / "one"), strict=True):
+        assert a["response_token_ids"] == b["response_token_ids"]
+        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=1e-4)  # kernels vs torch
+
+
 def test_hybrid_tp_must_divide_the_linear_heads(tiny_hybrid_checkpoints, prompts, tmp_path):
     result = _run("--model", tiny_hybrid_checkpoints["qwen3_next"], "--data", prompts, "--out", tmp_path / "o",
                   "--device", "cpu", "--tp", "4")
