@@ -23,6 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rollout_kernels.rmsnorm import _as3d  # [N, D] rows as [N, 1, D], like rms_norm's
+
 MAX_D = 16384  # one row of gated_rms_norm is one block
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus default: above it, softplus(x) = x
 
@@ -114,10 +116,6 @@ def _gated_rms_norm_kernel(
     z = tl.load(z_ptr + t * sz0 + h * sz1 + cols, mask=mask, other=0.0).to(tl.float32)
     y = wx * (z * _sigmoid(z))  # silu in float32
     tl.store(out_ptr + t * so0 + h * so1 + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _as3d(x: torch.Tensor) -> torch.Tensor:
-    return x.unsqueeze(1) if x.dim() == 2 else x
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,

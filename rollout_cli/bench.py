@@ -96,6 +96,19 @@ def make_workload(cfg: BenchConfig, vocab_size: int, data_prompts: list[list[int
     return Workload(prompts, output_lens)
 
 
+def _median_cuda_seconds(op, runs: int = 12, warmups: int = 2) -> float:
+    """Median seconds of `op()` on the current CUDA stream (CUDA events), the first `warmups` runs dropped."""
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        op()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times[warmups:])
+
+
 def measure_hbm_bandwidth(device: torch.device, gib: float = 2.0) -> float | None:
     """Bytes/s of a large device-to-device copy (read + write), median of 10; None on the CPU."""
     if device.type != "cuda":
@@ -103,17 +116,10 @@ def measure_hbm_bandwidth(device: torch.device, gib: float = 2.0) -> float | Non
     numel = int(gib * (1 << 30)) // 4
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    seconds = _median_cuda_seconds(lambda: dst.copy_(src))
     del src, dst
     torch.cuda.empty_cache()
-    return 2 * numel * 4 / statistics.median(times[2:])
+    return 2 * numel * 4 / seconds
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float | None:
@@ -122,17 +128,10 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.bfloat
         return None
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    times = []
-    for _ in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.mm(a, b)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    seconds = _median_cuda_seconds(lambda: torch.mm(a, b))
     del a, b
     torch.cuda.empty_cache()
-    return 2 * n ** 3 / statistics.median(times[2:])
+    return 2 * n ** 3 / seconds
 
 
 def active_matmul_params(model) -> int:

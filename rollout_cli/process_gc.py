@@ -24,5 +24,5 @@ def freeze_long_lived_objects() -> None:
     """Call once the engine is loaded (and again after anything large and long-lived was built)."""
     gc.collect()
     gc.freeze()
-    _, second, third = gc.get_threshold()
-    gc.set_threshold(max(FIRST_GENERATION_THRESHOLD, gc.get_threshold()[0]), second, third)
+    first, second, third = gc.get_threshold()
+    gc.set_threshold(max(FIRST_GENERATION_THRESHOLD, first), second, third)

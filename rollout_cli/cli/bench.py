@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from rollout_cli.cli import options as opt
-from rollout_cli.process_gc import freeze_long_lived_objects
 from rollout_cli.cli.errors import user_errors
+from rollout_cli.process_gc import freeze_long_lived_objects
 
 WORKLOAD = "Workload"
 

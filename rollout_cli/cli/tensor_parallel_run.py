@@ -18,8 +18,8 @@ import typer
 from rich.console import Console
 
 from rollout_cli.cli import options as opt
-from rollout_cli.process_gc import freeze_long_lived_objects
 from rollout_cli.cli.errors import user_errors
+from rollout_cli.process_gc import freeze_long_lived_objects
 
 
 def is_rank() -> bool:

@@ -119,14 +119,9 @@ class GatedDeltaNet(nn.Module):
         qkv = [(rank * key, key), (full_key + rank * key, key), (2 * full_key + rank * value, value)]
         full_conv = 2 * full_key + full_value
         if grouped_checkpoint:  # rows grouped per key head: the rank's key heads are one range
-            rows = self.in_proj_qkvz.weight.shape[0] // self.num_k_heads
-            ba = self.in_proj_ba.weight.shape[0] // self.num_k_heads
-            mark_row_pieces(self.in_proj_qkvz.weight, {None: [(rank * self.in_proj_qkvz.weight.shape[0],
-                                                                self.in_proj_qkvz.weight.shape[0])]},
-                            {None: (rows * self.num_k_heads * size, H)})
-            mark_row_pieces(self.in_proj_ba.weight, {None: [(rank * self.in_proj_ba.weight.shape[0],
-                                                              self.in_proj_ba.weight.shape[0])]},
-                            {None: (ba * self.num_k_heads * size, H)})
+            for weight in (self.in_proj_qkvz.weight, self.in_proj_ba.weight):
+                rows = weight.shape[0]  # this rank's
+                mark_row_pieces(weight, {None: [(rank * rows, rows)]}, {None: (rows * size, H)})
         else:  # Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, part-major
             heads = self.num_v_heads
             mark_row_pieces(self.in_proj_qkvz.weight, {"qkv": qkv, "z": [(rank * value, value)]},

@@ -25,9 +25,9 @@ from rollout_cli.models.gated_deltanet import GatedDeltaNet, linear_state_shape
 from rollout_cli.models.layers import FusedLinear, Linear, RotaryEmbedding
 from rollout_cli.models.llama import (DecoderMLP, DecoderModel, LlamaForCausalLM, head_dim_of, untied_lm_head,
                                       vocab_embedding)
-from rollout_cli.models.tensor_parallel import HeadSplit, RowParallelLinear, mark_split, tp_rank, tp_size
 from rollout_cli.models.moe import MoeMixin, SparseMoeBlock
 from rollout_cli.models.norms import ZeroCentredRMSNorm
+from rollout_cli.models.tensor_parallel import HeadSplit, RowParallelLinear, column_parallel_qkv, tp_rank, tp_size
 
 
 class GatedAttention(nn.Module):
@@ -41,16 +41,14 @@ class GatedAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
         # q_proj rows are per head [query (head_dim), gate (head_dim)]: a rank's heads are one range
-        self.qkv_proj = FusedLinear(config.hidden_size, {"q": 2 * q_size, "k": kv_size, "v": kv_size}, bias=bias)
         if tp_size() == 1:
+            self.qkv_proj = FusedLinear(config.hidden_size, {"q": 2 * q_size, "k": kv_size, "v": kv_size}, bias=bias)
             self.o_proj = Linear(q_size, config.hidden_size, bias=bias)
         else:
-            hd = self.head_dim
-            mark_split(self.qkv_proj, {
-                "q": (0, 2 * split.q_start * hd, 2 * q_size, 2 * total.num_heads * hd),
-                "k": (0, split.kv_start * hd, kv_size, total.num_kv_heads * hd),
-                "v": (0, split.kv_start * hd, kv_size, total.num_kv_heads * hd)})
-            self.o_proj = RowParallelLinear(total.num_heads * hd, config.hidden_size, tp_size(), tp_rank(), bias=bias)
+            self.qkv_proj = column_parallel_qkv(config.hidden_size, split, total, self.head_dim, bias,
+                                                q_rows_per_head=2)
+            self.o_proj = RowParallelLinear(total.num_heads * self.head_dim, config.hidden_size, tp_size(), tp_rank(),
+                                            bias=bias)
         self.q_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, self.head_dim, max_positions)

@@ -157,14 +157,14 @@ class HeadSplit:
 
 
 def column_parallel_qkv(hidden_size: int, split: HeadSplit, total: HeadSplit, head_dim: int,
-                        bias: bool) -> FusedLinear:
-    """qkv_proj holding this rank's q, k, v heads: weight [(hq + 2 hkv) * head_dim, hidden]."""
-    sizes = {"q": split.num_heads * head_dim, "k": split.num_kv_heads * head_dim,
-             "v": split.num_kv_heads * head_dim}
+                        bias: bool, q_rows_per_head: int = 1) -> FusedLinear:
+    """qkv_proj holding this rank's q, k, v heads: weight [(r hq + 2 hkv) * head_dim, hidden], r =
+    `q_rows_per_head` (2 when each q head's rows also carry its output gate: Qwen3-Next's gated attention)."""
+    q = q_rows_per_head * head_dim
+    sizes = {"q": split.num_heads * q, "k": split.num_kv_heads * head_dim, "v": split.num_kv_heads * head_dim}
     layer = FusedLinear(hidden_size, sizes, bias=bias)
-    full = {"q": total.num_heads * head_dim, "k": total.num_kv_heads * head_dim,
-            "v": total.num_kv_heads * head_dim}
-    starts = {"q": split.q_start * head_dim, "k": split.kv_start * head_dim, "v": split.kv_start * head_dim}
+    full = {"q": total.num_heads * q, "k": total.num_kv_heads * head_dim, "v": total.num_kv_heads * head_dim}
+    starts = {"q": split.q_start * q, "k": split.kv_start * head_dim, "v": split.kv_start * head_dim}
     _mark(layer, {s: (0, starts[s], sizes[s], full[s]) for s in sizes})
     return layer
 
@@ -277,11 +277,6 @@ def mark_row_pieces(param: torch.nn.Parameter, pieces: dict, full_shapes: dict, 
 
     param.shard_shape = lambda shard_id: tuple(full_shapes[shard_id])
     param.weight_loader = load
-
-
-def mark_split(layer: FusedLinear, split: dict) -> None:
-    """Mark a fused column-parallel layer's shards: split = {shard_id: (dim, start, size, full_size)}."""
-    _mark(layer, split)
 
 
 # Architectures whose layers are all built from the split layers above.

@@ -224,11 +224,9 @@ def test_moe_tp2_equals_tp1_with_routing(tiny_moe_checkpoints, prompts, tmp_path
     assert manifest["engine"]["tensor_parallel"] == 2
 
 
-def test_moe_tp2_on_the_triton_kernels(tiny_moe_checkpoints, prompts, tmp_path):
-    """The fused MoE kernels (the CUDA path; here under Triton's interpreter) on each rank's [E, 2I/2, H] and
-    [E, H, I/2] expert slices: the tokens and routing of the one-process torch path."""
-    args = ["--model", tiny_moe_checkpoints["qwen2_moe"], "--data", prompts, "--max-new-tokens", "4",
-            "--temperature", "0", "--device", "cpu", "--max-model-len", "64", "--capture-routing", "--quiet"]
+def _tp2_on_triton_kernels_equals_torch(args: list, tmp_path: Path) -> None:
+    """`rollout run ARGS` on the torch path into tmp_path/one, and with --tp 2 on the Triton kernels (under
+    the interpreter) into tmp_path/two: the same tokens, logprobs within 1e-4 (kernels vs torch)."""
     one = _run(*args, "--out", tmp_path / "one")
     assert one.returncode == 0, one.stderr
     two = _run(*args, "--out", tmp_path / "two", "--tp", "2", "--attention-backend", "triton",
@@ -236,7 +234,15 @@ def test_moe_tp2_on_the_triton_kernels(tiny_moe_checkpoints, prompts, tmp_path):
     assert two.returncode == 0, two.stderr
     for a, b in zip(_rows(tmp_path / "two"), _rows(tmp_path / "one"), strict=True):
         assert a["response_token_ids"] == b["response_token_ids"]
-        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=1e-4)  # kernels vs torch
+        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=1e-4)
+
+
+def test_moe_tp2_on_the_triton_kernels(tiny_moe_checkpoints, prompts, tmp_path):
+    """The fused MoE kernels (the CUDA path; here under Triton's interpreter) on each rank's [E, 2I/2, H] and
+    [E, H, I/2] expert slices: the tokens and routing of the one-process torch path."""
+    _tp2_on_triton_kernels_equals_torch(
+        ["--model", tiny_moe_checkpoints["qwen2_moe"], "--data", prompts, "--max-new-tokens", "4", "--temperature",
+         "0", "--device", "cpu", "--max-model-len", "64", "--capture-routing", "--quiet"], tmp_path)
     assert _routing(tmp_path / "two") == _routing(tmp_path / "one")
 
 
@@ -257,16 +263,10 @@ def test_hybrid_tp2_equals_tp1(tiny_hybrid_checkpoints, prompts, tmp_path, name)
 def test_hybrid_tp2_on_the_triton_kernels_equals_torch(tiny_hybrid_checkpoints, prompts, tmp_path):
     """The GPU path's kernels (here under Triton's interpreter) on each rank's heads and state slots: the
     conv and delta-rule kernels, the gating and norms, the fused MoE: the tokens of the one-process torch path."""
-    args = ["--model", tiny_hybrid_checkpoints["qwen3_next"], "--data", prompts, "--n", "2", "--max-new-tokens", "6",
-            "--temperature", "0", "--device", "cpu", "--max-model-len", "64", "--max-batch-tokens", "8", "--quiet"]
-    one = _run(*args, "--out", tmp_path / "one")
-    assert one.returncode == 0, one.stderr
-    two = _run(*args, "--out", tmp_path / "two", "--tp", "2", "--attention-backend", "triton",
-               env={"TRITON_INTERPRET": "1"})
-    assert two.returncode == 0, two.stderr
-    for a, b in zip(_rows(tmp_path / "two"), _rows(tmp_path / "one"), strict=True):
-        assert a["response_token_ids"] == b["response_token_ids"]
-        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=1e-4)  # kernels vs torch
+    _tp2_on_triton_kernels_equals_torch(
+        ["--model", tiny_hybrid_checkpoints["qwen3_next"], "--data", prompts, "--n", "2", "--max-new-tokens", "6",
+         "--temperature", "0", "--device", "cpu", "--max-model-len", "64", "--max-batch-tokens", "8", "--quiet"],
+        tmp_path)
 
 
 def test_hybrid_tp_must_divide_the_linear_heads(tiny_hybrid_checkpoints, prompts, tmp_path):
