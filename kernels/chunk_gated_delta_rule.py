@@ -105,25 +105,26 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _unit_lower_inverse(a, ri, BT: tl.constexpr, SB: tl.constexpr):
+    def _unit_lower_inverse(a, ri, BT: tl.constexpr, SB: tl.constexpr, PRECISION: tl.constexpr):
         """(I + a)^-1 for a [BT, BT] strictly lower triangular, in blocks of SB rows (SB divides BT).
 
         First the SB x SB diagonal blocks, by forward substitution run on all blocks at once (row r of
         every block per step: r = 1 .. SB-1); then, with D that block-diagonal inverse and F the part of
         a below the diagonal blocks, T = D - D F T block row by block row (F T of block row i only reads
         block rows < i, already final). SB - 1 + 2 (BT / SB - 1) dots instead of BT - 1 row steps, in
-        full float32 (no tf32): errors of the inverse carry into every later chunk through the state."""
+        PRECISION: "ieee" (full float32 on the CUDA cores) or "tf32x3" (three tf32 tensor-core passes,
+        float32-level error); not plain tf32: errors of the inverse carry into every later chunk."""
         eye = tl.where(ri[:, None] == ri[None, :], 1.0, 0.0)
         same_block = (ri[:, None] // SB) == (ri[None, :] // SB)
         diag_part = tl.where(same_block, a, 0.0)
         inv = eye
         for r in range(1, SB):
-            step = eye - tl.dot(diag_part, inv, input_precision="ieee")
+            step = eye - tl.dot(diag_part, inv, input_precision=PRECISION)
             inv = tl.where((ri % SB == r)[:, None], step, inv)
         below = tl.where(same_block, 0.0, a)
         full = inv
         for blk in range(1, BT // SB):
-            step = inv - tl.dot(inv, tl.dot(below, full, input_precision="ieee"), input_precision="ieee")
+            step = inv - tl.dot(inv, tl.dot(below, full, input_precision=PRECISION), input_precision=PRECISION)
             full = tl.where((ri // SB == blk)[:, None], step, full)
         return full
 
@@ -145,7 +146,8 @@ if triton is not None:
     def _chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, start_ptr, len_ptr,
                          sk0, sv0, sb0, sgc0, sw0, su0, DK, DV,
                          GROUP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         SB: tl.constexpr, L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         SB: tl.constexpr, L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         INV_PRECISION: tl.constexpr):
         # one program: chunk c, value head h. k [T, Hk, dk] (row stride sk0), v [T, Hv, dv], beta/gc [T, Hv]
         # -> w [T, Hv, dk], u [T, Hv, dv] float32 (head stride = head dim: contiguous per row)
         c = tl.program_id(0)
@@ -162,7 +164,7 @@ if triton is not None:
         strictly_lower = ri[:, None] > ri[None, :]
         decay = tl.exp(tl.where(strictly_lower, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT], 0 on/above diag
         a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=DOT_PRECISION) * decay  # [BT, BT]
-        inv = _unit_lower_inverse(a, ri, BT, SB)  # (I + A)^-1 [BT, BT]
+        inv = _unit_lower_inverse(a, ri, BT, SB, INV_PRECISION)  # (I + A)^-1 [BT, BT]
         w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None], input_precision=DOT_PRECISION)  # [BT, BK]
         tl.store(w_ptr + rows[:, None] * sw0 + h * DK + kcols[None, :], w, mask=mask_r[:, None] & (kcols[None, :] < DK))
         for v0 in range(0, DV, BV):
@@ -249,11 +251,13 @@ def _check_rows(name: str, x: torch.Tensor, heads: int, dim: int) -> None:
 def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                   beta: torch.Tensor, ssm_states: torch.Tensor, state_indices: torch.Tensor,
                                   cu_seqlens: list[int], chunk_size: int = 64,
-                                  use_qk_l2norm: bool = True) -> torch.Tensor:
+                                  use_qk_l2norm: bool = True, tuning: dict | None = None) -> torch.Tensor:
     """Triton prefill, as chunk_gated_delta_rule_varlen_ref: q/k [T, Hk, dk]; v [T, Hv, dv]; g/beta [T, Hv];
     sequence b is rows cu_seqlens[b]:cu_seqlens[b+1] and starts from ssm_states[state_indices[b]]
     ([S, Hv, dk, dv] float32, updated in place; state_indices [B] int64, distinct, >= 0)
-    -> o [T, Hv, dv] in v's dtype. q/k/v may be row-strided views (a fused projection's output)."""
+    -> o [T, Hv, dv] in v's dtype. q/k/v may be row-strided views (a fused projection's output).
+    tuning (for the benchmark's sweeps; None: the defaults below) may set inv_precision ("ieee" or
+    "tf32x3"), warps (every kernel), state_warps, block_v (state and output kernels), sub_block (SB)."""
     assert triton is not None, "chunk_gated_delta_rule_varlen needs triton"
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
@@ -278,9 +282,16 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     starts, lens, offsets = chunk_plan(cu_seqlens, chunk_size, device)
     num_chunks = starts.shape[0]
     BT, BK = chunk_size, max(16, triton.next_power_of_2(dk))
-    BV = min(max(16, triton.next_power_of_2(dv)), 64)
+    knobs = tuning or {}
+    BV = knobs.get("block_v", min(max(16, triton.next_power_of_2(dv)), 64))
     precision = "ieee" if v.dtype == torch.float32 else "tf32"
-    warps = 8 if BK >= 128 else 4  # [64, 128] float32 tiles: spread the registers (untuned, see the benchmark)
+    # bf16/fp16 inputs: the inverse on tensor cores (tf32x3) with 4 warps per program: 6.0 -> 3.5 ms at
+    # 4 x 4096 tokens on the H200 (scripts/bench_gdn_vs_fla.py), 1e-4 from the "ieee" output; float32
+    # inputs (the CPU reference runs) keep full float32 with 8 warps at dk 128
+    low_precision = v.dtype != torch.float32
+    inv_precision = knobs.get("inv_precision", "tf32x3" if low_precision else "ieee")
+    warps = knobs.get("warps", 4 if low_precision or BK < 128 else 8)
+    state_warps = knobs.get("state_warps", warps)
     common = dict(GROUP=Hv // Hk, BT=BT, BK=BK, L2NORM=use_qk_l2norm, DOT_PRECISION=precision)
     gcum = torch.empty((T, Hv), dtype=torch.float32, device=device)
     block_h = min(triton.next_power_of_2(Hv), 64)
@@ -290,12 +301,14 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     u = torch.empty((T, Hv, dv), dtype=torch.float32, device=device)  # then v_new, in place
     _chunk_wy_kernel[(num_chunks, Hv)](k, v, beta, gcum, w, u, starts, lens, k.stride(0), v.stride(0),
                                        beta.stride(0), gcum.stride(0), w.stride(0), u.stride(0), dk, dv,
-                                       BV=BV, SB=min(16, BT), **common, num_warps=warps)
+                                       BV=BV, SB=min(knobs.get("sub_block", 16), BT),
+                                       INV_PRECISION=inv_precision, **common, num_warps=warps)
     hs = torch.empty((num_chunks, Hv, dk, dv), dtype=torch.float32, device=device)  # state at each chunk start
     _chunk_state_kernel[(B, Hv, triton.cdiv(dv, BV))](
         k, w, u, gcum, hs, ssm_states, state_indices, starts, lens, offsets,
         k.stride(0), w.stride(0), u.stride(0), gcum.stride(0), hs.stride(0),
-        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), dk, dv, BV=BV, **common, num_warps=warps)
+        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), dk, dv, BV=BV, **common,
+        num_warps=state_warps)
     _chunk_output_kernel[(num_chunks, Hv, triton.cdiv(dv, BV))](
         q, k, u, gcum, hs, out, starts, lens, q.stride(0), k.stride(0), u.stride(0), gcum.stride(0), hs.stride(0),
         out.stride(0), out.stride(1), dk ** -0.5, dk, dv, BV=BV, **common, num_warps=warps)
@@ -331,7 +344,7 @@ def chunk_wy_repr(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gcum: to
             k, v, beta, gcum, w, u, starts, lens, k.stride(0), v.stride(0), beta.stride(0), gcum.stride(0),
             w.stride(0), u.stride(0), dk, dv, GROUP=Hv // Hk, BT=chunk_size, BK=max(16, triton.next_power_of_2(dk)),
             BV=min(max(16, triton.next_power_of_2(dv)), 64), SB=min(16, chunk_size), L2NORM=use_qk_l2norm,
-            DOT_PRECISION="ieee" if v.dtype == torch.float32 else "tf32", num_warps=4)
+            DOT_PRECISION="ieee" if v.dtype == torch.float32 else "tf32", INV_PRECISION="ieee", num_warps=4)
     return w, u
 
 

@@ -9,14 +9,19 @@
 # with the HF baseline; a call of its own: HF stops after 400 s and reports a bound), control (reload, CUDA IPC, release / resume on the 8B shape), memtests
 # (memory, weight-update and sampler GPU tests), kernels (every kernel's GPU tests), hybrid (the
 # Qwen3-Next slice, 256 x 256 in x 2048 out), dense12 (the dense model of the same active size, same
-# workload: issue 8's comparison), hybridhf (the slice with the HF baseline, stopped after 300 s: a
-# bound). Logs and JSON go to $OUT.
+# workload: issue 8's comparison), hybridhf (the slice with the HF baseline, stopped after 120 s: a
+# bound, HF on its torch fallback), kernels8 (the GPU tests of the kernels issue 8 added or changed),
+# hybridtests (the hybrid engine's GPU tests), longout (the slice with dense MLPs against dense12 at
+# 2048 and 8192 output tokens: linear against full attention at equal weights per step), fla (our Gated DeltaNet kernels against
+# flash-linear-attention's in one run; carry .whl_fla holding the fla-core wheel, installed apart so
+# that HF's baseline keeps its torch fallback). Logs and JSON go to $OUT.
 # torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 PARTS=${*:-tests b06 b8 mixed grpo moe30 moe30hf control memtests}
 Q06=recipes/configs/qwen3-0.6b Q8=recipes/configs/qwen3-8b Q30=recipes/configs/qwen3-30b-a3b
 NEXT=recipes/configs/qwen3-next-80b-a3b-12l DENSE12=recipes/configs/qwen3-dense-a3b-12l
+NEXTMLP=recipes/configs/qwen3-next-dense-mlp-12l
 bench() {  # NAME TIMEOUT ARGS...: one bench, its table to the log and the reply, its JSON to $OUT
     local name=$1 limit=$2; shift 2
     echo "== $name: rollout bench $*"
@@ -34,10 +39,22 @@ for part in $PARTS; do
                tests/e2e/test_gpu_weight_updates.py tests/kernels/test_sampling.py 2>&1 | tee "$OUT/gpu_memtests.log" | tail -4 ;;
     kernels) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 \
                | tee "$OUT/gpu_kernel_tests.log" | grep -E "^FAILED|passed|failed" | tail -20 ;;
+    kernels8) timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_gating_norm.py \
+               tests/kernels/test_rmsnorm.py tests/kernels/test_chunk_gated_delta_rule.py \
+               tests/kernels/test_qk_norm_rope_store.py tests/kernels/test_sampling.py 2>&1 \
+               | tee "$OUT/gpu_kernel8_tests.log" | grep -E "^FAILED|passed|failed" | tail -20 ;;
+    hybridtests) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_gpu_hybrid.py 2>&1 \
+               | tee "$OUT/gpu_hybrid_tests.log" | grep -E "^FAILED|passed|failed" | tail -12 ;;
+    fla) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla_site .whl_fla/*.whl \
+           && PYTHONPATH=$PYTHONPATH:/tmp/fla_site timeout 240 python3 scripts/bench_gdn_vs_fla.py --json "$OUT/gdn_vs_fla.json" \
+           2>&1 | tee "$OUT/gdn_vs_fla.log" | tail -45 ;;
     hybrid) bench next12_fixed 150 --model $NEXT --num-prompts 256 --input-len 256 --output-len 2048 ;;
     dense12) bench dense12_fixed 150 --model $DENSE12 --num-prompts 256 --input-len 256 --output-len 2048 ;;
-    hybridhf) bench next12_hf 480 --model $NEXT --num-prompts 256 --input-len 256 --output-len 2048 --baseline hf \
-               --baseline-time-limit 300 ;;
+    longout) for len in 2048 8192; do  # linear vs full attention at the same weights per step, two output lengths
+               bench nextmlp_$len 200 --model $NEXTMLP --num-prompts 256 --input-len 256 --output-len $len
+               bench dense12_$len 200 --model $DENSE12 --num-prompts 256 --input-len 256 --output-len $len; done ;;
+    hybridhf) bench next12_hf 300 --model $NEXT --num-prompts 256 --input-len 256 --output-len 2048 --baseline hf \
+               --baseline-time-limit 120 ;;
     b06) bench b06_fixed 150 --model $Q06 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --profile ;;
     b8) bench b8_fixed 200 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --profile ;;
     mixed) bench b06_mixed 60 --model $Q06 --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --temperature 0.6 ;;
