@@ -12,14 +12,8 @@ import argparse
 import json
 
 import torch
-import triton.testing
 
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    seconds = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3
-    return 2 * x.numel() / seconds
+from rollout_cli.bench import measure_hbm_bandwidth  # the copy `rollout bench` measures the limit with
 
 
 def main() -> None:
@@ -29,7 +23,7 @@ def main() -> None:
     from rollout_kernels.decode_attention import benchmark_decode_attention
     from rollout_kernels.sampling import benchmark_sample
 
-    hbm = copy_bandwidth()
+    hbm = measure_hbm_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {hbm / 1e9:.0f} GB/s")
     rows = {"sampler": [], "decode_attention": [], "qk_prologue": []}
     print("sampler, B 256, V 151936, bf16")

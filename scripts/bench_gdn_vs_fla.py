@@ -10,7 +10,8 @@ installs them into a directory of their own). Qwen3-Next's linear-layer shape: 1
   compared, then timed; TFLOP/s counts chunk_gated_delta_rule_flops for both.
 - decode: our recurrent_gated_delta_rule_update (one token per sequence, state slots updated in
   place) against FLA's fused_recurrent_gated_delta_rule (initial_state in, final state out);
-  fraction of HBM bandwidth = (state read + write + q/k/v/o bytes) / time / copy bandwidth.
+  fraction of HBM bandwidth = (state read + write + q/k/v/o bytes) / time / the copy bandwidth
+  `rollout bench` measures.
 """
 
 from __future__ import annotations
@@ -22,14 +23,9 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+from rollout_cli.bench import measure_hbm_bandwidth  # the copy `rollout bench` measures the limit with
+
 HK, HV, DK, DV = 16, 32, 128, 128
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    seconds = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3
-    return 2 * x.numel() / seconds
 
 
 def inputs(tokens: int, seqs: int, seed: int):
@@ -45,6 +41,12 @@ def inputs(tokens: int, seqs: int, seed: int):
     return q, k, v, g, beta, states
 
 
+def prefill_case(seqs: int, seq_len: int):
+    """seqs prompts of seq_len tokens packed in one batch -> (q, k, v, g, beta, states, cu_seqlens, slots)."""
+    q, k, v, g, beta, states = inputs(seqs * seq_len, seqs, seed=seq_len)
+    return q, k, v, g, beta, states, [i * seq_len for i in range(seqs + 1)], torch.arange(seqs, device="cuda")
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
 
@@ -53,11 +55,8 @@ def prefill_row(seqs: int, seq_len: int) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
     from rollout_kernels.chunk_gated_delta_rule import chunk_gated_delta_rule_flops, chunk_gated_delta_rule_varlen
 
-    T = seqs * seq_len
-    q, k, v, g, beta, states = inputs(T, seqs, seed=seq_len)
-    cu = [i * seq_len for i in range(seqs + 1)]
+    q, k, v, g, beta, states, cu, index = prefill_case(seqs, seq_len)
     cu_t = torch.tensor(cu, dtype=torch.long, device="cuda")
-    index = torch.arange(seqs, device="cuda")
     ours_states = states.clone()
     ours = chunk_gated_delta_rule_varlen(q, k, v, g, beta, ours_states, index, cu)
     theirs, theirs_final = fla_chunk(q[None], k[None], v[None], g[None], beta[None], initial_state=states.clone(),
@@ -69,7 +68,7 @@ def prefill_row(seqs: int, seq_len: int) -> dict:
                                                          initial_state=states, output_final_state=True,
                                                          use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t),
                                        return_mode="median") * 1e-3
-    flops = chunk_gated_delta_rule_flops(T, HV, DK, DV, 64)
+    flops = chunk_gated_delta_rule_flops(seqs * seq_len, HV, DK, DV, 64)
     return {"seqs": seqs, "seq_len": seq_len, "ours_us": ours_s * 1e6, "fla_us": theirs_s * 1e6,
             "ours_tflops": flops / ours_s / 1e12, "fla_tflops": flops / theirs_s / 1e12,
             "out_rel_err": rel_err(ours, theirs[0]), "state_rel_err": rel_err(ours_states, theirs_final)}
@@ -83,9 +82,8 @@ def tuning_rows(seqs: int, seq_len: int) -> list[dict]:
     """Our prefill at each TUNINGS entry: time, and its output's distance from the default's."""
     from rollout_kernels.chunk_gated_delta_rule import chunk_gated_delta_rule_flops, chunk_gated_delta_rule_varlen
 
-    T = seqs * seq_len
-    q, k, v, g, beta, states = inputs(T, seqs, seed=seq_len)
-    cu, index = [i * seq_len for i in range(seqs + 1)], torch.arange(seqs, device="cuda")
+    q, k, v, g, beta, states, cu, index = prefill_case(seqs, seq_len)
+    flops = chunk_gated_delta_rule_flops(seqs * seq_len, HV, DK, DV, 64)
     base = chunk_gated_delta_rule_varlen(q, k, v, g, beta, states.clone(), index, cu)
     rows = []
     for tuning in TUNINGS:
@@ -95,7 +93,6 @@ def tuning_rows(seqs: int, seq_len: int) -> list[dict]:
             sec = triton.testing.do_bench(lambda: chunk_gated_delta_rule_varlen(q, k, v, g, beta, scratch, index, cu,
                                                                                 tuning=tuning),
                                           return_mode="median") * 1e-3
-            flops = chunk_gated_delta_rule_flops(T, HV, DK, DV, 64)
             rows.append({"seqs": seqs, "seq_len": seq_len, "tuning": tuning, "us": sec * 1e6,
                          "tflops": flops / sec / 1e12, "rel_err_vs_default": rel_err(out, base)})
         except Exception as e:  # a knob set that does not compile (registers, shared memory): report it
@@ -107,9 +104,7 @@ def kernel_split(seqs: int, seq_len: int) -> dict:
     """CUDA time of each of our prefill's kernels (torch.profiler over 5 calls, per call)."""
     from rollout_kernels.chunk_gated_delta_rule import chunk_gated_delta_rule_varlen
 
-    T = seqs * seq_len
-    q, k, v, g, beta, states = inputs(T, seqs, seed=seq_len)
-    cu, index = [i * seq_len for i in range(seqs + 1)], torch.arange(seqs, device="cuda")
+    q, k, v, g, beta, states, cu, index = prefill_case(seqs, seq_len)
     chunk_gated_delta_rule_varlen(q, k, v, g, beta, states, index, cu)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -152,7 +147,7 @@ def main() -> None:
     args = parser.parse_args()
     import fla
 
-    hbm = copy_bandwidth()
+    hbm = measure_hbm_bandwidth(torch.device("cuda"))
     print(f"fla {fla.__version__}, copy bandwidth {hbm / 1e9:.0f} GB/s; {HK} k-heads / {HV} v-heads, {DK} x {DV}")
     rows = {"hbm_bytes_per_s": hbm, "fla_version": fla.__version__, "prefill": [], "decode": []}
     print("chunked prefill (bf16 in, float32 states, chunk 64)")
