@@ -12,9 +12,10 @@
 # workload: issue 8's comparison), hybridhf (the slice with the HF baseline, stopped after 120 s: a
 # bound, HF on its torch fallback), kernels8 (the GPU tests of the kernels issue 8 added or changed),
 # hybridtests (the hybrid engine's GPU tests), longout (the slice with dense MLPs against dense12 at
-# 2048 and 8192 output tokens: linear against full attention at equal weights per step), fla (our Gated DeltaNet kernels against
-# flash-linear-attention's in one run; carry .whl_fla holding the fla-core wheel, installed apart so
-# that HF's baseline keeps its torch fallback). Logs and JSON go to $OUT.
+# 2048 and 8192 output tokens: linear against full attention at equal weights per step), fla (our
+# Gated DeltaNet kernels against flash-linear-attention's in one run; carry .whl_fla holding the
+# fla-core wheel, installed apart so that HF's baseline keeps its torch fallback). Logs and JSON go
+# to $OUT.
 # torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
