@@ -54,7 +54,7 @@ for part in $PARTS; do
     longout) for len in 2048 8192; do  # linear vs full attention at the same weights per step, two output lengths
                bench nextmlp_$len 200 --model $NEXTMLP --num-prompts 256 --input-len 256 --output-len $len
                bench dense12_$len 200 --model $DENSE12 --num-prompts 256 --input-len 256 --output-len $len; done ;;
-    hybridhf) bench next12_hf 300 --model $NEXT --num-prompts 256 --input-len 256 --output-len 2048 --baseline hf \
+    hybridhf) bench next12_hf 420 --model $NEXT --num-prompts 256 --input-len 256 --output-len 2048 --baseline hf \
                --baseline-time-limit 120 ;;
     b06) bench b06_fixed 150 --model $Q06 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --profile ;;
     b8) bench b8_fixed 200 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --profile ;;
