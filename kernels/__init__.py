@@ -17,8 +17,12 @@ if __name__ == "kernels":
     _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout]
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
     if _spec is None:
-        raise ModuleNotFoundError("No module named 'kernels' (this checkout's kernels/ folder imports as "
-                                  "rollout_kernels)", name="kernels")
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _module  # the import statement returns what sys.modules holds after this file
-    _spec.loader.exec_module(_module)
+        # PyPI's package is absent. Raising here breaks transformers: its availability probe imports
+        # `kernels` uncaught once find_spec has found this folder. Become what it reads as "not
+        # installed": a namespace package shadowing on sys.path (no __file__, no __version__, no submodules).
+        __file__ = None
+        __path__ = []
+    else:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module  # the import statement returns what sys.modules holds after this file
+        _spec.loader.exec_module(_module)
