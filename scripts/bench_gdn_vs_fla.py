@@ -74,8 +74,8 @@ def prefill_row(seqs: int, seq_len: int) -> dict:
             "out_rel_err": rel_err(ours, theirs[0]), "state_rel_err": rel_err(ours_states, theirs_final)}
 
 
-TUNINGS = ({}, {"inv_precision": "ieee", "warps": 8}, {"state_warps": 8}, {"block_v": 32}, {"sub_block": 8},
-           {"sub_block": 32})
+TUNINGS = ({}, {"batched_diag": False}, {"inv_precision": "ieee", "warps": 8}, {"warps": 8}, {"state_warps": 8},
+           {"block_v": 32}, {"block_v": 128}, {"sub_block": 8}, {"sub_block": 32})
 
 
 def tuning_rows(seqs: int, seq_len: int) -> list[dict]:

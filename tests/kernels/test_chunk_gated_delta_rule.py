@@ -51,11 +51,12 @@ def test_chunk_local_cumsum_matches_reference():
 
 
 @pytest.mark.parametrize("chunk_size", [16, 64])
-def test_wy_repr_matches_reference(chunk_size):
+@pytest.mark.parametrize("batched_diag", [True, False])
+def test_wy_repr_matches_reference(chunk_size, batched_diag):
     cu = _cu([5, 70])
     q, k, v, g, beta = _inputs(cu[-1], 2, 4, 16, 24, torch.float32, seed=chunk_size)
     gcum = chunk_local_cumsum_ref(g, cu, chunk_size)
-    w, u = chunk_wy_repr(k, v, beta, gcum, cu, chunk_size)
+    w, u = chunk_wy_repr(k, v, beta, gcum, cu, chunk_size, batched_diag=batched_diag)
     want_w, want_u = chunk_wy_repr_ref(k, v, beta, gcum, cu, chunk_size)
     torch.testing.assert_close(w, want_w, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(u, want_u, atol=1e-5, rtol=1e-5)
