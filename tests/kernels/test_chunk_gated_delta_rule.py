@@ -50,7 +50,7 @@ def test_chunk_local_cumsum_matches_reference():
                                    atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
 @pytest.mark.parametrize("batched_diag", [True, False])
 def test_wy_repr_matches_reference(chunk_size, batched_diag):
     cu = _cu([5, 70])
