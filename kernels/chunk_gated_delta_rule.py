@@ -118,13 +118,13 @@ if triton is not None:
         BATCHED_DIAG: the substitution's dots on the [BT / SB, SB, SB] diagonal blocks alone (batched
         dots, SB >= 16 on the GPU) instead of on the whole [BT, BT] tile, most of it zeros: at BT 64,
         SB 16 they were 15 of the 21 dots and 4x the work each."""
-        eye = tl.where(ri[:, None] == ri[None, :], 1.0, 0.0)
         same_block = (ri[:, None] // SB) == (ri[None, :] // SB)
         if BATCHED_DIAG:
             bi = tl.arange(0, BT // SB)
             same_block4 = bi[:, None, None, None] == bi[None, None, :, None]  # [NB, 1, NB, 1]
             blocks = tl.sum(tl.where(same_block4, tl.reshape(a, (BT // SB, SB, BT // SB, SB)), 0.0), axis=2)
             si = tl.arange(0, SB)
+            # one SB x SB identity per block ((bi >= 0) is all true: it only gives the block axis)
             eye3 = tl.where((si[:, None] == si[None, :])[None, :, :] & (bi >= 0)[:, None, None], 1.0, 0.0)
             inv3 = eye3  # [NB, SB, SB]
             for r in range(1, SB):
@@ -132,6 +132,7 @@ if triton is not None:
                 inv3 = tl.where((si == r)[None, :, None], step3, inv3)
             inv = tl.reshape(tl.where(same_block4, inv3[:, :, None, :], 0.0), (BT, BT))
         else:
+            eye = tl.where(ri[:, None] == ri[None, :], 1.0, 0.0)
             diag_part = tl.where(same_block, a, 0.0)
             inv = eye
             for r in range(1, SB):
