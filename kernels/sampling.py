@@ -1,7 +1,8 @@
 """Fused sampler: temperature / top-k / top-p / min-p, inverse-CDF draw and the chosen logprob.
 
-Same semantics as `rollout_cli.engine.sampler.sample`; no host syncs and no value-dependent
-allocation (CUDA-graph capturable).
+Same semantics as `sampling_ref.sample_ref` (plain torch, the reference); no host syncs and no
+value-dependent allocation (CUDA-graph capturable). The random numbers: `sampling_rng.py`; the
+threshold search of the filtering step: `sampling_filter.py`; timing: `sampling_bench.py`.
 
 Why two launches: one program per row streams the row serially (V 151936 bf16 = 300 KB), so at
 B = 256 the GPU runs 256 programs at ~5x the bandwidth floor. Each row is therefore split into S
@@ -37,9 +38,8 @@ unspecified order). logprob = log_softmax(x)[token] ("processed") or
 log_softmax(logits)[token] when raw_logprobs.
 
 The uniform u is either given ([B] float32) or computed in the kernel from int64
-keys (seed, prompt_index, sample_index, position) with the same splitmix64 hash as
-`rollout_cli.engine.sampler.sample_uniform`, bit for bit. Keys are the Python ints
-reduced mod 2^64 and reinterpreted as int64 (`as_int64_key`).
+keys (seed, prompt_index, sample_index, position) with the hash of `sampling_rng.py`, equal bit for
+bit to the host's `uniform_from_keys`.
 """
 
 from __future__ import annotations
@@ -48,139 +48,13 @@ import torch
 import triton
 import triton.language as tl
 
-_MASK64 = (1 << 64) - 1
+from rollout_kernels.sampling_filter import _threshold_search
+from rollout_kernels.sampling_rng import _uniform_from_keys, check_row_param
 # Defaults from scripts/bench_decode_kernels.py on an H200 (B 256, V 151936, bf16): 8192-logit chunks
 # stepped in blocks of 2048 with 4 warps in launch 1 gave temperature-only 79 us, greedy 71 us
 # (4096 / 8 warps: 96 / 90 us; the one-program-per-row kernel before: ~250 us).
 BLOCK_V = 2048
 CHUNK = 8192
-
-
-def as_int64_key(value: int) -> int:
-    """A Python int (any sign or size) as the int64 whose bits are value mod 2^64."""
-    value &= _MASK64
-    return value - (1 << 64) if value >= (1 << 63) else value
-
-
-@triton.jit
-def _mix64(x):
-    # splitmix64 finaliser on uint64 (wrapping arithmetic, logical shifts)
-    x = x + 0x9E3779B97F4A7C15
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
-    return x ^ (x >> 31)
-
-
-@triton.jit
-def _uniform_from_keys(seed, prompt_index, sample_index, position):
-    """int64 keys (tensors of one shape) -> float32 uniforms in [0, 1), 24 bits."""
-    h = _mix64(seed.to(tl.uint64, bitcast=True))
-    h = _mix64(h ^ prompt_index.to(tl.uint64, bitcast=True))
-    h = _mix64(h ^ sample_index.to(tl.uint64, bitcast=True))
-    h = _mix64(h ^ position.to(tl.uint64, bitcast=True))
-    return (h >> 40).to(tl.float32) * (1.0 / 16777216.0)
-
-
-@triton.jit
-def _sample_uniform_kernel(seed_ptr, pidx_ptr, sidx_ptr, pos_ptr, out_ptr, B, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = i < B
-    u = _uniform_from_keys(tl.load(seed_ptr + i, mask=m, other=0), tl.load(pidx_ptr + i, mask=m, other=0),
-                           tl.load(sidx_ptr + i, mask=m, other=0), tl.load(pos_ptr + i, mask=m, other=0))
-    tl.store(out_ptr + i, u, mask=m)
-
-
-@triton.jit
-def _narrow(j, span, cnt_j, mass_j, ok, lo, hi, c_hi, m_hi, NT: tl.constexpr):
-    """ok[j] = pred(lo + span * j // NT), a prefix of j (counts and masses are non-increasing
-    in j: float rounding is monotone). Moves [lo, hi) onto the last true / first false candidate."""
-    n_ok = tl.sum(ok.to(tl.int32), axis=0)
-    best = tl.maximum(n_ok - 1, 0)
-    c_lo = tl.sum(tl.where(j == best, cnt_j, 0), axis=0)
-    m_lo = tl.sum(tl.where(j == best, mass_j, 0.0), axis=0)
-    has_next = (n_ok > 0) & (best + 1 < NT)  # the first failing candidate is the new upper end
-    nxt = j == best + 1
-    c_hi = tl.where(has_next, tl.sum(tl.where(nxt, cnt_j, 0), axis=0), c_hi)
-    m_hi = tl.where(has_next, tl.sum(tl.where(nxt, mass_j, 0.0), axis=0), m_hi)
-    hi = tl.where(has_next, lo + ((span * (best + 1)) // NT).to(tl.int32), hi)
-    lo = lo + ((span * best) // NT).to(tl.int32)
-    # {e >= lo} is final once pred(lo) fails (n_ok == 0: lo stays), lo and hi are adjacent
-    # bit patterns, or [lo, hi) holds a single token
-    done = ((n_ok == 0) | (hi - lo <= 1) | (c_lo - c_hi <= 1)).to(tl.int32)
-    return lo, hi, c_lo, m_lo, c_hi, m_hi, done
-
-
-@triton.jit
-def _threshold_search(base, V, m, scale, scratch, lo, hi, c_lo, m_lo, c_hi, m_hi, k_target, mass_target,
-                      BY_MASS: tl.constexpr, BLOCK_S: tl.constexpr, NT: tl.constexpr, CAP: tl.constexpr):
-    """Largest threshold bit pattern t in [lo, hi) with pred(t), where pred(t) is
-    count(e >= t) >= k_target (BY_MASS False) or mass(e >= t) >= mass_target (BY_MASS True);
-    pred is true at and below the answer, false above (if false at lo, the answer is lo).
-    (c_hi, m_hi) = count / mass at hi; (c_lo, m_lo) at lo, c_lo < 0 when not yet known.
-    Returns (t, count(e >= t), mass(e >= t)); only the set {e >= t} matters, so the search
-    stops once [lo, hi) holds a single token.
-
-    Each step evaluates NT thresholds spread over [lo, hi) in bit-pattern space (log-spaced
-    in value) and keeps the sub-bracket where pred flips. Phase 1: while [lo, hi) holds more
-    than CAP tokens, a step is a pass over the row. Phase 2: one pass copies the bracket's e
-    into this row's scratch (in vocab order: deterministic), the remaining steps run on them
-    in registers."""
-    j = tl.arange(0, NT)
-    cols = tl.arange(0, BLOCK_S)
-    done = tl.zeros((), tl.int32)
-    while (done == 0) & ((c_lo < 0) | (c_lo - c_hi > CAP)):
-        span = (hi - lo).to(tl.int64)
-        cand_f = (lo + ((span * j) // NT).to(tl.int32)).to(tl.float32, bitcast=True)  # [NT], cand[0] = lo
-        # per-lane accumulators [BLOCK_S, NT], reduced once after the row
-        cnt = tl.zeros((BLOCK_S, NT), tl.int32)
-        mass = tl.zeros((BLOCK_S, NT), tl.float32)
-        for start in range(0, V, BLOCK_S):
-            idx = start + cols
-            mask = idx < V
-            # e = exp((l - max) / T) as exp2((l - m) * log2(e) / T), clamped to <= 1, 0 where
-            # masked; written out identically in every pass so that all passes agree bit for bit
-            lg = tl.load(base + idx, mask=mask, other=float("-inf")).to(tl.float32)
-            e = tl.minimum(tl.math.exp2((lg - m) * scale), 1.0)
-            ge = (e[:, None] >= cand_f[None, :]) & mask[:, None]
-            cnt += ge.to(tl.int32)
-            mass += tl.where(ge, e[:, None], 0.0)
-        cnt_j = tl.sum(cnt, axis=0)
-        mass_j = tl.sum(mass, axis=0)
-        if BY_MASS:
-            ok = mass_j >= mass_target
-        else:
-            ok = cnt_j >= k_target
-        lo, hi, c_lo, m_lo, c_hi, m_hi, done = _narrow(j, span, cnt_j, mass_j, ok, lo, hi, c_hi, m_hi, NT)
-    if done == 0:
-        lo_f = lo.to(tl.float32, bitcast=True)
-        hi_f = hi.to(tl.float32, bitcast=True)
-        n = tl.zeros((), tl.int32)
-        for start in range(0, V, BLOCK_S):
-            idx = start + cols
-            mask = idx < V
-            lg = tl.load(base + idx, mask=mask, other=float("-inf")).to(tl.float32)
-            e = tl.minimum(tl.math.exp2((lg - m) * scale), 1.0)
-            take = mask & (e >= lo_f) & (e < hi_f)
-            pos = n + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tl.store(scratch + pos, e, mask=take)
-            n += tl.sum(take.to(tl.int32), axis=0)
-        tl.debug_barrier()  # the whole program reads back what its threads wrote
-        slots = tl.arange(0, CAP)
-        vals = tl.load(scratch + slots, mask=slots < n, other=-1.0)  # [CAP]; -1 is below every threshold
-        c_base = c_hi
-        m_base = m_hi
-        while done == 0:
-            span = (hi - lo).to(tl.int64)
-            cand_f = (lo + ((span * j) // NT).to(tl.int32)).to(tl.float32, bitcast=True)
-            ge = vals[:, None] >= cand_f[None, :]  # [CAP, NT]
-            cnt_j = c_base + tl.sum(ge.to(tl.int32), axis=0)
-            mass_j = m_base + tl.sum(tl.where(ge, vals[:, None], 0.0), axis=0)
-            if BY_MASS:
-                ok = mass_j >= mass_target
-            else:
-                ok = cnt_j >= k_target
-            lo, hi, c_lo, m_lo, c_hi, m_hi, done = _narrow(j, span, cnt_j, mass_j, ok, lo, hi, c_hi, m_hi, NT)
-    return lo, c_lo, m_lo
 
 
 @triton.jit
@@ -341,11 +215,6 @@ def _sampling_kernel(
     tl.store(logprob_ptr + row, tl.where(raw, raw_lp, processed_lp))
 
 
-def _check_row_param(name, x, batch, dtype, device):
-    assert x.shape == (batch,), f"{name} must be [{batch}], got {tuple(x.shape)}"
-    assert x.dtype == dtype, f"{name} must be {dtype}, got {x.dtype}"
-    assert x.device == device, f"{name} is on {x.device}, logits on {device}"
-    assert x.stride(0) == 1 or batch <= 1, f"{name} must be contiguous"
 
 
 # Launch 1 splits each row into at most this many chunks (more would make launch 2's merge wide
@@ -417,27 +286,27 @@ def sample(
     batch, vocab = logits.shape
     assert 1 <= vocab < 2**31 - 2**16
     dev = logits.device
-    _check_row_param("temperature", temperature, batch, torch.float32, dev)
-    _check_row_param("top_k", top_k, batch, torch.int64, dev)
-    _check_row_param("top_p", top_p, batch, torch.float32, dev)
-    _check_row_param("min_p", min_p, batch, torch.float32, dev)
-    _check_row_param("raw_logprobs", raw_logprobs, batch, torch.bool, dev)
+    check_row_param("temperature", temperature, batch, torch.float32, dev)
+    check_row_param("top_k", top_k, batch, torch.int64, dev)
+    check_row_param("top_p", top_p, batch, torch.float32, dev)
+    check_row_param("min_p", min_p, batch, torch.float32, dev)
+    check_row_param("raw_logprobs", raw_logprobs, batch, torch.bool, dev)
     assert (uniform is None) != (keys is None), "pass exactly one of uniform= or keys="
     if keys is not None:
         assert len(keys) == 4
         for name, key in zip(("seed", "prompt_index", "sample_index", "position"), keys):
-            _check_row_param(name, key, batch, torch.int64, dev)
+            check_row_param(name, key, batch, torch.int64, dev)
         u_arg, key_args = temperature, tuple(keys)  # u_arg is unused when keyed
     else:
-        _check_row_param("uniform", uniform, batch, torch.float32, dev)
+        check_row_param("uniform", uniform, batch, torch.float32, dev)
         u_arg, key_args = uniform, (top_k,) * 4  # key args unused
     if out is None:
         tokens = torch.empty(batch, dtype=torch.int64, device=dev)
         logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
     else:
         tokens, logprobs = out
-        _check_row_param("out tokens", tokens, batch, torch.int64, dev)
-        _check_row_param("out logprobs", logprobs, batch, torch.float32, dev)
+        check_row_param("out tokens", tokens, batch, torch.int64, dev)
+        check_row_param("out logprobs", logprobs, batch, torch.float32, dev)
     for name, n in (("block_v", block_v), ("block_s", block_s), ("num_thresholds", num_thresholds), ("cap", cap)):
         assert n >= 2 and n & (n - 1) == 0, f"{name} must be a power of two >= 2"
     assert chunk >= 1, "chunk must be positive"
@@ -465,93 +334,3 @@ def sample(
         num_warps=num_warps,
     )
     return tokens, logprobs
-
-
-def sample_batch(logits: torch.Tensor, batch, keys=None, out=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample` with the settings of a `rollout_cli.engine.sampler.SamplingBatch` (its `uniform`
-    unless `keys` are given)."""
-    return sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.raw_logprobs,
-                  uniform=None if keys is not None else batch.uniform, keys=keys, out=out)
-
-
-def sample_uniform(seed: torch.Tensor, prompt_index: torch.Tensor, sample_index: torch.Tensor,
-                   position: torch.Tensor) -> torch.Tensor:
-    """Device version of `rollout_cli.engine.sampler.sample_uniform`: int64 [B] keys -> [B] float32."""
-    n = seed.shape[0]
-    for name, key in (("seed", seed), ("prompt_index", prompt_index), ("sample_index", sample_index),
-                      ("position", position)):
-        _check_row_param(name, key, n, torch.int64, seed.device)
-    out = torch.empty(n, dtype=torch.float32, device=seed.device)
-    if n:
-        block = min(1024, triton.next_power_of_2(n))
-        _sample_uniform_kernel[(triton.cdiv(n, block),)](seed, prompt_index, sample_index, position, out, n,
-                                                         BLOCK=block)
-    return out
-
-
-def sample_ref(logits, temperature, top_k, top_p, min_p, raw_logprobs, uniform):
-    """`rollout_cli.engine.sampler.sample` on the same per-row settings (plain torch)."""
-    from rollout_cli.engine.sampler import SamplingBatch
-    from rollout_cli.engine.sampler import sample as torch_sample
-
-    batch = SamplingBatch(
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, uniform=uniform,
-        raw_logprobs=raw_logprobs,
-        needs_filter=bool(((top_p < 1.0) | (top_k > 0) | (min_p > 0.0)).any()),
-        all_greedy=bool((temperature == 0.0).all()),
-    )
-    return torch_sample(logits, batch)
-
-
-def sample_uniform_ref(seed, prompt_index, sample_index, position) -> torch.Tensor:
-    """The Python hash over int64 key tensors."""
-    from rollout_cli.engine.sampler import sample_uniform as py_uniform
-
-    values = [py_uniform(*k) for k in zip(seed.tolist(), prompt_index.tolist(), sample_index.tolist(),
-                                          position.tolist())]
-    return torch.tensor(values, dtype=torch.float32)
-
-
-
-def benchmark_sample(batch: int = 256, vocab: int = 151936, dtype=torch.bfloat16, setting: str = "plain",
-                     hbm_bytes_per_s: float | None = None, **knobs) -> dict:
-    """Time `sample` on CUDA (triton.testing.do_bench, median) for one step of keyed draws.
-
-    setting: "plain" (temperature 1, no filtering), "filtered" (top_k 20, top_p 0.95, min_p 0.01)
-    or "greedy" (temperature 0). Logits are standard normal times 4. GB/s counts the logits
-    read once (the floor: the filtered path reads them several times); `hbm_fraction` divides
-    by `hbm_bytes_per_s` when given. `knobs` go to `sample`.
-    """
-    assert torch.cuda.is_available(), "benchmark_sample needs a CUDA device"
-    import triton.testing
-    settings = {"plain": (1.0, 0, 1.0, 0.0), "filtered": (1.0, 20, 0.95, 0.01), "greedy": (0.0, 0, 1.0, 0.0)}
-    assert setting in settings, f"setting must be one of {sorted(settings)}"
-    device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(0)
-    logits = (torch.randn((batch, vocab), device=device, generator=gen) * 4.0).to(dtype)
-    t, k, p, mp = settings[setting]
-    temperature = torch.full((batch,), t, dtype=torch.float32, device=device)
-    top_k = torch.full((batch,), k, dtype=torch.int64, device=device)
-    top_p = torch.full((batch,), p, dtype=torch.float32, device=device)
-    min_p = torch.full((batch,), mp, dtype=torch.float32, device=device)
-    raw = torch.zeros(batch, dtype=torch.bool, device=device)
-    keys = tuple(torch.randint(0, 2**62, (batch,), device=device, generator=gen) for _ in range(4))
-    out = (torch.empty(batch, dtype=torch.int64, device=device), torch.empty(batch, device=device))
-    ws = sample_workspace(batch, vocab, device, knobs.get("block_v", BLOCK_V), knobs.get("chunk", CHUNK),
-                          knobs.get("cap", 512))
-
-    def step():
-        sample(logits, temperature, top_k, top_p, min_p, raw, keys=keys, out=out, workspace=ws, **knobs)
-
-    step()
-    seconds = triton.testing.do_bench(step, return_mode="median") * 1e-3
-    total = logits.numel() * logits.element_size()
-    block, chunk_len, num_chunks = chunk_layout(vocab, knobs.get("block_v", BLOCK_V), knobs.get("chunk", CHUNK))
-    result = {
-        "batch": batch, "vocab": vocab, "dtype": str(dtype).removeprefix("torch."), "setting": setting,
-        "num_chunks": num_chunks, "chunk_len": chunk_len, "time_us": seconds * 1e6, "bytes": total,
-        "gb_per_s": total / seconds / 1e9,
-    }
-    if hbm_bytes_per_s is not None:
-        result["hbm_fraction"] = total / seconds / hbm_bytes_per_s
-    return result

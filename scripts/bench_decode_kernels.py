@@ -21,7 +21,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from rollout_kernels.decode_attention import benchmark_decode_attention
-    from rollout_kernels.sampling import benchmark_sample
+    from rollout_kernels.sampling_bench import benchmark_sample
 
     hbm = measure_hbm_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {hbm / 1e9:.0f} GB/s")

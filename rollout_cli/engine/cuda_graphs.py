@@ -24,7 +24,7 @@ import time
 import torch
 
 from rollout_cli.engine.linear_state import HybridBatch, LinearBatch
-from rollout_cli.engine.sampler import _as_int64
+from rollout_cli.engine.sampler import FLOAT_PADDING, NUM_FLOAT_ROWS, NUM_INT_ROWS, SamplingRows, sample_rows
 from rollout_cli.engine.triton_attention import TritonAttentionBatch, warm_decode_splits
 from rollout_cli.models.moe import GraphRoutingBuffer, SparseMoeBlock
 
@@ -35,13 +35,13 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(set(buckets + [max_batch]))
 
 
-# rows of the int64 input buffer: the step's inputs, then the sampler's keys and top-k, then the
-# row of the previous replay's tokens to decode (-1: the token in _TOKEN), the linear-state slot
-# (hybrid models; -1 for other models, which never read it)
-_TOKEN, _POSITION, _ROW, _SLOT, _SEED, _PROMPT, _SAMPLE, _KEY_POSITION, _TOP_K, _SOURCE, _STATE_SLOT = range(11)
-_NUM_INT_ROWS = 11
-# rows of the float32 input buffer: per-row sampling settings (raw logprobs as 1.0 / 0.0)
-_TEMPERATURE, _TOP_P, _MIN_P, _RAW = range(4)
+# rows of the int64 input buffer: the step's inputs, the row of the previous replay's tokens to
+# decode (-1: the token in _TOKEN), the linear-state slot (hybrid models; never read by others),
+# then the sampler's int table (engine.sampler.SamplingRows.int_rows) from row _SAMPLING on
+_TOKEN, _POSITION, _ROW, _SLOT, _SOURCE, _STATE_SLOT = range(6)
+_SAMPLING = 6
+_NUM_INT_ROWS = _SAMPLING + NUM_INT_ROWS
+# the float32 input buffer is the sampler's float table (SamplingRows.float_rows)
 
 
 def _attention_heads(model) -> int:
@@ -67,7 +67,7 @@ class DecodeGraphs:
         self.max_batch = self.buckets[-1]
         device = req_to_token.device
         self.ints = torch.zeros((_NUM_INT_ROWS, self.max_batch), dtype=torch.int64, device=device)
-        self.floats = torch.zeros((4, self.max_batch), dtype=torch.float32, device=device)
+        self.floats = torch.zeros((NUM_FLOAT_ROWS, self.max_batch), dtype=torch.float32, device=device)
         self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)  # int32 for the kernel
         # [max_batch] int64: the tokens the last replay sampled, the input of a step scheduled ahead
         self.last_tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
@@ -75,7 +75,8 @@ class DecodeGraphs:
         # results read); a buffer is rewritten only after the step that used it was collected.
         self.staging_ints = [torch.zeros((_NUM_INT_ROWS, self.max_batch), dtype=torch.int64).pin_memory()
                              for _ in range(2)]
-        self.staging_floats = [torch.zeros((4, self.max_batch), dtype=torch.float32).pin_memory() for _ in range(2)]
+        self.staging_floats = [torch.zeros((NUM_FLOAT_ROWS, self.max_batch), dtype=torch.float32).pin_memory()
+                               for _ in range(2)]
         self.staging_seq_lens = [torch.ones(self.max_batch, dtype=torch.int32).pin_memory() for _ in range(2)]
         self.results = [torch.zeros(2 * self.max_batch, dtype=torch.float64).pin_memory() for _ in range(2)]
         self._parity = 0  # which of the two buffer sets this replay uses
@@ -87,8 +88,6 @@ class DecodeGraphs:
                         if moe_layers else None)
 
     def _forward(self, batch: int) -> torch.Tensor:
-        from rollout_kernels.sampling import sample
-
         given, positions, rows, slots = (self.ints[i, :batch] for i in (_TOKEN, _POSITION, _ROW, _SLOT))
         source = self.ints[_SOURCE, :batch]
         ids = torch.where(source >= 0, self.last_tokens[source.clamp(min=0)], given)  # [batch]
@@ -98,10 +97,7 @@ class DecodeGraphs:
             linear = LinearBatch(self.linear_states, self.ints[_STATE_SLOT, :batch], triton_kernels=True)
             attn = HybridBatch(attn, linear)
         logits = self.model.compute_logits(self.model(ids, positions, attn), upcast=False)  # [batch, vocab]
-        f = self.floats
-        keys = tuple(self.ints[i, :batch] for i in (_SEED, _PROMPT, _SAMPLE, _KEY_POSITION))
-        tokens, logprobs = sample(logits, f[_TEMPERATURE, :batch], self.ints[_TOP_K, :batch], f[_TOP_P, :batch],
-                                  f[_MIN_P, :batch], f[_RAW, :batch] > 0.5, keys=keys)
+        tokens, logprobs = sample_rows(logits, self.ints[_SAMPLING:], self.floats, use_triton=True)
         self.last_tokens[:batch].copy_(tokens)
         # float64 holds both the token ids and the float32 logprobs exactly
         return torch.stack((tokens.double(), logprobs.double()))  # [2, batch]
@@ -124,7 +120,7 @@ class DecodeGraphs:
         start = time.monotonic()
         self.ints[_ROW].fill_(self.pad_row)
         self.ints[_SOURCE].fill_(-1)
-        self.floats[_TOP_P].fill_(1.0)
+        self.floats.copy_(torch.tensor(FLOAT_PADDING)[:, None].expand_as(self.floats))  # greedy, unfiltered
         if warm_up:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -156,15 +152,7 @@ class DecodeGraphs:
         batch = len(entries)
         bucket = next(b for b in self.buckets if b >= batch)
         pad = [0] * (bucket - batch)
-        requests = [e.request for e in entries]
-        params = [r.params for r in requests]
-        shared = params[0] if all(p is params[0] for p in params) else None
-
-        def per_row(value_of):
-            if shared is not None:
-                return [value_of(shared)] * batch + pad
-            return [value_of(p) for p in params] + pad
-
+        sampling = SamplingRows([e.request for e in entries], [e.start + 1 for e in entries])  # drawn at start + 1
         sources = [e.source_row for e in entries] if tokens_on_device else [-1] * batch
         self._parity ^= 1
         ints, floats, seq_lens = (buffers[self._parity] for buffers in
@@ -175,20 +163,11 @@ class DecodeGraphs:
             [e.start for e in entries] + pad,
             [e.table_row for e in entries] + [self.pad_row] * len(pad),
             [e.new_slots[0] for e in entries] + pad,
-            per_row(lambda p: _as_int64(p.seed)),
-            [r.prompt_index for r in requests] + pad,
-            [r.sample_index for r in requests] + pad,
-            [e.start + 1 for e in entries] + pad,  # the sampled token's position: the key of its draw
-            per_row(lambda p: p.top_k),
             sources + [-1] * len(pad),
-            [r.state_slot for r in requests] + pad,  # padding rows: linear-state slot 0
+            [e.request.state_slot for e in entries] + pad,  # padding rows: linear-state slot 0
+            *sampling.int_rows(pad=len(pad)),
         ], dtype=torch.int64)
-        floats[:, :bucket] = torch.tensor([
-            per_row(lambda p: p.temperature), per_row(lambda p: p.top_p), per_row(lambda p: p.min_p),
-            per_row(lambda p: float(p.logprobs_mode == "raw")),
-        ], dtype=torch.float32)
-        if pad:  # padding rows: greedy, no filters (top-p 1)
-            floats[_TOP_P, batch:bucket] = 1.0
+        floats[:, :bucket] = torch.tensor(sampling.float_rows(pad=len(pad)), dtype=torch.float32)
         seq_lens[:bucket] = torch.tensor([e.start + 1 for e in entries] + [1] * len(pad), dtype=torch.int32)
         # Whole buffers (columns past the bucket are stale and never read): a column slice of a
         # [rows, max_batch] buffer is strided, and torch would stage a strided host-to-device copy

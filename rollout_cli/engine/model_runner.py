@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout_cli.engine.attention import KVCache, prepare_attention
-from rollout_cli.engine.sampler import SamplingBatch, sample
+from rollout_cli.engine.sampler import SamplingRows, sample_rows
 from rollout_cli.engine.schedule_output import ScheduleOutput
 
 
@@ -168,18 +168,15 @@ class ModelRunner:
                 e.token_ids = [tokens[e.source_row]]
 
     def _run_eager(self, out: ScheduleOutput) -> tuple[list[int], list[float]]:
-        to_sample = [(e.request, e.start + e.num_new_tokens) for e in out.entries if e.sample]
+        sampled = [e for e in out.entries if e.sample]
         self._write_table(out.entries)
         logits = self._eager_logits(out)
-        if not to_sample:
+        if not sampled:
             return [], []
-        if self.attention_backend == "triton":
-            from rollout_kernels.sampling import sample_batch
-
-            batch = SamplingBatch.build(to_sample, self.device, device_rng=True)
-            tokens, logprobs = sample_batch(logits, batch, keys=tuple(batch.keys))
-        else:
-            tokens, logprobs = sample(logits, SamplingBatch.build(to_sample, self.device))
+        # each row draws the token at start + num_new_tokens: that position keys its random number
+        sampling = SamplingRows([e.request for e in sampled], [e.start + e.num_new_tokens for e in sampled])
+        tokens, logprobs = sample_rows(logits, *sampling.to_device(self.device),
+                                       use_triton=self.attention_backend == "triton")
         # one device-to-host copy: float64 holds both the token ids and the float32 logprobs exactly
         token_values, logprob_values = torch.stack((tokens.double(), logprobs.double())).tolist()
         return [int(t) for t in token_values], logprob_values

@@ -1,130 +1,87 @@
-"""Temperature / top-k / top-p / min-p sampling with the chosen token's logprob.
+"""The engine's side of sampling: each step's per-row settings, prepared once for either path.
 
-Randomness is one uniform number per sampled token, derived from
-(seed, prompt_index, sample_index, position) by a counter-based hash, and
-consumed by inverse-CDF sampling over the filtered distribution. Nothing
-depends on which other requests share the batch, so the same command gives
-the same tokens whatever the batch sizes, and a preempted request that
-recomputes draws the same numbers again.
+The sampler itself lives in `kernels/`: `sampling.py` (the Triton kernel), `sampling_ref.py`
+(`sample_ref`, its plain torch reference, and the host side of the random numbers) and
+`sampling_rng.py` (their device side). Every row draws from its own key (seed, prompt_index,
+sample_index, position of the drawn token), so a row's token depends on its logits and its key
+alone, never on the rest of the batch.
+
+A step's sampling rows become two small tables (`SamplingRows`): int64 [5, B] (the four keys and
+top-k) and float32 [4, B] (temperature, top-p, min-p, raw-logprobs flag). The eager path copies
+them to the device once per step; the CUDA-graph path writes them into its static input buffers
+(`engine/cuda_graphs.py`). Both then call `sample_rows` on the device tables, so the two paths
+read the settings the same way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-_MASK64 = (1 << 64) - 1
+from rollout_kernels.sampling_ref import as_int64_key, sample_ref
+
+# rows of the int64 table, then of the float32 table
+SEED, PROMPT_INDEX, SAMPLE_INDEX, POSITION, TOP_K = range(5)
+NUM_INT_ROWS = 5
+TEMPERATURE, TOP_P, MIN_P, RAW_LOGPROBS = range(4)
+NUM_FLOAT_ROWS = 4
+# what a padding row (a CUDA-graph bucket past the batch) samples with: greedy, no filters
+FLOAT_PADDING = (0.0, 1.0, 0.0, 0.0)
 
 
-def _mix64(x: int) -> int:
-    """splitmix64 finaliser: a bijective 64-bit mix."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+class SamplingRows:
+    """The sampling settings of B rows, from the request and the drawn token's position of each.
+
+    requests: objects with `params` (SamplingParams), `prompt_index` and `sample_index`.
+    positions: the position of the token each row draws (its RNG key)."""
+
+    def __init__(self, requests: list, positions: list[int]):
+        self.size = len(requests)
+        self.requests = requests
+        self.positions = positions
+        params = [r.params for r in requests]
+        # one job shares one params object: fill rows with one value instead of reading B objects
+        self._shared = params[0] if params and all(p is params[0] for p in params) else None
+        self._params = params
+
+    def _per_row(self, value_of, pad: int, pad_value) -> list:
+        if self._shared is not None:
+            return [value_of(self._shared)] * self.size + [pad_value] * pad
+        return [value_of(p) for p in self._params] + [pad_value] * pad
+
+    def int_rows(self, pad: int = 0) -> list[list[int]]:
+        """[NUM_INT_ROWS][B + pad] plain ints: seed (as int64), prompt_index, sample_index, position, top_k."""
+        return [
+            self._per_row(lambda p: as_int64_key(p.seed), pad, 0),
+            [r.prompt_index for r in self.requests] + [0] * pad,
+            [r.sample_index for r in self.requests] + [0] * pad,
+            list(self.positions) + [0] * pad,
+            self._per_row(lambda p: p.top_k, pad, 0),
+        ]
+
+    def float_rows(self, pad: int = 0) -> list[list[float]]:
+        """[NUM_FLOAT_ROWS][B + pad]: temperature, top_p, min_p, raw logprobs (1.0 / 0.0); padding
+        rows get FLOAT_PADDING."""
+        values = (lambda p: p.temperature, lambda p: p.top_p, lambda p: p.min_p,
+                  lambda p: float(p.logprobs_mode == "raw"))
+        return [self._per_row(value_of, pad, pad_value) for value_of, pad_value in zip(values, FLOAT_PADDING)]
+
+    def to_device(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 [NUM_INT_ROWS, B], float32 [NUM_FLOAT_ROWS, B]) on `device`, for `sample_rows`."""
+        return (torch.tensor(self.int_rows(), dtype=torch.int64, device=device),
+                torch.tensor(self.float_rows(), dtype=torch.float32, device=device))
 
 
-def _as_int64(value: int) -> int:
-    """The int64 whose bits are value mod 2^64 (seeds may be any Python int)."""
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
+def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor,
+                use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample B rows of logits [B, V] with the settings of the tables ints [NUM_INT_ROWS, >= B] and
+    floats [NUM_FLOAT_ROWS, >= B] (columns past B are ignored) -> (token ids [B] int64, logprobs [B]
+    float32). `use_triton`: the fused kernel (CUDA, or its interpreter); else the torch reference."""
+    batch = logits.shape[0]
+    keys = tuple(ints[i, :batch] for i in (SEED, PROMPT_INDEX, SAMPLE_INDEX, POSITION))
+    settings = (floats[TEMPERATURE, :batch], ints[TOP_K, :batch], floats[TOP_P, :batch], floats[MIN_P, :batch],
+                floats[RAW_LOGPROBS, :batch] > 0.5)
+    if use_triton:
+        from rollout_kernels.sampling import sample  # triton is optional on the CPU's torch path
 
-
-def sample_uniform(seed: int, prompt_index: int, sample_index: int, position: int) -> float:
-    """A uniform number in [0, 1) fixed by its four keys."""
-    h = _mix64(seed & _MASK64)
-    for key in (prompt_index, sample_index, position):
-        h = _mix64(h ^ (key & _MASK64))
-    return (h >> 40) / float(1 << 24)  # 24 bits: exact in float32
-
-
-@dataclass
-class SamplingBatch:
-    """Per-row sampling settings for B rows of logits, as device tensors."""
-
-    temperature: torch.Tensor  # [B] float32, 0 for greedy rows
-    top_p: torch.Tensor  # [B] float32
-    top_k: torch.Tensor  # [B] int64, 0 = off
-    min_p: torch.Tensor  # [B] float32
-    uniform: torch.Tensor | None  # [B] float32 in [0, 1), drawn on the host (torch path)
-    raw_logprobs: torch.Tensor  # [B] bool: report log_softmax(logits) instead of after temperature
-    needs_filter: bool  # any row uses top-p, top-k or min-p
-    all_greedy: bool
-    keys: torch.Tensor | None = None  # [4, B] int64 (seed, prompt_index, sample_index, position): device RNG
-
-    @classmethod
-    def build(cls, requests_and_positions, device, device_rng: bool = False) -> "SamplingBatch":
-        """device_rng: pass the RNG keys to the Triton sampler instead of drawing uniforms here."""
-        rows = list(requests_and_positions)
-        params = [r.params for r, _ in rows]
-        shared = params[0] if all(p is params[0] for p in params) else None  # one job: one params object
-        distinct = [shared] if shared is not None else params
-
-        def per_row(values_of, dtype):
-            if shared is not None:  # a fill kernel instead of building and copying a list
-                return torch.full((len(params),), values_of(shared), dtype=dtype, device=device)
-            return torch.tensor([values_of(p) for p in params], dtype=dtype, device=device)
-
-        uniform = keys = None
-        if device_rng:
-            keys = torch.tensor([[_as_int64(p.seed) for p in params], [r.prompt_index for r, _ in rows],
-                                 [r.sample_index for r, _ in rows], [pos for _, pos in rows]],
-                                dtype=torch.int64, device=device)
-        else:
-            uniform = torch.tensor([sample_uniform(p.seed, r.prompt_index, r.sample_index, pos)
-                                    for (r, pos), p in zip(rows, params)], dtype=torch.float32, device=device)
-        return cls(
-            temperature=per_row(lambda p: p.temperature, torch.float32),
-            top_p=per_row(lambda p: p.top_p, torch.float32),
-            top_k=per_row(lambda p: p.top_k, torch.int64),
-            min_p=per_row(lambda p: p.min_p, torch.float32),
-            uniform=uniform,
-            raw_logprobs=per_row(lambda p: p.logprobs_mode == "raw", torch.bool),
-            needs_filter=any(p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0 for p in distinct),
-            all_greedy=all(p.temperature == 0.0 for p in distinct),
-            keys=keys,
-        )
-
-
-def filter_probs(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Zero the tokens that top-k, top-p and min-p remove. probs [B, V] -> [B, V]."""
-    vocab = probs.shape[-1]
-    max_prob = probs.max(dim=-1, keepdim=True).values
-    probs = torch.where(probs < batch.min_p[:, None] * max_prob, torch.zeros_like(probs), probs)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=probs.device)[None, :]
-    top_k = torch.where(batch.top_k > 0, batch.top_k, torch.full_like(batch.top_k, vocab))
-    drop = rank >= top_k[:, None]
-    # nucleus on what top-k and min-p kept: drop a token once the mass before it reaches top_p
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= mass_before >= batch.top_p[:, None] * sorted_probs.sum(dim=-1, keepdim=True)
-    drop[:, 0] = False  # the most likely token always survives
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-
-
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] float32 -> (token ids [B] int64, logprob of each chosen token [B] float32)."""
-    raw = torch.log_softmax(logits, dim=-1)
-    greedy_rows = batch.temperature == 0.0
-    if batch.all_greedy:
-        tokens = logits.argmax(dim=-1)
-        return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1)
-    temperature = torch.where(greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
-    processed = torch.log_softmax(logits / temperature[:, None], dim=-1)
-    probs = processed.exp()
-    if batch.needs_filter:
-        probs = filter_probs(probs, batch)
-    cdf = probs.cumsum(dim=-1)  # [B, V]
-    target = batch.uniform[:, None] * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
-    # float rounding can land past the last kept token: fall back to the last token with mass
-    landed_on_zero = probs.gather(-1, tokens[:, None]).squeeze(-1) <= 0
-    if bool(landed_on_zero.any()):
-        last_kept = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1)
-        tokens = torch.where(landed_on_zero, last_kept, tokens)
-    tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
-    chosen = torch.where(batch.raw_logprobs[:, None], raw, processed).gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, chosen
+        return sample(logits, *settings, keys=keys)
+    return sample_ref(logits, *settings, keys=keys)

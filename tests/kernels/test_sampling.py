@@ -1,4 +1,4 @@
-"""Fused sampler against rollout_cli.engine.sampler: device RNG bit-exact, tokens, logprobs, filter sets."""
+"""Fused sampler against its torch reference (sampling_ref): device RNG bit-exact, tokens, logprobs, filter sets."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from rollout_cli.engine.sampler import filter_probs
-from rollout_cli.engine.sampler import sample_uniform as py_uniform
-from rollout_kernels.sampling import (as_int64_key, chunk_layout, sample, sample_batch, sample_ref,
-                                      sample_uniform, sample_uniform_ref, sample_workspace, workspace_columns)
+from rollout_kernels.sampling import chunk_layout, sample, sample_workspace, workspace_columns
+from rollout_kernels.sampling_ref import as_int64_key, filter_probs_ref, sample_ref, sample_uniform_ref
+from rollout_kernels.sampling_ref import uniform_from_keys as py_uniform
+from rollout_kernels.sampling_rng import sample_uniform
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -48,14 +48,9 @@ def _logits(batch, vocab, gen, device=DEV):
 
 def _boundary_distance(logits, temperature, top_k, top_p, min_p, uniform):
     """Per row: how far u lies from the nearest step of the reference's normalised CDF (float64)."""
-    from rollout_cli.engine.sampler import SamplingBatch
-
     t = torch.where(temperature == 0, torch.ones_like(temperature), temperature)
     probs = torch.log_softmax(logits / t[:, None], dim=-1).exp()
-    batch = SamplingBatch(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, uniform=uniform,
-                          raw_logprobs=torch.zeros_like(temperature, dtype=torch.bool), needs_filter=True,
-                          all_greedy=False)
-    probs = filter_probs(probs, batch).double()
+    probs = filter_probs_ref(probs, top_k, top_p, min_p).double()
     cdf = probs.cumsum(-1) / probs.sum(-1, keepdim=True)
     return (cdf - uniform.double()[:, None]).abs().min(-1).values
 
@@ -170,21 +165,25 @@ def test_half_logits_equal_their_float32_copy(dtype):
     assert torch.equal(half[0], full[0]) and torch.equal(half[1], full[1])
 
 
-def test_sampling_batch_adapter():
+def test_engine_sampling_rows_on_the_kernel():
+    """The engine's tables (engine.sampler.SamplingRows) through sample_rows: the kernel's draw agrees
+    with the reference on the same keys."""
     from types import SimpleNamespace
 
-    from rollout_cli.engine.sampler import SamplingBatch
+    from rollout_cli.engine.sampler import SamplingRows, sample_rows
     from rollout_cli.engine.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=5),
               SamplingParams(temperature=1.0, top_k=4, logprobs_mode="raw", seed=2**50)]
-    reqs = [(SimpleNamespace(params=p, prompt_index=i, sample_index=1), 17 + i) for i, p in enumerate(params)]
-    batch = SamplingBatch.build(reqs, torch.device(DEV))
+    rows = SamplingRows([SimpleNamespace(params=p, prompt_index=i, sample_index=1) for i, p in enumerate(params)],
+                        [17, 18, 19])
+    ints, floats = rows.to_device(DEV)
     gen = torch.Generator().manual_seed(4)
     logits = _logits(3, 63, gen)
-    tokens, logprobs = sample_batch(logits, batch)
-    _check_against_reference(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
-                             batch.raw_logprobs, batch.uniform, tokens, logprobs)
+    tokens, logprobs = sample_rows(logits, ints, floats, use_triton=True)
+    uniform = sample_uniform_ref(*ints[:4])
+    _check_against_reference(logits, floats[0], ints[4], floats[1], floats[2], floats[3] > 0.5, uniform,
+                             tokens, logprobs)
 
 
 # ---- filter sets: many u for one row ------------------------------------------------------
@@ -212,13 +211,9 @@ def test_sampled_tokens_stay_in_the_reference_set(setting):
 
 
 def _allowed(row, temperature, top_k, top_p, min_p):
-    from rollout_cli.engine.sampler import SamplingBatch
-
     probs = torch.softmax(row[None, :] / temperature, dim=-1)
     t, k, p, m = _params([(temperature, top_k, top_p, min_p)], device=row.device)
-    batch = SamplingBatch(temperature=t, top_p=p, top_k=k, min_p=m, uniform=t, raw_logprobs=k > 0,
-                          needs_filter=True, all_greedy=False)
-    return filter_probs(probs, batch)[0] > 0
+    return filter_probs_ref(probs, k, p, m)[0] > 0
 
 
 def test_ties_and_masked_vocab():

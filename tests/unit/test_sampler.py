@@ -8,17 +8,41 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_cli.engine.sampler import SamplingBatch, filter_probs, sample, sample_uniform
+from rollout_cli.engine.sampler import SamplingRows, sample_rows
 from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_kernels.sampling_ref import filter_probs_ref, sample_ref
+from rollout_kernels.sampling_ref import uniform_from_keys as sample_uniform
 
 
 def fake_request(params, prompt_index=0, sample_index=0):
     return SimpleNamespace(params=params, prompt_index=prompt_index, sample_index=sample_index)
 
 
-def build(rows, device="cpu"):
+def build(rows) -> SamplingRows:
     """rows: list of (SamplingParams, prompt_index, sample_index, position)."""
-    return SamplingBatch.build([(fake_request(p, i, s), pos) for p, i, s, pos in rows], torch.device(device))
+    return SamplingRows([fake_request(p, i, s) for p, i, s, _ in rows], [pos for *_, pos in rows])
+
+
+def sample(logits, rows: SamplingRows):
+    """The engine's torch path: the step's tables, then the reference sampler."""
+    return sample_rows(logits, *rows.to_device("cpu"), use_triton=False)
+
+
+def sample_with_uniform(logits, rows: SamplingRows, uniform):
+    """The reference sampler on `rows`' settings with the given uniforms instead of the keyed ones."""
+    ints, floats = rows.to_device("cpu")
+    return sample_ref(logits, floats[0], ints[4], floats[1], floats[2], floats[3] > 0.5, uniform=uniform)
+
+
+def sample_rows_uniforms(rows: SamplingRows) -> torch.Tensor:
+    """The keyed uniforms of `rows` (what sample draws)."""
+    ints, _ = rows.to_device("cpu")
+    return torch.tensor([sample_uniform(*k) for k in zip(*ints[:4].tolist())])
+
+
+def filter_probs(probs, rows: SamplingRows):
+    ints, floats = rows.to_device("cpu")
+    return filter_probs_ref(probs, ints[4], floats[1], floats[2])
 
 
 # ---- uniforms ---------------------------------------------------------------
@@ -200,8 +224,9 @@ def test_sampling_never_picks_filtered_or_zero_mass_tokens():
     logits = torch.tensor([[5.0, 4.0, -math.inf, 3.0, -20.0, -30.0]]).expand(2000, -1).clone()
     rows = [(SamplingParams(top_p=0.99, top_k=3, seed=s), 0, 0, 0) for s in range(2000)]
     batch = build(rows)
-    batch.uniform[:10] = torch.tensor([1.0 - 2.0**-24] * 10)
-    tokens, logprobs = sample(logits, batch)
+    uniform = sample_rows_uniforms(batch)
+    uniform[:10] = torch.tensor([1.0 - 2.0**-24] * 10)
+    tokens, logprobs = sample_with_uniform(logits, batch, uniform)
     assert set(tokens.tolist()) <= {0, 1, 3}
     assert torch.isfinite(logprobs).all()
 
@@ -210,7 +235,38 @@ def test_inverse_cdf_edges():
     """u = 0 picks the first token with mass; u just below 1 the last one; zero-mass tokens never."""
     logits = torch.tensor([[-math.inf, 1.0, -math.inf, 2.0, 0.5, -math.inf]]).expand(3, -1).clone()
     batch = build([(SamplingParams(seed=0), 0, s, 0) for s in range(3)])
-    batch.uniform = torch.tensor([0.0, 1.0 - 2.0**-24, 0.5])
-    tokens, _ = sample(logits, batch)
+    tokens, _ = sample_with_uniform(logits, batch, torch.tensor([0.0, 1.0 - 2.0**-24, 0.5]))
     assert tokens[:2].tolist() == [1, 4]
     assert int(tokens[2]) in (1, 3, 4)
+
+
+# ---- the step's tables ----------------------------------------------------------
+
+
+def test_sampling_rows_tables_and_padding():
+    """One params object shared by every row and one object per row give the same tables; seeds are
+    reduced to int64 bits; padding rows sample greedily without filters."""
+    shared = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=2**64 + 3, logprobs_mode="raw")
+    copies = [SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=2**64 + 3, logprobs_mode="raw")
+              for _ in range(3)]
+    positions = [4, 9, 2]
+    a = SamplingRows([fake_request(shared, i, i + 1) for i in range(3)], positions)
+    b = SamplingRows([fake_request(p, i, i + 1) for i, p in enumerate(copies)], positions)
+    assert a.int_rows(pad=2) == b.int_rows(pad=2)
+    assert a.float_rows(pad=2) == b.float_rows(pad=2)
+    seeds, prompts, samples, keyed_positions, top_k = a.int_rows(pad=2)
+    assert seeds == [3, 3, 3, 0, 0] and prompts == [0, 1, 2, 0, 0] and samples == [1, 2, 3, 0, 0]
+    assert keyed_positions == positions + [0, 0] and top_k == [5, 5, 5, 0, 0]
+    temperature, top_p, min_p, raw = a.float_rows(pad=2)
+    assert temperature[3:] == [0.0, 0.0] and top_p[3:] == [1.0, 1.0] and min_p[3:] == [0.0, 0.0]
+    assert raw == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert SamplingRows([fake_request(SamplingParams(seed=-1))], [0]).int_rows()[0] == [-1]
+
+
+def test_keyed_draw_equals_the_host_uniforms():
+    """sample_rows draws each row's uniform from its keys: the same as passing the host's numbers."""
+    logits = torch.randn(8, 33, generator=torch.Generator().manual_seed(5)) * 2
+    rows = build([(SamplingParams(temperature=0.9, seed=11), i, i % 2, 3 + i) for i in range(8)])
+    keyed = sample(logits, rows)
+    given = sample_with_uniform(logits, rows, sample_rows_uniforms(rows))
+    assert torch.equal(keyed[0], given[0]) and torch.equal(keyed[1], given[1])

@@ -1,0 +1,95 @@
+"""The sampler in plain torch: the reference of the fused Triton sampler (`sampling.py`) and the
+host side of its random numbers (`sampling_rng.py` computes the same on the device).
+
+No triton import here: the engine's torch path (the CPU default) samples with `sample_ref`, and
+triton is optional there.
+
+Randomness is one uniform number per sampled token, derived from (seed, prompt_index,
+sample_index, position) by a counter-based hash (splitmix64), and consumed by inverse-CDF
+sampling over the filtered distribution. Nothing depends on which other rows share the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK64 = (1 << 64) - 1
+
+
+def as_int64_key(value: int) -> int:
+    """A Python int (any sign or size) as the int64 whose bits are value mod 2^64."""
+    value &= MASK64
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+def _mix64_host(x: int) -> int:
+    """splitmix64 finaliser: a bijective 64-bit mix."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def uniform_from_keys(seed: int, prompt_index: int, sample_index: int, position: int) -> float:
+    """A uniform number in [0, 1) fixed by its four keys (host reference of the device hash)."""
+    h = _mix64_host(seed & MASK64)
+    for key in (prompt_index, sample_index, position):
+        h = _mix64_host(h ^ (key & MASK64))
+    return (h >> 40) / float(1 << 24)  # 24 bits: exact in float32
+
+
+def sample_uniform_ref(seed, prompt_index, sample_index, position) -> torch.Tensor:
+    """`uniform_from_keys` over int64 key tensors [B] -> [B] float32 (on the keys' device)."""
+    values = [uniform_from_keys(*k) for k in zip(seed.tolist(), prompt_index.tolist(), sample_index.tolist(),
+                                                 position.tolist())]
+    return torch.tensor(values, dtype=torch.float32, device=seed.device)
+
+
+def filter_probs_ref(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens that min-p, then top-k, then top-p (on what is left) remove.
+    probs [B, V]; top_k [B] int64 (0 = off), top_p [B] (1 = off), min_p [B] (0 = off) -> [B, V]."""
+    vocab = probs.shape[-1]
+    max_prob = probs.max(dim=-1, keepdim=True).values
+    probs = torch.where(probs < min_p[:, None] * max_prob, torch.zeros_like(probs), probs)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=probs.device)[None, :]
+    top_k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    drop = rank >= top_k[:, None]
+    # nucleus on what top-k and min-p kept: drop a token once the mass before it reaches top_p
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before >= top_p[:, None] * sorted_probs.sum(dim=-1, keepdim=True)
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def sample_ref(logits, temperature, top_k, top_p, min_p, raw_logprobs, uniform=None, keys=None):
+    """`sample` in plain torch, same arguments (uniform [B] float32, or keys: four int64 [B]).
+    logits [B, V] -> (token ids [B] int64, logprob of each chosen token [B] float32)."""
+    assert (uniform is None) != (keys is None), "pass exactly one of uniform= or keys="
+    logits = logits.float()
+    raw = torch.log_softmax(logits, dim=-1)
+    greedy_rows = temperature == 0.0
+    if bool(greedy_rows.all()):
+        tokens = logits.argmax(dim=-1)
+        return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1)
+    if uniform is None:
+        uniform = sample_uniform_ref(*keys)
+    t = torch.where(greedy_rows, torch.ones_like(temperature), temperature)
+    processed = torch.log_softmax(logits / t[:, None], dim=-1)
+    probs = processed.exp()
+    if bool(((top_p < 1.0) | (top_k > 0) | (min_p > 0.0)).any()):
+        probs = filter_probs_ref(probs, top_k, top_p, min_p)
+    cdf = probs.cumsum(dim=-1)  # [B, V]
+    target = uniform[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    # float rounding can land past the last kept token: fall back to the last token with mass
+    landed_on_zero = probs.gather(-1, tokens[:, None]).squeeze(-1) <= 0
+    if bool(landed_on_zero.any()):
+        last_kept = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1)
+        tokens = torch.where(landed_on_zero, last_kept, tokens)
+    tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
+    chosen = torch.where(raw_logprobs[:, None], raw, processed).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, chosen
