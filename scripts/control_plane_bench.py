@@ -118,7 +118,6 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/control_plane")
     args = parser.parse_args()
     from rollout_cli import Engine, SamplingParams
-    from rollout_cli.engine.control import reload_weights
 
     ckpt = Path(args.workdir) / "ckpt"
     t = time.perf_counter()
@@ -139,7 +138,7 @@ def main() -> None:
     reference = [r.response_token_ids for r in engine.generate(prompts, params)]
     for attempt in (1, 2):
         t = time.perf_counter()
-        reload_weights(engine, str(ckpt), None, {})
+        engine.reload_weights(str(ckpt))
         rows.append((f"reload-weights #{attempt} ({size / 1e9:.1f} GB)", time.perf_counter() - t, ""))
     seconds, payload = time_ipc_update(engine, ckpt)
     rows.append((f"update_weights_from_tensor, CUDA IPC ({size / 1e9:.1f} GB)", seconds,
@@ -153,13 +152,13 @@ def main() -> None:
     rows.append(("resume-memory (all tags)", r["seconds"],
                  f"incl. CUDA graph re-capture {r['cuda_graph_capture_seconds'] or 0:.2f} s"))
     t = time.perf_counter()
-    reload_weights(engine, str(ckpt), None, {})
+    engine.reload_weights(str(ckpt))
     rows.append(("reload-weights after resume", time.perf_counter() - t, ""))
     r = engine.release_memory("weights,kv_cache")
     rows.append(("release-memory weights,kv_cache", r["seconds"], "graphs kept"))
     r = engine.resume_memory()
     rows.append(("resume-memory weights,kv_cache", r["seconds"], "weights stale until reload"))
-    reload_weights(engine, str(ckpt), None, {})
+    engine.reload_weights(str(ckpt))
     same = [r.response_token_ids for r in engine.generate(prompts, params)] == reference
     rows.append(("greedy tokens after the cycles equal before", float(same), ""))
     print(f"{'operation':48s} {'seconds':>8s}  note")

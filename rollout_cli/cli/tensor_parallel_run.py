@@ -60,7 +60,6 @@ def follow_leader(config, daemon: bool = False) -> None:
     clients and then stops the followers; a follower dies on its own only if rank 0 disappears."""
     from rollout_cli.engine.engine import Engine
     from rollout_cli.engine.tensor_parallel import follow
-    from rollout_cli.engine.weight_updates import close_weight_update_groups
     from rollout_cli.models.tensor_parallel import close_tensor_parallel
 
     if daemon:
@@ -73,8 +72,9 @@ def follow_leader(config, daemon: bool = False) -> None:
         follow(engine)
     finally:
         if engine is not None:
-            close_weight_update_groups(engine)
-        close_tensor_parallel()
+            engine.control.close()  # this rank's weight update groups, then the process group
+        else:
+            close_tensor_parallel()
     # A follower owns no output (rank 0 writes every file), so it skips interpreter finalization:
     # gloo's worker threads can still hold tensors then, and freeing them without a live interpreter
     # aborts the process ("terminate called without an active exception", exit -6; seen once in CI
@@ -88,12 +88,10 @@ def follow_leader(config, daemon: bool = False) -> None:
 @contextlib.contextmanager
 def leading(engine):
     """Rank 0's engine for the length of the command: the followers are released at the end, also on errors."""
-    from rollout_cli.engine.tensor_parallel import release_followers
-
     try:
         yield engine
     finally:
-        release_followers(engine)
+        engine.control.close()
 
 
 def tensor_parallel_run(tp: int, dp: int, engine_options: dict, quiet: bool, out: str, job_args: dict,

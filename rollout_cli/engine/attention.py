@@ -18,6 +18,8 @@ import torch.nn.functional as F
 class KVCache:
     """k and v pools: [num_layers, num_slots, num_kv_heads, head_dim] each."""
 
+    storage_names = ("k", "v")  # the cache-memory tensors a memory release frees (engine.memory_saver)
+
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype, device):
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)

@@ -1,159 +1,224 @@
-"""Engine control outside the step loop: abort in-flight requests, flush the prefix cache,
-reload weights from disk with every name, shape and dtype checked before a live weight changes
-(updates from tensors and broadcasts share the checks and commit_weights: engine/weight_updates.py).
+"""The engine's control API: every operation on a loaded engine outside the step loop.
 
-Each function is called by the one thread that owns the engine (the daemon's worker), between
-engine steps; none of them is safe to call while another thread steps the engine.
+`EngineControl` is the one API that the CLI, the daemon's worker and the Python `Engine` call:
+abort, flush the prefix cache, reload weights from disk, weight updates from a trainer (tensors,
+broadcast groups), release and resume of memory, and what memory the engine holds.
+
+Operations that change what every tensor-parallel rank holds (weights, memory, weight update
+groups) are carried out by `RankOperations`, one rank's share on its own shard, reached through
+the engine's `ranks` object chosen once at construction: `SingleRank` calls it directly,
+`engine.tensor_parallel.TensorParallelRanks` sends the call to every rank first. Operations on the
+scheduler alone (abort, flush) run on rank 0 only: the followers keep no cache index of their own.
+
+Each operation is called by the one thread that owns the engine (the daemon's worker), between
+engine steps; none is safe to call while another thread steps the engine.
 """
 
 from __future__ import annotations
 
-import os
-import re
+import time
+from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 
-from rollout_cli.engine.engine import Engine, Trajectory
+from rollout_cli.engine import weight_updates
+from rollout_cli.engine.memory_saver import MEMORY_TAGS, free_device_bytes, parse_tags
+from rollout_cli.engine.tensor_ipc import serialize_named_tensors
 from rollout_cli.errors import RolloutError
-from rollout_cli.models.loader import (
-    TensorTarget,
-    _short_list,
-    copy_into_parameters,
-    plan_checkpoint,
-    read_checkpoint_tensors,
-    safetensors_files,
-)
 
-# safetensors header dtype names -> torch dtypes (the float ones a weight can hold).
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+if TYPE_CHECKING:  # annotations only: the engine builds its control
+    from rollout_cli.engine.engine import Engine, Trajectory
 
 
-def abort_unfinished(engine: Engine) -> list[Trajectory]:
-    """Finish every running and waiting request with finish_reason "abort"; return their trajectories
-    (partial responses, possibly empty) so the caller writes them like any other row."""
-    scheduler = engine.scheduler
-    requests = list(scheduler.running) + list(scheduler.waiting)
-    # routing of the computed positions, read before abort_all gives the slots back
-    routing = (engine.routing_pool.gather([r.slots[: r.num_computed_tokens] for r in requests])
-               if engine.routing_pool is not None and requests else [None] * len(requests))
-    scheduler.abort_all()  # gives back slots and table rows; running ones get "abort"
-    for request in requests:
-        request.finish_reason = "abort"
-    order = sorted(range(len(requests)), key=lambda i: (requests[i].prompt_index, requests[i].sample_index))
-    return [engine._trajectory(requests[i], routing[i]) for i in order]
+class RankOperations:
+    """One rank's share of the operations that reach every rank, on its own shard of the engine.
+    Every rank checks the same things (names, full shapes, dtypes, memory state) and so refuses alike."""
+
+    def __init__(self, engine: Engine, rank: int = 0):
+        self.engine = engine
+        self.rank = rank
+
+    def reload_weights(self, path: str, version: str | None, accepted_dtypes: dict[str, str]) -> str:
+        return weight_updates.reload_weights(self.engine, path, version, accepted_dtypes)
+
+    def update_weights_from_tensor(self, named_tensors, version: str | None, partial: bool,
+                                   accepted_dtypes: dict[str, str]) -> str:
+        return weight_updates.update_weights_from_tensor(self.engine, named_tensors, version, partial, accepted_dtypes)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str | None, timeout_seconds: float,
+                                  num_ranks: int) -> None:
+        """Join the trainer's group as rank rank_offset + this rank (SGLang's numbering), so the
+        trainer's one broadcast reaches every shard."""
+        if rank_offset + num_ranks > world_size:
+            raise RolloutError(f"world_size {world_size} leaves no room for the engine's {num_ranks} tensor-parallel "
+                               f"ranks from rank_offset {rank_offset}; the trainer's group needs world_size "
+                               f"{rank_offset + num_ranks} or more")
+        weight_updates.init_weights_update_group(self.engine, master_address, master_port, rank_offset + self.rank,
+                                                 world_size, group_name, backend, timeout_seconds)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str, version: str | None,
+                                        partial: bool, accepted_dtypes: dict[str, str]) -> str:
+        return weight_updates.update_weights_from_distributed(self.engine, names, dtypes, shapes, group_name,
+                                                              version, partial, accepted_dtypes)
+
+    def drain_broadcast(self, group_name: str, names, dtypes, shapes) -> None:
+        weight_updates.drain_broadcast(self.engine, group_name, names, dtypes, shapes)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        weight_updates.destroy_weights_update_group(self.engine, group_name)
+
+    def release_memory(self, tags) -> dict:
+        """Free the memory of `tags` (default: all). Refused while requests are in flight; returns only
+        after the memory is free. Cached prefixes live in the cache memory, so a KV release flushes
+        them; graphs whose pool or captured tensors go are dropped (re-captured on resume)."""
+        engine, memory = self.engine, self.engine.memory
+        tags = parse_tags(tags)
+        if engine.scheduler.has_work():
+            raise RolloutError("cannot release memory while requests are in flight; "
+                               "stop the job first (rollout pause --mode abort, or rollout abort)")
+        todo = [t for t in tags if t not in memory.released]
+        started = time.perf_counter()
+        free_before = free_device_bytes(engine.device)
+        if "kv_cache" in todo:
+            engine.scheduler.flush_cache()
+        if memory.graphs_must_go(todo):
+            engine.runner.drop_cuda_graphs()
+        memory.release(todo, engine.model, engine.cache_pools)
+        return {"released": todo, "already_released": [t for t in tags if t not in todo],
+                "seconds": time.perf_counter() - started, "free_bytes_before": free_before,
+                "free_bytes_after": free_device_bytes(engine.device)}
+
+    def resume_memory(self, tags) -> dict:
+        """Take back the memory of `tags` (default: all released ones); re-capture dropped graphs once
+        everything they point at is back."""
+        engine, memory = self.engine, self.engine.memory
+        tags = parse_tags(tags)
+        todo = [t for t in tags if t in memory.released]
+        started = time.perf_counter()
+        memory.resume(todo, engine.model, engine.cache_pools)
+        capture_seconds = None
+        if not memory.released & set(MEMORY_TAGS) and engine.runner.graphs_dropped:
+            capture_seconds = engine.runner.recapture_cuda_graphs()
+        return {"resumed": todo, "not_released": [t for t in tags if t not in todo],
+                "seconds": time.perf_counter() - started, "cuda_graph_capture_seconds": capture_seconds,
+                "weights_stale": memory.weights_stale, "free_bytes_after": free_device_bytes(engine.device)}
 
 
-def flush_prefix_cache(engine: Engine) -> None:
-    """Drop every cached prefix (their KV was computed by the current weights)."""
-    if engine.scheduler.has_work():
-        raise RolloutError("cannot flush the prefix cache while requests are in flight; abort or let them finish")
-    if engine.scheduler.cache is not None:
-        engine.scheduler.cache.reset()
-    if engine.scheduler.linear is not None:  # hybrid models: the prompt-state snapshots go with their KV
-        engine.scheduler.linear.clear()
+class SingleRank:
+    """The `ranks` of a one-process engine: an operation runs here and nowhere else."""
+
+    size = 1
+
+    def __init__(self, operations: RankOperations):
+        self.operations = operations
+
+    def call(self, operation: str, *args, follower_args=None):
+        """`operation` of RankOperations with `args`; `follower_args` (what other ranks would get) is unused."""
+        return getattr(self.operations, operation)(*args)
+
+    def close(self) -> None:
+        pass
 
 
-def checkpoint_dtypes(model_dir: str) -> dict[str, str]:
-    """Checkpoint tensor name -> safetensors dtype name ("BF16", "F32", ...), read from the headers only."""
-    dtypes = {}
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                dtypes[name] = handle.get_slice(name).get_dtype()
-    return dtypes
+class EngineControl:
+    """The control API of one engine (rank 0's under --tp)."""
 
+    def __init__(self, engine: Engine, ranks):
+        self.engine = engine
+        self.ranks = ranks  # SingleRank or engine.tensor_parallel.TensorParallelRanks
+        self._start_dtypes: dict[str, str] | None = None
 
-def next_version(current: str, requested: str | None) -> str:
-    if requested is not None:
-        if not requested.strip():
-            raise RolloutError("--version must not be empty")
-        return requested
-    if re.fullmatch(r"\d+", current):
-        return str(int(current) + 1)
-    raise RolloutError(f"the current weight version {current!r} is not a number, so it cannot be bumped; pass --version V")
+    @property
+    def start_dtypes(self) -> dict[str, str]:
+        """Tensor name -> dtype in the checkpoint the engine started from: an update may also come in these."""
+        if self._start_dtypes is None:
+            config = self.engine.config
+            self._start_dtypes = {} if config.load_format == "dummy" else weight_updates.checkpoint_dtypes(config.model)
+        return self._start_dtypes
 
+    # ---- rank 0's scheduler only ---------------------------------------------------------
 
-def check_dtypes(engine: Engine, targets: list[TensorTarget], accepted: dict[str, str],
-                 fix: str = "save the checkpoint in the dtype the engine was started from") -> None:
-    """A tensor may be the live parameter's dtype or the dtype it had in the checkpoint the engine
-    started from; anything else (another float width, ints, fp8 without scales) is refused."""
-    params = dict(engine.model.named_parameters())
-    bad = []
-    for target in targets:
-        found = target.dtype
-        live = params[target.param_name].dtype
-        if SAFETENSORS_DTYPES.get(found) == live or accepted.get(target.checkpoint_name) == found:
-            continue
-        want = accepted.get(target.checkpoint_name) or str(live).removeprefix("torch.")
-        bad.append(f"{target.checkpoint_name} {found} (expected {want})")
-    if bad:
-        raise RolloutError(f"wrong dtypes: {_short_list(bad)}; {fix}")
+    def abort(self) -> list[Trajectory]:
+        """Finish every running and waiting request with finish_reason "abort"; return their trajectories
+        (partial responses, possibly empty) so the caller writes them like any other row."""
+        engine = self.engine
+        scheduler = engine.scheduler
+        requests = list(scheduler.running) + list(scheduler.waiting)
+        routing = engine.routing.gather_computed(requests)  # read before abort_all gives the slots back
+        scheduler.abort_all()  # gives back slots and table rows; running ones get "abort"
+        for request in requests:
+            request.finish_reason = "abort"
+        order = sorted(range(len(requests)), key=lambda i: (requests[i].prompt_index, requests[i].sample_index))
+        return [engine.trajectory(requests[i], routing[i]) for i in order]
 
+    def flush_cache(self) -> None:
+        """Drop every cached prefix (rollout flush-cache); refused while requests are in flight."""
+        self.engine.scheduler.flush_cache()
 
-def reload_weights(engine: Engine, path: str, version: str | None, accepted_dtypes: dict[str, str]) -> str:
-    """Replace the live weights with the checkpoint in `path`; return the new weight version.
+    def memory_held(self) -> dict:
+        """Bytes the engine holds: weights, KV pool and (CUDA) what the allocator reserved."""
+        engine = self.engine
+        released = engine.memory.released
+        weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        kv = [getattr(engine.kv, name) for name in engine.kv.storage_names]
+        cache = sum(t.numel() * t.element_size() for t in kv)
+        info = {"device": str(engine.device), "weights_bytes": 0 if "weights" in released else weights,
+                "kv_cache_bytes": 0 if "kv_cache" in released else cache, **engine.memory.state()}
+        if engine.device.type == "cuda":
+            info["cuda_reserved_bytes"] = torch.cuda.memory_reserved(engine.device)
+            free, total = torch.cuda.mem_get_info(engine.device)
+            info["device_free_bytes"], info["device_total_bytes"] = free, total
+        return info
 
-    Three phases so a bad checkpoint changes nothing: (1) names and shapes from the headers
-    (plan_checkpoint) and dtypes; (2) every tensor read into host memory (catches truncated or
-    corrupt data; costs one checkpoint of host RAM); (3) only then the in-place copies into the
-    live parameters (addresses unchanged, so captured CUDA graphs stay valid). The prefix cache is
-    flushed after, since its KV came from the old weights.
-    """
-    if engine.scheduler.has_work():
-        raise RolloutError("cannot reload weights while requests are in flight; abort the job or let it finish")
-    engine.memory.check_weights_writable()
-    if not os.path.isdir(path):
-        raise RolloutError(f"checkpoint directory {path} does not exist")
-    new_version = next_version(engine.weight_version, version)
-    try:
-        targets = plan_checkpoint(engine.model, path)
-        check_dtypes(engine, targets, accepted_dtypes)
-    except RolloutError as err:
-        raise RolloutError(f"refused {path}: {err}; the engine keeps weight version {engine.weight_version}") from err
-    try:  # read everything before the first live weight changes
-        staged = list(read_checkpoint_tensors(targets))
-    except RolloutError as err:
-        raise RolloutError(f"refused {path}: {err}; the engine keeps weight version {engine.weight_version}") from err
-    return commit_weights(engine, staged, new_version)
+    # ---- every rank ------------------------------------------------------------------------
 
+    def reload_weights(self, path: str, version: str | None = None) -> str:
+        """Replace the weights with the checkpoint in `path` on every rank; returns the new weight version.
+        A refused checkpoint changes nothing (see weight_updates.reload_weights)."""
+        return self.ranks.call("reload_weights", path, version, self.start_dtypes)
 
-def commit_weights(engine: Engine, staged: list[tuple[TensorTarget, torch.Tensor]], new_version: str,
-                   complete: bool = True) -> str:
-    """The last phase of every weight update (disk, tensors, broadcast), once all of it was checked and
-    staged: copy in place, flush the prefix cache (its KV came from the old weights), bump the version.
-    Only a `complete` update (every tensor) makes weights lost in a release without backup valid again."""
-    params = dict(engine.model.named_parameters())
-    for target, tensor in staged:
-        copy_into_parameters(params, target, tensor)
-    flush_prefix_cache(engine)
-    engine.weight_version = new_version
-    if complete:
-        engine.memory.weights_loaded()
-    return new_version
+    def update_weights_from_tensor(self, named_tensors, version: str | None = None, partial: bool = False) -> str:
+        """New weights from (name, tensor) pairs, a dict, a FlattenedBucket or a serialized payload
+        (tensor_ipc). Other ranks open handles to in-process tensors (shared memory or CUDA IPC)."""
+        args = (version, partial, self.start_dtypes)
+        if isinstance(named_tensors, (str, bytes)):  # already a payload: every rank opens it as it is
+            return self.ranks.call("update_weights_from_tensor", named_tensors, *args)
+        return self.ranks.call("update_weights_from_tensor", named_tensors, *args,
+                               follower_args=lambda: (serialize_named_tensors(named_tensors), *args))
 
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str | None = None, timeout_seconds: float = 600.0) -> None:
+        """Join the trainer's broadcast group as rank `rank_offset` (nccl on CUDA, gloo on the CPU by
+        default); under --tp N rank r joins as rank_offset + r, so `world_size` must count all N."""
+        self.ranks.call("init_weights_update_group", master_address, master_port, rank_offset, world_size,
+                        group_name, backend, timeout_seconds, self.ranks.size)
 
-def memory_held(engine: Engine) -> dict:
-    """Bytes the engine holds: weights, KV pool and (CUDA) what the allocator reserved."""
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    kv = sum(t.numel() * t.element_size() for t in _tensors(engine.kv))
-    info = {"device": str(engine.device), "weights_bytes": weights, "kv_cache_bytes": kv, **engine.memory.state()}
-    if "weights" in engine.memory.released:
-        info["weights_bytes"] = 0
-    if "kv_cache" in engine.memory.released:
-        info["kv_cache_bytes"] = 0
-    if engine.device.type == "cuda":
-        info["cuda_reserved_bytes"] = torch.cuda.memory_reserved(engine.device)
-        free, total = torch.cuda.mem_get_info(engine.device)
-        info["device_free_bytes"], info["device_total_bytes"] = free, total
-    return info
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str, version: str | None = None,
+                                        partial: bool = False) -> str:
+        """Receive the tensors the trainer's rank 0 broadcasts (in `names` order); returns the new version."""
+        return self.ranks.call("update_weights_from_distributed", names, dtypes, shapes, group_name, version,
+                               partial, self.start_dtypes)
 
+    def drain_broadcast(self, group_name: str, names, dtypes, shapes) -> None:
+        """Receive and drop a broadcast the engine refuses, so the trainer is not left hanging in it."""
+        self.ranks.call("drain_broadcast", group_name, names, dtypes, shapes)
 
-def _tensors(obj) -> list[torch.Tensor]:
-    found = []
-    for value in vars(obj).values():
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(v for v in value if isinstance(v, torch.Tensor))
-    return found
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self.ranks.call("destroy_weights_update_group", group_name)
+
+    def release_memory(self, tags=None) -> dict:
+        """Free GPU memory for a trainer (tags: weights, kv_cache, cuda_graph; default all)."""
+        return self.ranks.call("release_memory", tags)
+
+    def resume_memory(self, tags=None) -> dict:
+        """Take released memory back; without --weights-cpu-backup new weights must be loaded before generating."""
+        return self.ranks.call("resume_memory", tags)
+
+    def close(self) -> None:
+        """When the command ends: leave this rank's weight update groups (a gloo group alive at
+        interpreter exit can abort the process), then release the other ranks (--tp)."""
+        try:
+            weight_updates.close_weight_update_groups(self.engine)
+        finally:
+            self.ranks.close()

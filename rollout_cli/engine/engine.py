@@ -12,7 +12,6 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from rollout_cli.config import EngineConfig
 from rollout_cli.engine.attention import KVCache
 from rollout_cli.engine.cache_split import hybrid_pool_sizes
+from rollout_cli.engine.control import EngineControl, RankOperations, SingleRank
 from rollout_cli.engine.kv_sizing import kv_pool_tokens, profile_activation_bytes
 from rollout_cli.engine.linear_state import LinearStatePool
 from rollout_cli.engine.memory_saver import MemorySaver
@@ -29,78 +29,13 @@ from rollout_cli.engine.routing_capture import RoutingCapture
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.schedule_output import BatchEntry, ScheduleOutput
 from rollout_cli.engine.scheduler import Scheduler
+from rollout_cli.engine.tensor_parallel import TensorParallelRanks, TensorParallelRunner, min_over_ranks
+from rollout_cli.engine.tokenizer import eos_token_ids, load_tokenizer
+from rollout_cli.engine.trajectory import PromptInput, Trajectory
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import build_model, load_model_config, resolve_device, resolve_dtype
 from rollout_cli.models.layers import enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
-
-
-@dataclass
-class Trajectory:
-    """One finished sample; the fields of a trajectory Parquet row."""
-
-    prompt_index: int
-    sample_index: int
-    prompt_token_ids: list[int]
-    response_token_ids: list[int]
-    response_logprobs: list[float]
-    response_text: str
-    finish_reason: str
-    weight_version: str
-    passthrough: dict[str, Any] = field(default_factory=dict)
-    ttft_seconds: float = 0.0  # queueing to first token; a metric, not a Parquet column
-    # With routing capture: expert ids [len(prompt) + len(response) - 1, num_moe_layers, top_k]
-    # (numpy, uint8 or int16); written to OUT/routing/, not a trajectory column.
-    routed_experts: Any = None
-
-    def to_row(self) -> dict[str, Any]:
-        row = {k: v for k, v in self.__dict__.items() if k not in ("passthrough", "ttft_seconds", "routed_experts")}
-        row.update(self.passthrough)
-        return row
-
-
-@dataclass(frozen=True)
-class PromptInput:
-    """A tokenized prompt with its row number and passthrough columns."""
-
-    prompt_index: int
-    prompt_token_ids: list[int]
-    passthrough: dict[str, Any] = field(default_factory=dict)
-    params: SamplingParams | None = None  # overrides the job's settings for this prompt (bench: mixed lengths)
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def _load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
-
-    # Without tokenizer files, transformers may still build a default tokenizer (with its own eos id).
-    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except Exception:  # no tokenizer files: token-id prompts still work, text is left empty
-        return None
-
-
-def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-
-    def add(value):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-
-    add(getattr(hf_config, "eos_token_id", None))
-    if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
-        from transformers import GenerationConfig
-
-        add(GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
-    if not ids and tokenizer is not None:
-        add(tokenizer.eos_token_id)
-    return frozenset(ids)
 
 
 def _attention_backend(name: str, device: torch.device) -> str:
@@ -113,14 +48,6 @@ def _attention_backend(name: str, device: torch.device) -> str:
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RolloutError("--attention-backend triton needs a CUDA device; use torch on the CPU")
     return name
-
-
-def _min_over_ranks(value: int, group) -> int:
-    import torch.distributed as dist
-
-    box = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group.cpu_group)
-    return int(box.item())
 
 
 class Engine:
@@ -140,8 +67,8 @@ class Engine:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         self.max_model_len = cfg.max_model_len or limit
         self.attention_backend = _attention_backend(cfg.attention_backend, self.device)
-        self.tokenizer = _load_tokenizer(cfg.model)
-        self.eos_token_ids = _eos_token_ids(cfg.model, self.hf_config, self.tokenizer)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.eos_token_ids = eos_token_ids(cfg.model, self.hf_config, self.tokenizer)
         self.tp = None  # models.tensor_parallel.TensorParallelGroup under --tp N > 1
         if cfg.tensor_parallel_size > 1:
             from rollout_cli.models.tensor_parallel import check_tensor_parallel, init_tensor_parallel
@@ -160,6 +87,10 @@ class Engine:
         self._request_ids = itertools.count()
         self.routing = RoutingCapture()  # off until enable_routing_capture
         self.weight_update_groups = {}  # group name -> engine.weight_group.WeightGroup
+        # the control API; tensor parallelism is decided here, once: operations reach every rank or this one
+        operations = RankOperations(self, rank=0 if self.tp is None else self.tp.rank)
+        self.control = EngineControl(self, SingleRank(operations) if self.tp is None
+                                     else TensorParallelRanks(self.tp, operations))
 
     def _build_cache(self) -> None:
         cfg, hf = self.config, self.hf_config
@@ -182,16 +113,14 @@ class Engine:
                 kv_bytes_per_token=bytes_per_token, state_bytes_per_slot=state_shape.bytes_per_sequence,
                 linear_state_memory_ratio=cfg.linear_state_memory_ratio, **sizes)
         if self.tp is not None:  # every rank needs the same slots: the scheduler on rank 0 hands them out
-            num_slots = _min_over_ranks(num_slots, self.tp)
+            num_slots = min_over_ranks(num_slots, self.tp)
             if state_slots is not None:
-                state_slots = _min_over_ranks(state_slots, self.tp)
+                state_slots = min_over_ranks(state_slots, self.tp)
         with self.memory.region("kv_cache"):  # the linear-attention states are cache memory too
             if state_shape is not None:
                 self.linear_states = LinearStatePool(state_shape, state_slots, self.device)
             self.kv = KVCache(num_layers, num_slots, num_kv_heads, head_dim, self.dtype, self.device)
-        runner_class = ModelRunner
-        if self.tp is not None:
-            from rollout_cli.engine.tensor_parallel import TensorParallelRunner as runner_class
+        runner_class = ModelRunner if self.tp is None else TensorParallelRunner
         self.runner = runner_class(self.model, self.kv, cfg.max_running, self.max_model_len, self.device,
                                   self.attention_backend, self.linear_states)
         self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache,
@@ -245,54 +174,54 @@ class Engine:
         """The models.moe.RoutingPool while routing capture is on, else None."""
         return self.routing.pool
 
-    def release_memory(self, tags=None) -> dict:
-        """Free GPU memory for a trainer (tags: weights, kv_cache, cuda_graph; default all). See engine.memory_saver.
-        Under --tp on every rank (engine.tensor_parallel.on_every_rank), as are the weight updates below."""
-        from rollout_cli.engine.tensor_parallel import on_every_rank
-
-        return on_every_rank(self, "release_memory", tags)
-
-    def resume_memory(self, tags=None) -> dict:
-        """Take released memory back; without --weights-cpu-backup new weights must be loaded before generating."""
-        from rollout_cli.engine.tensor_parallel import on_every_rank
-
-        return on_every_rank(self, "resume_memory", tags)
+    @property
+    def cache_pools(self) -> list:
+        """The pools in cache memory (released with the `kv_cache` tag): the KV pool, and a hybrid
+        model's linear-attention state pool."""
+        return [self.kv] if self.linear_states is None else [self.kv, self.linear_states]
 
     @property
     def num_kv_slots(self) -> int:
         return self.kv.num_slots
 
-    # ---- weight updates from a trainer (engine/weight_updates.py; from disk: engine/control.py) ----
+    # ---- control (engine/control.py: the API the CLI and the daemon call too) ----------------
+
+    def release_memory(self, tags=None) -> dict:
+        """Free GPU memory for a trainer (tags: weights, kv_cache, cuda_graph; default all); every rank under --tp."""
+        return self.control.release_memory(tags)
+
+    def resume_memory(self, tags=None) -> dict:
+        """Take released memory back; without --weights-cpu-backup new weights must be loaded before generating."""
+        return self.control.resume_memory(tags)
+
+    def reload_weights(self, path: str, version: str | None = None) -> str:
+        """Load the checkpoint in `path` into the live weights (checked first); returns the new weight version."""
+        return self.control.reload_weights(path, version)
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix."""
+        self.control.flush_cache()
 
     def update_weights_from_tensor(self, named_tensors, version: str | None = None, partial: bool = False) -> str:
         """New weights from (name, tensor) pairs, a dict, a FlattenedBucket (engine.tensor_bucket) or the
         text of tensor_ipc.serialize_named_tensors (another process: CUDA IPC / shared memory).
         HF checkpoint names; all of them unless partial=True. Returns the new weight version."""
-        from rollout_cli.engine.tensor_parallel import update_weights_from_tensor
-
-        return update_weights_from_tensor(self, named_tensors, version, partial)
+        return self.control.update_weights_from_tensor(named_tensors, version, partial)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str | None = None, timeout_seconds: float = 600.0) -> None:
         """Join the trainer's broadcast group as rank `rank_offset` (nccl on CUDA, gloo on the CPU by default);
         under --tp N rank r joins as rank_offset + r."""
-        from rollout_cli.engine.tensor_parallel import on_every_rank
-
-        on_every_rank(self, "init_weights_update_group", master_address, master_port, rank_offset, world_size,
-                      group_name, backend, timeout_seconds)
+        self.control.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+                                               backend, timeout_seconds)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list, group_name: str,
                                         version: str | None = None, partial: bool = False) -> str:
         """Receive tensors broadcast by the trainer's rank 0 (in `names` order); returns the new weight version."""
-        from rollout_cli.engine.tensor_parallel import on_every_rank
-
-        return on_every_rank(self, "update_weights_from_distributed", names, dtypes, shapes, group_name, version,
-                             partial)
+        return self.control.update_weights_from_distributed(names, dtypes, shapes, group_name, version, partial)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
-        from rollout_cli.engine.tensor_parallel import on_every_rank
-
-        on_every_rank(self, "destroy_weights_update_group", group_name)
+        self.control.destroy_weights_update_group(group_name)
 
     # ---- prompts -------------------------------------------------------------
 
@@ -416,7 +345,7 @@ class Engine:
         return self._trajectories(self.routing.finish(finished))
 
     def _trajectories(self, finished: list[tuple[Request, Any]]) -> list[Trajectory]:
-        return [self._trajectory(request, routed) for request, routed in finished]
+        return [self.trajectory(request, routed) for request, routed in finished]
 
     def _add_prompt(self, prompt: PromptInput, params: SamplingParams, skip) -> None:
         ids = prompt.prompt_token_ids
@@ -450,7 +379,7 @@ class Engine:
             leader = leader or request
             self.scheduler.add(request)
 
-    def _trajectory(self, request: Request, routed_experts=None) -> Trajectory:
+    def trajectory(self, request: Request, routed_experts=None) -> Trajectory:
         return Trajectory(
             prompt_index=request.prompt_index,
             sample_index=request.sample_index,

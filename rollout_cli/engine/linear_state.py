@@ -31,6 +31,8 @@ from rollout_cli.models.gated_deltanet import LinearStateShape
 
 
 class LinearStatePool:
+    storage_names = ("conv", "ssm")  # the cache-memory tensors a memory release frees (engine.memory_saver)
+
     def __init__(self, shape: LinearStateShape, num_slots: int, device):
         self.shape = shape
         self.num_slots = num_slots

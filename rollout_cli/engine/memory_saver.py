@@ -1,4 +1,5 @@
-"""Give the engine's GPU memory to a trainer and take it back: release_memory / resume_memory.
+"""Give the engine's GPU memory to a trainer and take it back: the mechanism (MemorySaver.release /
+resume); engine.control.RankOperations.release_memory / resume_memory run it with what goes around it.
 
 Three tags, as in SGLang: `weights` (the model's parameters), `kv_cache` (the KV pool) and
 `cuda_graph` (the memory pool of the captured decode graphs).
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import time
 
 import torch
 
@@ -62,8 +62,24 @@ def _load_torch_memory_saver():
     return torch_memory_saver
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return free
+
+
 class MemorySaver:
-    """The engine's release state: which tags are released, whether the weights are stale."""
+    """The engine's release state (which tags are released, whether the weights are stale), and the
+    release and resume of the tagged memory: the model's parameters (`weights`) and the cache pools
+    (`kv_cache`: objects whose `storage_names` attributes are their cache-memory tensors, the KV pool
+    and a hybrid model's state pool). What must happen around it (the prefix cache flushed, the decode
+    graphs dropped and re-captured) is the caller's: engine.control."""
 
     def __init__(self, device: torch.device, weights_cpu_backup: bool = False):
         self.device = device
@@ -123,125 +139,74 @@ class MemorySaver:
                 "weights_cpu_backup": self.weights_cpu_backup}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    def graphs_must_go(self, tags) -> bool:
+        """Whether releasing `tags` invalidates the captured decode graphs: their own pool, or (the
+        reallocate mechanism) tensors whose addresses they captured."""
+        return "cuda_graph" in tags or (self.backend == "reallocate" and bool({"weights", "kv_cache"} & set(tags)))
 
+    def release(self, tags, model, pools) -> None:
+        """Free the memory of `tags` (already parsed, none released yet); returns once it is free."""
+        _sync(self.device)
+        if self.backend == "torch_memory_saver":
+            for tag in ("kv_cache", "weights"):
+                if tag in tags:
+                    self._tms.pause(tag)
+        else:
+            if "kv_cache" in tags:
+                self._release_pools(pools)
+            if "weights" in tags:
+                self._release_weights(model)
+        self.released.update(tags)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        _sync(self.device)
 
-def _free_device_bytes(device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None
-    free, _total = torch.cuda.mem_get_info(device)
-    return free
+    def resume(self, tags, model, pools) -> None:
+        """Take back the memory of `tags` (already parsed, all released); cache pools come back zeroed."""
+        if self.backend == "torch_memory_saver":
+            for tag in ("weights", "kv_cache"):
+                if tag in tags:
+                    self._tms.resume(tag)
+        else:
+            if "weights" in tags:
+                self._resume_weights(model)
+            if "kv_cache" in tags:
+                self._resume_pools()
+        if "kv_cache" in tags:
+            # Resumed pages hold whatever was there; the padding slot 0 is read by graph padding rows.
+            for pool in pools:
+                for name in pool.storage_names:
+                    getattr(pool, name).zero_()
+        if "weights" in tags and not self.weights_cpu_backup:
+            self.weights_stale = True
+        self.released.difference_update(tags)
+        _sync(self.device)
 
+    # ---- the reallocate mechanism ---------------------------------------------------------
 
-def release_memory(engine, tags=None) -> dict:
-    """Free the memory of `tags` (default: all); returns what was released and how long it took.
+    def _release_weights(self, model) -> None:
+        self._param_meta = {name: (p.shape, p.dtype) for name, p in model.named_parameters()}
+        self._weights_backup = {}
+        for name, p in model.named_parameters():
+            if self.weights_cpu_backup:
+                self._weights_backup[name] = p.data.to("cpu", copy=True)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
-    Refused while requests are in flight. Returns only after the memory is free: the device is
-    synchronised before and after, and the caching allocator's unused blocks are returned.
-    """
-    tags = parse_tags(tags)
-    saver: MemorySaver = engine.memory
-    if engine.scheduler.has_work():
-        raise RolloutError("cannot release memory while requests are in flight; "
-                           "stop the job first (rollout pause --mode abort, or rollout abort)")
-    todo = [t for t in tags if t not in saver.released]
-    started = time.perf_counter()
-    free_before = _free_device_bytes(engine.device)
-    _sync(engine.device)
-    if "kv_cache" in todo:
-        from rollout_cli.engine.control import flush_prefix_cache
+    def _resume_weights(self, model) -> None:
+        for name, p in model.named_parameters():
+            shape, dtype = self._param_meta[name]
+            backup = self._weights_backup.pop(name, None)
+            p.data = backup.to(self.device) if backup is not None else torch.zeros(shape, dtype=dtype, device=self.device)
 
-        flush_prefix_cache(engine)  # cached prefixes (and hybrid state snapshots) live in the cache memory
-    graphs_go = "cuda_graph" in todo or (saver.backend == "reallocate" and {"weights", "kv_cache"} & set(todo))
-    if graphs_go:
-        engine.runner.drop_cuda_graphs()
-    if saver.backend == "torch_memory_saver":
-        for tag in ("kv_cache", "weights"):
-            if tag in todo:
-                saver._tms.pause(tag)
-    else:
-        if "kv_cache" in todo:
-            _release_cache(saver, _cache_tensors(engine))
-        if "weights" in todo:
-            _release_weights(saver, engine.model)
-    saver.released.update(todo)
-    gc.collect()
-    if engine.device.type == "cuda":
-        torch.cuda.empty_cache()
-    _sync(engine.device)
-    return {"released": todo, "already_released": [t for t in tags if t not in todo],
-            "seconds": time.perf_counter() - started, "free_bytes_before": free_before,
-            "free_bytes_after": _free_device_bytes(engine.device)}
+    def _release_pools(self, pools) -> None:
+        self._cache_meta = []
+        for pool in pools:
+            for name in pool.storage_names:
+                tensor = getattr(pool, name)
+                self._cache_meta.append((pool, name, tuple(tensor.shape), tensor.dtype))
+                setattr(pool, name, torch.empty(0, dtype=tensor.dtype, device=tensor.device))
 
-
-def resume_memory(engine, tags=None) -> dict:
-    """Take back the memory of `tags` (default: all released ones); re-capture dropped graphs."""
-    tags = parse_tags(tags)
-    saver: MemorySaver = engine.memory
-    todo = [t for t in tags if t in saver.released]
-    started = time.perf_counter()
-    if saver.backend == "torch_memory_saver":
-        for tag in ("weights", "kv_cache"):
-            if tag in todo:
-                saver._tms.resume(tag)
-    else:
-        if "weights" in todo:
-            _resume_weights(saver, engine.model, engine.device)
-        if "kv_cache" in todo:
-            _resume_cache(saver, engine.device)
-    if "kv_cache" in todo:
-        # Resumed pages hold whatever was there; the padding slot 0 is read by graph padding rows.
-        for holder, name in _cache_tensors(engine):
-            getattr(holder, name).zero_()
-    if "weights" in todo and not saver.weights_cpu_backup:
-        saver.weights_stale = True
-    saver.released.difference_update(todo)
-    capture_seconds = None
-    # Graphs come back once everything they point at is back.
-    if not saver.released & {"weights", "kv_cache", "cuda_graph"} and engine.runner.graphs_dropped:
-        capture_seconds = engine.runner.recapture_cuda_graphs()
-    _sync(engine.device)
-    return {"resumed": todo, "not_released": [t for t in tags if t not in todo],
-            "seconds": time.perf_counter() - started, "cuda_graph_capture_seconds": capture_seconds,
-            "weights_stale": saver.weights_stale, "free_bytes_after": _free_device_bytes(engine.device)}
-
-
-# ---- the reallocate mechanism ---------------------------------------------------------------
-
-def _release_weights(saver: MemorySaver, model) -> None:
-    saver._param_meta = {name: (p.shape, p.dtype) for name, p in model.named_parameters()}
-    saver._weights_backup = {}
-    for name, p in model.named_parameters():
-        if saver.weights_cpu_backup:
-            saver._weights_backup[name] = p.data.to("cpu", copy=True)
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-
-
-def _resume_weights(saver: MemorySaver, model, device: torch.device) -> None:
-    for name, p in model.named_parameters():
-        shape, dtype = saver._param_meta[name]
-        backup = saver._weights_backup.pop(name, None)
-        p.data = backup.to(device) if backup is not None else torch.zeros(shape, dtype=dtype, device=device)
-
-
-def _cache_tensors(engine) -> list[tuple[object, str]]:
-    """(holder, attribute) of every cache-memory tensor: the KV pool, and hybrid models' state pool."""
-    found = [(engine.kv, "k"), (engine.kv, "v")]
-    if getattr(engine, "linear_states", None) is not None:
-        found += [(engine.linear_states, "conv"), (engine.linear_states, "ssm")]
-    return found
-
-
-def _release_cache(saver: MemorySaver, tensors: list[tuple[object, str]]) -> None:
-    saver._cache_meta = []
-    for holder, name in tensors:
-        tensor = getattr(holder, name)
-        saver._cache_meta.append((holder, name, tuple(tensor.shape), tensor.dtype))
-        setattr(holder, name, torch.empty(0, dtype=tensor.dtype, device=tensor.device))
-
-
-def _resume_cache(saver: MemorySaver, device: torch.device) -> None:
-    for holder, name, shape, dtype in saver._cache_meta:
-        setattr(holder, name, torch.zeros(shape, dtype=dtype, device=device))
+    def _resume_pools(self) -> None:
+        for pool, name, shape, dtype in self._cache_meta:
+            setattr(pool, name, torch.zeros(shape, dtype=dtype, device=self.device))

@@ -70,6 +70,13 @@ class RoutingCapture:
         self._pending = []
         return ready
 
+    def gather_computed(self, requests: list[Request]) -> list:
+        """Expert ids of every position each request computed so far (None each when capture is off):
+        the routing of requests aborted mid-way, read before their slots are given back."""
+        if self.pool is None or not requests:
+            return [None] * len(requests)
+        return self.pool.gather([r.slots[: r.num_computed_tokens] for r in requests])
+
     def drop_pending(self) -> None:
         """An abandoned stream: its pending requests are not handed out."""
         self._pending = []

@@ -355,6 +355,16 @@ class Scheduler(OverlapScheduling):
         self.stats.preemptions += 1
         self.waiting.appendleft(request)
 
+    def flush_cache(self) -> None:
+        """Drop every cached prefix (their KV was computed by weights that are changing, or its memory
+        is being released). Refused while requests are in flight: they hold cached prefixes."""
+        if self.has_work():
+            raise RolloutError("cannot flush the prefix cache while requests are in flight; abort or let them finish")
+        if self.cache is not None:
+            self.cache.reset()
+        if self.linear is not None:  # hybrid models: the prompt-state snapshots go with their KV
+            self.linear.clear()
+
     def abort_all(self) -> None:
         """Drop every unfinished request, giving back its slots and table row (waiting ones hold none)."""
         for request in list(self.running):

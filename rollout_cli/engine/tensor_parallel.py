@@ -7,15 +7,16 @@ which run the same forward on their shards with their own KV pool (their kv head
 next message. The all-reduces inside the model keep the ranks in step; only rank 0 samples.
 
 Control operations that change what every rank holds (weights, memory, weight update groups) go
-through `on_every_rank`: rank 0 sends the operation's name and arguments, every rank runs it on its
-own shard, and rank 0 gathers the outcomes (a refusal anywhere is raised on rank 0). Operations on
-the scheduler alone (pause, abort, flush the prefix cache: the followers keep no cache index of
-their own) stay on rank 0.
+through `TensorParallelRanks.call`, the engine's `ranks` under --tp (engine.control.EngineControl
+calls it): rank 0 sends the operation's name (a method of engine.control.RankOperations) and
+arguments, every rank runs it on its own shard, and rank 0 gathers the outcomes (a refusal anywhere
+is raised on rank 0). Operations on the scheduler alone (pause, abort, flush the prefix cache: the
+followers keep no cache index of their own) stay on rank 0.
 
 Messages, rank 0 -> all:
 
     ("step", [BatchEntry, its request cut to the state slot, ...], state copies)   one forward
-    ("call", operation, args, kwargs)                  a control operation (CONTROL_OPERATIONS) on every rank
+    ("call", operation, args)                          a control operation (RankOperations) on every rank
     ("stop",)                                         followers return from `follow`
 """
 
@@ -24,30 +25,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from rollout_cli.engine.model_runner import ModelRunner
 from rollout_cli.engine.schedule_output import BatchEntry, ScheduleOutput
 from rollout_cli.errors import RolloutError
-from rollout_cli.models.tensor_parallel import TensorParallelGroup, tp_group
+from rollout_cli.models.tensor_parallel import TensorParallelGroup, close_tensor_parallel, tp_group
 
 STEP, CALL, STOP = "step", "call", "stop"
 
 
 def _broadcast(group: TensorParallelGroup, message=None):
     """Rank 0's `message` on every rank (None in, the message out, on the followers)."""
-    import torch.distributed as dist
-
     box = [message]
     dist.broadcast_object_list(box, group=group.cpu_group, group_src=0)  # this engine's rank 0
     return box[0]
 
 
 def _gather(group: TensorParallelGroup, value) -> list:
-    import torch.distributed as dist
-
     values = [None] * group.size
     dist.all_gather_object(values, value, group=group.cpu_group)
     return values
+
+
+def min_over_ranks(value: int, group) -> int:
+    """The smallest of every rank's `value` (the pool sizes all ranks must agree on)."""
+    box = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    return int(box.item())
 
 
 @dataclass(slots=True)
@@ -88,112 +93,53 @@ def follow(engine) -> None:
         if kind == STEP:
             engine.runner.follow_step(message[1], message[2])
         elif kind == CALL:
-            _call_here(engine, *message[1:])
+            engine.control.ranks.call_here(message[1], message[2])
         elif kind == STOP:
             return
         else:
             raise RuntimeError(f"unknown tensor-parallel message {kind!r}")
 
 
-def stop_followers(engine) -> None:
-    """Rank 0: release the followers from `follow` (end of the job, or an error on rank 0)."""
-    _broadcast(engine.tp, (STOP,))
+class TensorParallelRanks:
+    """The `ranks` of a tensor-parallel engine: an operation of `operations` (engine.control.RankOperations)
+    runs on every rank's shard. On rank 0 `call` sends it to the followers first; they run it from `follow`."""
 
+    def __init__(self, group: TensorParallelGroup, operations):
+        self.group = group
+        self.operations = operations
+        self.size = group.size
 
-def release_followers(engine) -> None:
-    """Rank 0, when the command ends: stop the followers and leave the process group (also on errors)."""
-    from rollout_cli.models.tensor_parallel import close_tensor_parallel
+    def call(self, operation: str, *args, follower_args=None):
+        """`operation(*args)` on this rank and on every follower; returns rank 0's result. `follower_args`
+        (a function) gives the followers' arguments instead of `args` (tensors handed over in process:
+        the followers get their handles). Rank 0 raises its own refusal, else the first follower's."""
+        _broadcast(self.group, (CALL, operation, args if follower_args is None else follower_args()))
+        return self.call_here(operation, args)
 
-    if engine.tp is None:
-        return
-    try:
-        stop_followers(engine)
-    finally:
-        close_tensor_parallel()
+    def call_here(self, operation: str, args: tuple):
+        """This rank's share; every rank then learns every rank's outcome (no rank is left waiting)."""
+        result, failure, error = None, None, None
+        try:
+            result = getattr(self.operations, operation)(*args)
+        except Exception as err:  # noqa: BLE001 - gathered first, so no rank is left waiting; rank 0 re-raises
+            failure = err
+            error = str(err) if isinstance(err, RolloutError) else f"{type(err).__name__}: {err}"
+        errors = _gather(self.group, error)
+        if not self.group.is_leader:
+            return None
+        if failure is not None:
+            raise failure
+        for rank, message in enumerate(errors):
+            if message is not None:
+                raise RolloutError(f"tensor-parallel rank {rank}: {message}; rank 0 carried it out, "
+                                   "so the ranks disagree now: repeat the operation")
+        return result
 
-
-# ---- control operations on every rank ----------------------------------------------------------
-
-
-def _join_weight_group(engine, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                       group_name: str, backend: str | None = None, timeout_seconds: float = 600.0) -> None:
-    """Every rank joins the trainer's group, rank r as rank_offset + r (SGLang's numbering), so the
-    trainer's one broadcast reaches every shard."""
-    from rollout_cli.engine.weight_updates import init_weights_update_group
-
-    size, rank = (1, 0) if engine.tp is None else (engine.tp.size, engine.tp.rank)
-    if rank_offset + size > world_size:
-        raise RolloutError(f"world_size {world_size} leaves no room for the engine's {size} tensor-parallel ranks "
-                           f"from rank_offset {rank_offset}; the trainer's group needs world_size "
-                           f"{rank_offset + size} or more")
-    init_weights_update_group(engine, master_address, master_port, rank_offset + rank, world_size, group_name,
-                              backend, timeout_seconds)
-
-
-def _operations() -> dict:
-    from rollout_cli.engine import control, memory_saver, weight_updates
-
-    return {
-        "reload_weights": control.reload_weights,
-        "release_memory": memory_saver.release_memory,
-        "resume_memory": memory_saver.resume_memory,
-        "update_weights_from_tensor": weight_updates.update_weights_from_tensor,
-        "init_weights_update_group": _join_weight_group,
-        "update_weights_from_distributed": weight_updates.update_weights_from_distributed,
-        "drain_broadcast": weight_updates.drain_broadcast,
-        "destroy_weights_update_group": weight_updates.destroy_weights_update_group,
-    }
-
-
-def on_every_rank(engine, operation: str, *args, leader_args: tuple | None = None, **kwargs):
-    """`operation(engine, *args, **kwargs)` (a name of `_operations()`) on this engine, and under --tp on
-    every rank's shard of it; returns rank 0's result. `leader_args` replaces `args` on rank 0 (tensors
-    handed over in process: the followers get their handles instead).
-
-    Every rank checks the same things (names, full shapes, dtypes, memory state) and so refuses alike;
-    rank 0 raises its own refusal, else the first follower's."""
-    if engine.tp is None:
-        return _operations()[operation](engine, *(args if leader_args is None else leader_args), **kwargs)
-    _broadcast(engine.tp, (CALL, operation, args, kwargs))
-    return _call_here(engine, operation, args if leader_args is None else leader_args, kwargs)
-
-
-def _call_here(engine, operation: str, args: tuple, kwargs: dict):
-    group = engine.tp
-    result, failure, error = None, None, None
-    try:
-        result = _operations()[operation](engine, *args, **kwargs)
-    except Exception as err:  # noqa: BLE001 - gathered first, so no rank is left waiting; rank 0 re-raises
-        failure = err
-        error = str(err) if isinstance(err, RolloutError) else f"{type(err).__name__}: {err}"
-    errors = _gather(group, error)
-    if not group.is_leader:
-        return None
-    if failure is not None:
-        raise failure
-    for rank, message in enumerate(errors):
-        if message is not None:
-            raise RolloutError(f"tensor-parallel rank {rank}: {message}; rank 0 carried it out, "
-                               "so the ranks disagree now: repeat the operation")
-    return result
-
-
-def reload_weights(engine, path: str, version: str | None = None) -> str:
-    """Every rank loads its slices of the checkpoint in `path` (checked against the full shapes on each
-    rank, as engine.control.reload_weights does); returns the new weight version."""
-    from rollout_cli.engine.weight_updates import start_dtypes
-
-    return on_every_rank(engine, "reload_weights", path, version, start_dtypes(engine))
-
-
-def update_weights_from_tensor(engine, named_tensors, version: str | None = None, partial: bool = False,
-                               accepted_dtypes: dict[str, str] | None = None) -> str:
-    """engine.weight_updates.update_weights_from_tensor on every rank: the followers open handles to the
-    tensors (tensor_ipc; a serialized payload is opened by every rank as it is)."""
-    from rollout_cli.engine.tensor_ipc import serialize_named_tensors
-
-    args = (named_tensors, version, partial, accepted_dtypes)
-    if engine.tp is None or isinstance(named_tensors, (str, bytes)):
-        return on_every_rank(engine, "update_weights_from_tensor", *args)
-    payload = serialize_named_tensors(named_tensors)
-    return on_every_rank(engine, "update_weights_from_tensor", payload, *args[1:], leader_args=args)
+    def close(self) -> None:
+        """When the command ends: rank 0 stops the followers (back from `follow`); every rank then leaves
+        the process group (also on errors)."""
+        try:
+            if self.group.is_leader:
+                _broadcast(self.group, (STOP,))
+        finally:
+            close_tensor_parallel()

@@ -1,8 +1,9 @@
-"""Weight updates that do not come from disk: tensors a trainer hands over (in process, by CUDA IPC
-or shared memory), and tensors broadcast by the trainer's rank 0 over a weight update group.
+"""Weight updates of one rank's shard: from a checkpoint on disk, from tensors a trainer hands over
+(in process, by CUDA IPC or shared memory), and from tensors broadcast by the trainer's rank 0 over
+a weight update group. engine.control calls these on every rank (EngineControl).
 
-Same rules as `reload-weights` (engine/control.py): every name, shape and dtype is checked by the
-loader's `plan_tensors` and control's `check_dtypes` before a live weight changes, HF checkpoint
+Same rules as `reload-weights` (from disk, `reload_weights` below): every name, shape and dtype is
+checked by the loader's `plan_tensors` and `check_dtypes` before a live weight changes, HF checkpoint
 names are mapped into fused parameters (qkv, gate_up, stacked experts) exactly as from disk, and
 `commit_weights` copies, flushes the prefix cache and bumps the version. A refused update changes
 nothing, weights and version included.
@@ -14,23 +15,36 @@ for trainers that send only what changed.
 
 from __future__ import annotations
 
-import weakref
+import os
+import re
 
 import torch
 
-from rollout_cli.engine.control import SAFETENSORS_DTYPES, check_dtypes, checkpoint_dtypes, commit_weights, next_version
+from safetensors import safe_open
+
 from rollout_cli.engine.tensor_bucket import FlattenedBucket, unflatten_bucket
 from rollout_cli.engine.tensor_ipc import deserialize_named_tensors
 from rollout_cli.engine.weight_group import WeightGroup, open_weight_group
 from rollout_cli.errors import RolloutError
-from rollout_cli.models.loader import TensorHeader, TensorTarget, plan_tensors
+from rollout_cli.models.loader import (
+    TensorHeader,
+    TensorTarget,
+    _short_list,
+    copy_into_parameters,
+    plan_checkpoint,
+    plan_tensors,
+    read_checkpoint_tensors,
+    safetensors_files,
+)
+
+# safetensors header dtype names -> torch dtypes (the float ones a weight can hold).
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 # torch dtype -> safetensors name, so tensor dtypes are checked and named like checkpoint ones.
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()} | {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
-_START_DTYPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its start checkpoint's dtypes
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -49,12 +63,59 @@ def parse_dtype(name: str) -> torch.dtype:
     raise RolloutError(f"unknown dtype {name!r}; use a torch dtype name such as bfloat16 or float32")
 
 
-def start_dtypes(engine) -> dict[str, str]:
-    """Tensor name -> dtype in the checkpoint the engine started from (also accepted, as for reloads)."""
-    if engine not in _START_DTYPES:
-        dummy = engine.config.load_format == "dummy"
-        _START_DTYPES[engine] = {} if dummy else checkpoint_dtypes(engine.config.model)
-    return _START_DTYPES[engine]
+# ---- checks shared by every update, and the commit ---------------------------------------
+
+
+def checkpoint_dtypes(model_dir: str) -> dict[str, str]:
+    """Checkpoint tensor name -> safetensors dtype name ("BF16", "F32", ...), read from the headers only."""
+    dtypes = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                dtypes[name] = handle.get_slice(name).get_dtype()
+    return dtypes
+
+
+def next_version(current: str, requested: str | None) -> str:
+    if requested is not None:
+        if not requested.strip():
+            raise RolloutError("--version must not be empty")
+        return requested
+    if re.fullmatch(r"\d+", current):
+        return str(int(current) + 1)
+    raise RolloutError(f"the current weight version {current!r} is not a number, so it cannot be bumped; pass --version V")
+
+
+def check_dtypes(engine, targets: list[TensorTarget], accepted: dict[str, str],
+                 fix: str = "save the checkpoint in the dtype the engine was started from") -> None:
+    """A tensor may be the live parameter's dtype or the dtype it had in the checkpoint the engine
+    started from; anything else (another float width, ints, fp8 without scales) is refused."""
+    params = dict(engine.model.named_parameters())
+    bad = []
+    for target in targets:
+        found = target.dtype
+        live = params[target.param_name].dtype
+        if SAFETENSORS_DTYPES.get(found) == live or accepted.get(target.checkpoint_name) == found:
+            continue
+        want = accepted.get(target.checkpoint_name) or str(live).removeprefix("torch.")
+        bad.append(f"{target.checkpoint_name} {found} (expected {want})")
+    if bad:
+        raise RolloutError(f"wrong dtypes: {_short_list(bad)}; {fix}")
+
+
+def commit_weights(engine, staged: list[tuple[TensorTarget, torch.Tensor]], new_version: str,
+                   complete: bool = True) -> str:
+    """The last phase of every weight update (disk, tensors, broadcast), once all of it was checked and
+    staged: copy in place, flush the prefix cache (its KV came from the old weights), bump the version.
+    Only a `complete` update (every tensor) makes weights lost in a release without backup valid again."""
+    params = dict(engine.model.named_parameters())
+    for target, tensor in staged:
+        copy_into_parameters(params, target, tensor)
+    engine.scheduler.flush_cache()
+    engine.weight_version = new_version
+    if complete:
+        engine.memory.weights_loaded()
+    return new_version
 
 
 def _refused(engine, err: Exception) -> RolloutError:
@@ -66,7 +127,7 @@ def _check_idle(engine) -> None:
         raise RolloutError("cannot update weights while requests are in flight; abort the job or let it finish")
 
 
-def plan_update(engine, headers: list[TensorHeader], partial: bool, accepted_dtypes: dict[str, str] | None,
+def plan_update(engine, headers: list[TensorHeader], partial: bool, accepted_dtypes: dict[str, str],
                 version: str | None) -> tuple[list[TensorTarget], str, bool]:
     """Everything checked before a tensor is received or copied: (targets, new version, whether the
     update holds every tensor), or RolloutError."""
@@ -79,11 +140,41 @@ def plan_update(engine, headers: list[TensorHeader], partial: bool, accepted_dty
             raise RolloutError(f"the tensors do not match the model ({'; '.join(problems)})")
         if not targets:
             raise RolloutError("the update holds no tensor of the model")
-        check_dtypes(engine, targets, start_dtypes(engine) if accepted_dtypes is None else accepted_dtypes,
+        check_dtypes(engine, targets, accepted_dtypes,
                      fix="send tensors in the dtype of the live weights or of the checkpoint the engine started from")
     except RolloutError as err:
         raise _refused(engine, err) from err
     return targets, new_version, not missing
+
+
+# ---- from disk ------------------------------------------------------------------------
+
+
+def reload_weights(engine, path: str, version: str | None, accepted_dtypes: dict[str, str]) -> str:
+    """Replace the live weights with the checkpoint in `path`; return the new weight version.
+
+    Three phases so a bad checkpoint changes nothing: (1) names and shapes from the headers
+    (plan_checkpoint) and dtypes; (2) every tensor read into host memory (catches truncated or
+    corrupt data; costs one checkpoint of host RAM); (3) only then the in-place copies into the
+    live parameters (addresses unchanged, so captured CUDA graphs stay valid). The prefix cache is
+    flushed after, since its KV came from the old weights.
+    """
+    if engine.scheduler.has_work():
+        raise RolloutError("cannot reload weights while requests are in flight; abort the job or let it finish")
+    engine.memory.check_weights_writable()
+    if not os.path.isdir(path):
+        raise RolloutError(f"checkpoint directory {path} does not exist")
+    new_version = next_version(engine.weight_version, version)
+    try:
+        targets = plan_checkpoint(engine.model, path)
+        check_dtypes(engine, targets, accepted_dtypes)
+    except RolloutError as err:
+        raise RolloutError(f"refused {path}: {err}; the engine keeps weight version {engine.weight_version}") from err
+    try:  # read everything before the first live weight changes
+        staged = list(read_checkpoint_tensors(targets))
+    except RolloutError as err:
+        raise RolloutError(f"refused {path}: {err}; the engine keeps weight version {engine.weight_version}") from err
+    return commit_weights(engine, staged, new_version)
 
 
 # ---- tensors handed over -------------------------------------------------------------------
@@ -103,8 +194,8 @@ def named_tensors_of(named_tensors) -> list[tuple[str, torch.Tensor]]:
     return items
 
 
-def update_weights_from_tensor(engine, named_tensors, version: str | None = None, partial: bool = False,
-                               accepted_dtypes: dict[str, str] | None = None) -> str:
+def update_weights_from_tensor(engine, named_tensors, version: str | None, partial: bool,
+                               accepted_dtypes: dict[str, str]) -> str:
     """Replace weights with the given tensors (HF checkpoint names); returns the new weight version."""
     try:
         items = named_tensors_of(named_tensors)
@@ -179,8 +270,8 @@ def drain_broadcast(engine, group_name: str, names, dtypes, shapes) -> None:
         group.broadcast(torch.empty(shape, dtype=dtype, device=group.device))
 
 
-def update_weights_from_distributed(engine, names, dtypes, shapes, group_name: str, version: str | None = None,
-                                    partial: bool = False, accepted_dtypes: dict[str, str] | None = None) -> str:
+def update_weights_from_distributed(engine, names, dtypes, shapes, group_name: str, version: str | None,
+                                    partial: bool, accepted_dtypes: dict[str, str]) -> str:
     """Receive the tensors rank 0 broadcasts (in `names` order) and make them the weights.
 
     Metadata is checked before anything is received; a refused update is still received (and

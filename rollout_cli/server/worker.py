@@ -5,8 +5,10 @@ Future; the worker takes commands while idle, and between engine steps while a j
 (through the job's on_step hook). Status is answered from `snapshot()`, plain values the
 worker publishes under a lock, so `rollout status` never waits behind a step.
 
-Under `serve --tp N` this is rank 0: its engine's steps, weight updates and memory releases reach
-the other ranks through engine.tensor_parallel (on_every_rank); at shutdown it releases them.
+Every operation on the engine goes through its control API (`engine.control`, engine/control.py),
+as the CLI's and the Python Engine's do. Under `serve --tp N` this is rank 0: its engine's steps,
+weight updates and memory releases reach the other ranks through that API; at shutdown it
+releases them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_cli.engine.engine import Engine
 from rollout_cli.errors import RolloutError
+from rollout_cli.io.trajectories import read_manifest
+from rollout_cli.job import run_job
+from rollout_cli.process_gc import freeze_long_lived_objects
 
 log = logging.getLogger("rollout.serve")
 
@@ -88,7 +94,6 @@ class EngineWorker(threading.Thread):
         self._abort_job = False  # the running job must end after its in-flight samples are written
         self._aborted: list = []  # trajectories finished with "abort", not yet yielded to the writer
         self._abort_reason = "abort"  # or "shutdown": unfinished samples are dropped for --resume
-        self._accepted_dtypes: dict[str, str] = {}
 
     # ---- HTTP side (any thread) ------------------------------------------------
 
@@ -147,23 +152,14 @@ class EngineWorker(threading.Thread):
             while not self._stopping:
                 self._handle(self.commands.get(), in_job=False)
         finally:
-            from rollout_cli.engine.tensor_parallel import release_followers
-            from rollout_cli.engine.weight_updates import close_weight_update_groups
-
-            close_weight_update_groups(self.engine)  # this rank's; the followers leave theirs as they exit
-            release_followers(self.engine)  # --tp: the other ranks exit
+            self.engine.control.close()  # this rank's weight update groups; --tp: the other ranks exit
         self._drain_failed()
 
     def _load(self) -> None:
-        from rollout_cli.engine.control import checkpoint_dtypes, memory_held
-        from rollout_cli.process_gc import freeze_long_lived_objects
-        from rollout_cli.engine.engine import Engine
-
         self.engine = Engine(self.engine_config)
         freeze_long_lived_objects()
-        if self.engine_config.load_format != "dummy":
-            self._accepted_dtypes = checkpoint_dtypes(self.engine_config.model)
-        self._publish(state="paused" if self.paused else "serving", memory=memory_held(self.engine),
+        self.control = self.engine.control
+        self._publish(state="paused" if self.paused else "serving", memory=self.control.memory_held(),
                       weight_version=self.engine.weight_version)
 
     def _drain_failed(self) -> None:
@@ -201,96 +197,80 @@ class EngineWorker(threading.Thread):
             command.future.set_result(result)
 
     def _do_update_weights(self, in_job: bool, path: str, version: str | None) -> dict:
-        from rollout_cli.engine.control import memory_held
-        from rollout_cli.engine.tensor_parallel import on_every_rank
-
         if in_job:
             raise Conflict("a job is running; a reload would mix two weight versions in it: "
                            "wait for the job to finish, or stop it with rollout abort, then reload")
         started = time.perf_counter()
         old = self.engine.weight_version
-        new = on_every_rank(self.engine, "reload_weights", path, version, self._accepted_dtypes)
+        new = self.control.reload_weights(path, version)
         seconds = time.perf_counter() - started
         log.info("reloaded weights from %s: version %s -> %s in %.2f s", path, old, new, seconds)
-        self._publish(weight_version=new, weights_path=path, memory=memory_held(self.engine))
+        self._publish(weight_version=new, weights_path=path, memory=self.control.memory_held())
         return {"success": True, "message": f"weights loaded from {path}", "weight_version": new,
                 "previous_weight_version": old, "seconds": round(seconds, 3)}
 
     # ---- updates from a trainer's tensors (engine/weight_updates.py) -----------------------------
 
     def _updated(self, old: str, new: str, started: float, source: str) -> dict:
-        from rollout_cli.engine.control import memory_held
-
         seconds = time.perf_counter() - started
         log.info("weights updated from %s: version %s -> %s in %.2f s", source, old, new, seconds)
-        self._publish(weight_version=new, weights_path=source, memory=memory_held(self.engine))
+        self._publish(weight_version=new, weights_path=source, memory=self.control.memory_held())
         return {"success": True, "message": f"weights updated from {source}", "weight_version": new,
                 "previous_weight_version": old, "seconds": round(seconds, 3)}
 
     def _do_update_weights_from_tensor(self, in_job: bool, serialized: str, version: str | None,
                                        partial: bool) -> dict:
-        from rollout_cli.engine.tensor_parallel import update_weights_from_tensor
-
         if in_job:
             raise Conflict(f"a job is running; {IN_JOB_HINT}")
         started, old = time.perf_counter(), self.engine.weight_version
-        new = update_weights_from_tensor(self.engine, serialized, version, partial, self._accepted_dtypes)
+        new = self.control.update_weights_from_tensor(serialized, version, partial)
         return self._updated(old, new, started, "tensors (update_weights_from_tensor)")
 
     def _do_init_weights_update_group(self, in_job: bool, **group) -> dict:
         if in_job:
             raise Conflict("a job is running; join the weight update group between jobs")
-        self.engine.init_weights_update_group(**group)
+        self.control.init_weights_update_group(**group)
         log.info("joined weight update group %r as rank %d of %d (%s)", group["group_name"], group["rank_offset"],
                  group["world_size"], self.engine.weight_update_groups[group["group_name"]].backend)
         return {"success": True, "message": f"joined weight update group {group['group_name']}"}
 
     def _do_update_weights_from_distributed(self, in_job: bool, names, dtypes, shapes, group_name: str,
                                             version: str | None, partial: bool) -> dict:
-        from rollout_cli.engine.tensor_parallel import on_every_rank
-
         if in_job:  # receive and drop the broadcast (on every rank), so the trainer is not left hanging in it
-            on_every_rank(self.engine, "drain_broadcast", group_name, names, dtypes, shapes)
+            self.control.drain_broadcast(group_name, names, dtypes, shapes)
             raise Conflict(f"a job is running; the broadcast was received and dropped; {IN_JOB_HINT}")
         started, old = time.perf_counter(), self.engine.weight_version
-        new = on_every_rank(self.engine, "update_weights_from_distributed", names, dtypes, shapes, group_name,
-                            version, partial, self._accepted_dtypes)
+        new = self.control.update_weights_from_distributed(names, dtypes, shapes, group_name, version, partial)
         return self._updated(old, new, started, f"broadcast of group {group_name}")
 
     def _do_destroy_weights_update_group(self, in_job: bool, group_name: str) -> dict:
-        self.engine.destroy_weights_update_group(group_name)
+        self.control.destroy_weights_update_group(group_name)
         return {"success": True, "message": f"destroyed weight update group {group_name}"}
 
     def _do_release_memory(self, in_job: bool, tags) -> dict:
-        from rollout_cli.engine.control import memory_held
-
         if in_job:
             raise Conflict("a job is running; stop it first (rollout pause --mode abort, or rollout abort), "
                            "then release memory")
-        result = self.engine.release_memory(tags)
+        result = self.control.release_memory(tags)
         log.info("released %s in %.2f s", ",".join(result["released"]) or "nothing", result["seconds"])
         self._publish(state="released" if self.engine.memory.released else self._idle_state(),
-                      memory=memory_held(self.engine))
+                      memory=self.control.memory_held())
         return {"success": True, **result, "seconds": round(result["seconds"], 3)}
 
     def _do_resume_memory(self, in_job: bool, tags) -> dict:
-        from rollout_cli.engine.control import memory_held
-
-        result = self.engine.resume_memory(tags)
+        result = self.control.resume_memory(tags)
         log.info("resumed %s in %.2f s", ",".join(result["resumed"]) or "nothing", result["seconds"])
         self._publish(state="released" if self.engine.memory.released else self._idle_state(),
-                      memory=memory_held(self.engine))
+                      memory=self.control.memory_held())
         return {"success": True, **result, "seconds": round(result["seconds"], 3)}
 
     def _idle_state(self) -> str:
         return "paused" if self.paused else "serving"
 
     def _do_flush_cache(self, in_job: bool) -> dict:
-        from rollout_cli.engine.control import flush_prefix_cache
-
         if in_job:
             raise Conflict("a job is running and its requests hold cached prefixes; flush after it ends")
-        flush_prefix_cache(self.engine)
+        self.control.flush_cache()
         return {"success": True, "message": "prefix cache flushed"}
 
     def _do_pause(self, in_job: bool, mode: str) -> dict:
@@ -322,13 +302,11 @@ class EngineWorker(threading.Thread):
     def _abort_in_flight(self, write: bool = True) -> int:
         """End the running job: its unfinished samples finish with "abort" and are written
         (`write`), or are dropped so a later --resume generates them (shutdown)."""
-        from rollout_cli.engine.control import abort_unfinished
-
         if self._abort_job:
             return 0
         self._abort_job = True
         self._abort_reason = "abort" if write else "shutdown"
-        aborted = abort_unfinished(self.engine)
+        aborted = self.control.abort()
         if write:
             self._aborted.extend(aborted)
             log.info("job aborted: %d in-flight samples finish with finish_reason abort", len(aborted))
@@ -339,9 +317,6 @@ class EngineWorker(threading.Thread):
     # ---- one job -------------------------------------------------------------------
 
     def _run_job(self, handle: JobHandle) -> None:
-        from rollout_cli.io.trajectories import read_manifest
-        from rollout_cli.job import run_job
-
         self._abort_job = False
         self._aborted = []
         log.info("job started: %s -> %s", handle.job.data, handle.job.out)

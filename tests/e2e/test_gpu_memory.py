@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from rollout_cli import Engine, SamplingParams
-from rollout_cli.engine.control import checkpoint_dtypes, reload_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -62,7 +61,7 @@ def test_release_frees_the_gpu_and_resume_plus_reload_restores_outputs(tiny_chec
     assert result["free_bytes_after"] - result["free_bytes_before"] > 0.9 * held
     resumed = engine.resume_memory()
     assert resumed["weights_stale"] and resumed["cuda_graph_capture_seconds"] is not None
-    reload_weights(engine, model_dir, None, checkpoint_dtypes(model_dir))  # float32 files, bf16 engine
+    engine.reload_weights(model_dir)  # float32 files, bf16 engine
     replays = engine.runner.graphs.replays
     assert _outputs(engine) == before
     assert engine.runner.graphs.replays > replays  # decode steps ran on the re-captured graphs

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from rollout_cli import SamplingParams
-from rollout_cli.engine.control import flush_prefix_cache
 from rollout_cli.errors import RolloutError
 
 from parity import TOL, assert_matches_hf, make_engine, prompts_of
@@ -88,7 +87,7 @@ def test_later_call_reuses_snapshots_and_a_flush_drops_them(tiny_hybrid_checkpoi
     again = engine.generate(prompts, params)
     assert stats.cached_prompt_tokens - before == sum(3 * (len(p) - 1) for p in prompts)  # every sample forks
     assert_matches_hf(hf_ref, model_dir, again, prompts, 8, n=3)
-    flush_prefix_cache(engine)  # rollout flush-cache / reload-weights: the KV goes, and the states with it
+    engine.flush_cache()  # rollout flush-cache / reload-weights: the KV goes, and the states with it
     assert not engine.scheduler.linear.snapshots
     before = stats.cached_prompt_tokens
     flushed = engine.generate(prompts, params)

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from rollout_cli import Engine, SamplingParams
-from rollout_cli.engine.control import memory_held, reload_weights
 from rollout_cli.engine.engine import PromptInput
 from rollout_cli.errors import RolloutError
 
@@ -29,24 +28,24 @@ def reference():
 
 def test_release_without_backup_needs_a_reload(reference):
     engine = Engine(MODEL, device="cpu", kv_cache_tokens=512, max_model_len=256)
-    held = memory_held(engine)
+    held = engine.control.memory_held()
     assert held["weights_bytes"] > 0 and held["kv_cache_bytes"] > 0
     result = engine.release_memory()
     assert result["released"] == ["weights", "kv_cache", "cuda_graph"]
-    held = memory_held(engine)
+    held = engine.control.memory_held()
     assert held["weights_bytes"] == 0 and held["kv_cache_bytes"] == 0 and held["released"]
     assert all(p.numel() == 0 for p in engine.model.parameters())  # the storage really went
     assert engine.kv.k.numel() == 0
     with pytest.raises(RolloutError, match="resume-memory"):
         engine.generate(PROMPTS, PARAMS)
     with pytest.raises(RolloutError, match="resume-memory"):
-        reload_weights(engine, MODEL, None, {})
+        engine.reload_weights(MODEL)
     assert engine.release_memory()["released"] == []  # a second release is a no-op
     resumed = engine.resume_memory()
     assert resumed["resumed"] == ["weights", "kv_cache", "cuda_graph"] and resumed["weights_stale"]
     with pytest.raises(RolloutError, match="reload-weights"):
         engine.generate(PROMPTS, PARAMS)
-    assert reload_weights(engine, MODEL, None, {}) == "1"
+    assert engine.reload_weights(MODEL) == "1"
     assert _outputs(engine) == reference
 
 

@@ -13,9 +13,8 @@ import sys
 from safetensors.torch import load_file
 
 from rollout_cli import Engine, SamplingParams
-from rollout_cli.engine.tensor_parallel import follow, reload_weights, stop_followers
+from rollout_cli.engine.tensor_parallel import follow
 from rollout_cli.errors import RolloutError
-from rollout_cli.models.tensor_parallel import close_tensor_parallel
 
 PROMPTS = [[5, 9, 17, 33, 2], [7, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 PARAMS = SamplingParams(n=2, temperature=0.0, max_new_tokens=8)
@@ -31,28 +30,25 @@ def main(model_a: str, model_b: str, bad: str, out: str) -> None:
         if engine.tp.rank != 0:
             follow(engine)
             return
+        results = {"a": greedy(engine)}
         try:
-            results = {"a": greedy(engine)}
-            try:
-                reload_weights(engine, bad)
-            except RolloutError as err:
-                results["refused"] = str(err)
-            results["version_after_refusal"] = engine.weight_version
-            results["a_again"] = greedy(engine)
-            results["b_version"] = reload_weights(engine, model_b)
-            results["b"] = greedy(engine)
-            # the Python API on rank 0 reaches every rank too: a release without backup loses every
-            # rank's weights; in-process tensors of A reach the followers as shared-memory handles
-            engine.release_memory()
-            results["stale"] = engine.resume_memory()["weights_stale"]
-            results["a_tensors_version"] = engine.update_weights_from_tensor(load_file(f"{model_a}/model.safetensors"))
-            results["a_tensors"] = greedy(engine)
-        finally:
-            stop_followers(engine)
+            engine.reload_weights(bad)
+        except RolloutError as err:
+            results["refused"] = str(err)
+        results["version_after_refusal"] = engine.weight_version
+        results["a_again"] = greedy(engine)
+        results["b_version"] = engine.reload_weights(model_b)
+        results["b"] = greedy(engine)
+        # the Python API on rank 0 reaches every rank too: a release without backup loses every
+        # rank's weights; in-process tensors of A reach the followers as shared-memory handles
+        engine.release_memory()
+        results["stale"] = engine.resume_memory()["weights_stale"]
+        results["a_tensors_version"] = engine.update_weights_from_tensor(load_file(f"{model_a}/model.safetensors"))
+        results["a_tensors"] = greedy(engine)
         with open(out, "w") as f:
             json.dump(results, f)
     finally:
-        close_tensor_parallel()
+        engine.control.close()  # rank 0 stops the followers; every rank leaves the process group
 
 
 if __name__ == "__main__":

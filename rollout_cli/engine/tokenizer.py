@@ -1,0 +1,39 @@
+"""The checkpoint's tokenizer and its end-of-sequence token ids."""
+
+from __future__ import annotations
+
+import os
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    # Without tokenizer files, transformers may still build a default tokenizer (with its own eos id).
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception:  # no tokenizer files: token-id prompts still work, text is left empty
+        return None
+
+
+def eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+
+    def add(value):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
+        from transformers import GenerationConfig
+
+        add(GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
+    if not ids and tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return frozenset(ids)

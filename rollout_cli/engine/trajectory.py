@@ -1,0 +1,42 @@
+"""What goes into the engine (a tokenized prompt) and what comes out (a finished sample)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_cli.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Trajectory:
+    """One finished sample; the fields of a trajectory Parquet row."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[float]
+    response_text: str
+    finish_reason: str
+    weight_version: str
+    passthrough: dict[str, Any] = field(default_factory=dict)
+    ttft_seconds: float = 0.0  # queueing to first token; a metric, not a Parquet column
+    # With routing capture: expert ids [len(prompt) + len(response) - 1, num_moe_layers, top_k]
+    # (numpy, uint8 or int16); written to OUT/routing/, not a trajectory column.
+    routed_experts: Any = None
+
+    def to_row(self) -> dict[str, Any]:
+        row = {k: v for k, v in self.__dict__.items() if k not in ("passthrough", "ttft_seconds", "routed_experts")}
+        row.update(self.passthrough)
+        return row
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """A tokenized prompt with its row number and passthrough columns."""
+
+    prompt_index: int
+    prompt_token_ids: list[int]
+    passthrough: dict[str, Any] = field(default_factory=dict)
+    params: SamplingParams | None = None  # overrides the job's settings for this prompt (bench: mixed lengths)
