@@ -15,7 +15,7 @@ import sys
 import threading
 
 from rollout_cli.errors import RolloutError
-from rollout_cli.server.address import is_socket_file, socket_is_live
+from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES, is_socket_file, socket_is_live
 
 log = logging.getLogger("rollout.serve")
 
@@ -91,7 +91,7 @@ def _server_class():
 
 
 def serve(engine_config, socket_path: str | None, host: str | None, port: int | None,
-          token_file: str | None) -> int:
+          token_file: str | None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
     """Run the daemon until /shutdown, SIGINT or SIGTERM; return the exit code."""
     import uvicorn
 
@@ -101,6 +101,8 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
     _Server = _server_class()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout serve: %(message)s", stream=sys.stderr)
+    if max_request_bytes < 1:
+        raise RolloutError(f"--max-request-bytes must be at least 1 (default {DEFAULT_MAX_REQUEST_BYTES})")
     tcp = host is not None or port is not None
     if tcp:
         if socket_path is not None:
@@ -127,8 +129,8 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
     def request_exit() -> None:
         holder["server"].should_exit = True
 
-    config = uvicorn.Config(create_app(worker, token, request_exit), log_level="warning", access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=5)
+    app = create_app(worker, token, request_exit, max_request_bytes=max_request_bytes)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = holder["server"] = _Server(config, worker)
     worker.start()
     log.info("engine loading %s; listening on %s", engine_config.model, where)
