@@ -19,6 +19,17 @@ from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES, is_socket_file
 
 log = logging.getLogger("rollout.serve")
 
+# Pending connections the kernel queues before we accept them (uvicorn's own default). A burst of
+# clients over a smaller backlog is refused at once on a Unix socket (EAGAIN), which a client
+# cannot tell from a daemon that is not there.
+BACKLOG = 2048
+
+# Seconds an idle keep-alive connection stays open. uvicorn's 5 s equals httpx's pool expiry, so a
+# client reusing a connection idle for ~5 s raced the server closing it: the request went out on a
+# closing connection and failed (ReadError / RemoteProtocolError) with nothing logged here. Well
+# above the client's expiry (client.KEEPALIVE_EXPIRY), the client always lets go first.
+KEEP_ALIVE_SECONDS = 75
+
 
 def read_token(token_file: str) -> str:
     try:
@@ -54,7 +65,7 @@ def bind_unix_socket(path: str) -> socket.socket:
     finally:
         os.umask(old_umask)
     os.chmod(path, 0o600)
-    sock.listen(128)
+    sock.listen(BACKLOG)
     return sock
 
 
@@ -67,7 +78,7 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     except OSError as err:
         sock.close()
         raise RolloutError(f"cannot listen on {host}:{port}: {err.strerror}; pick another --port") from err
-    sock.listen(128)
+    sock.listen(BACKLOG)
     return sock
 
 
@@ -130,7 +141,8 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
         holder["server"].should_exit = True
 
     app = create_app(worker, token, request_exit, max_request_bytes=max_request_bytes)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=KEEP_ALIVE_SECONDS)
     server = holder["server"] = _Server(config, worker)
     worker.start()
     log.info("engine loading %s; listening on %s", engine_config.model, where)
