@@ -43,7 +43,8 @@ class EngineClient:
                 raise RolloutError("--token-file is for an http://HOST:PORT engine; a socket path needs none")
             if not os.path.exists(address):
                 raise RolloutError(f"no engine at {address}; {START_HINT}")
-            transport, base_url = httpx.HTTPTransport(uds=address), "http://rollout"
+            # plain HTTP over the socket: verify=False skips loading a CA bundle no TLS uses (~35 ms)
+            transport, base_url = httpx.HTTPTransport(uds=address, verify=False), "http://rollout"
         self._http = httpx.Client(transport=transport, base_url=base_url, headers=headers,
                                   timeout=httpx.Timeout(30.0, read=None),
                                   limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY))
