@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 ECHO_CHARS = 80  # the most of a client's value an error message repeats
+MAX_PROBLEMS = 3  # problems of one body named in its error line
 
 
 def clip(value, limit: int = ECHO_CHARS, quote: bool = True) -> str:
@@ -98,8 +99,11 @@ def _body_model(request: Request) -> type[BaseModel] | None:
 
 async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
     model = _body_model(request)
-    problems = "; ".join(dict.fromkeys(_problem(model, e) for e in exc.errors()))
-    return error_response(400, f"invalid request to {request.url.path}: {problems}")
+    problems = list(dict.fromkeys(_problem(model, e) for e in exc.errors()))
+    shown = "; ".join(problems[:MAX_PROBLEMS])
+    if len(problems) > MAX_PROBLEMS:  # a body of 10,000 bad keys gets a line, not 10,000
+        shown += f"; and {len(problems) - MAX_PROBLEMS:,} more"
+    return error_response(400, f"invalid request to {request.url.path}: {shown}")
 
 
 # ---- 404 / 405 / other HTTP errors raised by the router or FastAPI ----

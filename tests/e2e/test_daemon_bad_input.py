@@ -118,6 +118,8 @@ BAD_BODIES = {
     "relative_path": (dict(json={"data": "d" * 3000, "out": "/o"}), 400, ("must be absolute", "(3,000 chars)")),
     "path_too_long": (dict(json={"data": "/" + "d" * 5000, "out": "/o"}), 400, ("at most 4096 characters",)),
     "huge_key": (dict(json={"data": "/d", "out": "/o", "k" * 20000: 1}), 400, ("unknown key kkkk", "(20,000 chars)")),
+    "many_keys": (dict(json={"data": "/d", "out": "/o", **{f"key{i}": i for i in range(3000)}}), 400,
+                  ("unknown key key0", "; and 2,997 more")),
 }
 
 
