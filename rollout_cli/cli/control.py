@@ -101,7 +101,10 @@ def release_memory_command(tags: MemoryTags = None, engine: opt.EngineAddress = 
     result = _call(engine, token_file, "POST", "/release_memory_occupation",
                    {"tags": tags.split(",") if tags else None})
     what = ", ".join(result["released"]) or "nothing (already released)"
-    typer.echo(f"released {what} in {result['seconds']:.2f} s; device free {_gib(result['free_bytes_after'])}")
+    line = f"released {what} in {result['seconds']:.2f} s"
+    if result.get("free_bytes_after") is not None:  # None on the CPU: no device memory to report
+        line += f"; device free {_gib(result['free_bytes_after'])}"
+    typer.echo(line)
 
 
 def resume_memory_command(tags: MemoryTags = None, engine: opt.EngineAddress = None,

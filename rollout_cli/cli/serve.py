@@ -8,6 +8,7 @@ import typer
 
 from rollout_cli.cli import options as opt
 from rollout_cli.cli.errors import fail
+from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES
 
 LISTEN = "Listen"
 
@@ -16,9 +17,10 @@ LISTEN = "Listen"
 def serve_command(
     model: opt.Model,
     socket: Annotated[Optional[str], typer.Option(help="Unix socket path (mode 0600); default $XDG_RUNTIME_DIR/rollout.sock or /tmp/rollout-$USER.sock.", rich_help_panel=LISTEN)] = None,
-    host: Annotated[Optional[str], typer.Option(help="Listen on TCP at this host instead of a socket (needs --port and --token-file).", rich_help_panel=LISTEN)] = None,
-    port: Annotated[Optional[int], typer.Option(help="TCP port (with --host, default 127.0.0.1).", rich_help_panel=LISTEN)] = None,
+    host: Annotated[Optional[str], typer.Option(help="Listen on TCP at this host instead of a socket (needs --port and --token-file); default 127.0.0.1 when --port is given.", rich_help_panel=LISTEN)] = None,
+    port: Annotated[Optional[int], typer.Option(help="Listen on TCP at this port instead of a socket (needs --token-file).", rich_help_panel=LISTEN)] = None,
     token_file: Annotated[Optional[str], typer.Option(help="TCP: file with the bearer token every request must carry.", rich_help_panel=LISTEN)] = None,
+    max_request_bytes: Annotated[int, typer.Option(help="Largest request body; larger ones get 413 before they are read. 64 MiB holds the tensor handles of an unbucketed update of ~190,000 tensors.", rich_help_panel=LISTEN)] = DEFAULT_MAX_REQUEST_BYTES,
     weights_cpu_backup: Annotated[bool, typer.Option("--weights-cpu-backup", help="Keep a host copy of the weights while release-memory has freed them, so resume-memory restores them (else reload weights after resuming).", rich_help_panel=opt.ENGINE)] = False,
     tp: Annotated[int, typer.Option(help="Tensor parallel: split the model over N GPUs (N processes on the CPU), as `rollout run --tp`; rank 0 serves, the other ranks follow its steps, reloads and memory releases.", rich_help_panel=opt.ENGINE)] = 1,
     engine_options: Optional[dict] = None,  # filled by with_engine_options
@@ -52,7 +54,7 @@ def serve_command(
             engine_config = _tensor_parallel_rank(engine_config, hf_config, tp, socket)
             if engine_config is None:
                 raise typer.Exit(0)  # a follower: rank 0 served and stopped it
-        code = serve(engine_config, socket, host, port, token_file)
+        code = serve(engine_config, socket, host, port, token_file, max_request_bytes=max_request_bytes)
     except RolloutError as err:
         fail(str(err))
     raise typer.Exit(code)

@@ -9,6 +9,13 @@ import stat
 
 ENV_ENGINE = "ROLLOUT_ENGINE"
 
+# The largest request body the daemon reads (serve --max-request-bytes). The largest legitimate
+# body is an /update_weights_from_tensor of unbucketed tensors: it carries handles, not data,
+# ~350 bytes of base64 per CUDA tensor, so 64 MiB holds ~190,000 of them, twice the ~93,000
+# per-expert tensors of the largest MoE checkpoint we load (Qwen3.5-397B-A17B: 60 layers x 512
+# experts x 3).
+DEFAULT_MAX_REQUEST_BYTES = 64 * 2**20
+
 
 def default_socket_path() -> str:
     """$XDG_RUNTIME_DIR/rollout.sock (a per-user 0700 directory) when set, else /tmp/rollout-$USER.sock."""

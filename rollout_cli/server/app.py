@@ -1,8 +1,10 @@
 """The daemon's HTTP/JSON API (FastAPI). Endpoint names follow SGLang where it has one.
 
-Errors are JSON `{"error": "<one line with the fix>"}` with 400 (bad request or refused
-checkpoint), 401 (TCP without the bearer token), 409 (valid, but not in this state) or 503
-(engine not loaded). /generate streams newline-delimited JSON events.
+Errors are JSON `{"success": false, "error": "<one line with the fix>"}` with 400 (bad request,
+unknown key or refused checkpoint), 401 (TCP without the bearer token), 404 / 405 (no such endpoint
+or method), 409 (valid, but not in this state), 413 (body over --max-request-bytes) or 503 (engine
+not loaded); http_errors.py shapes those refused before an endpoint runs. /generate streams
+newline-delimited JSON events.
 """
 
 from __future__ import annotations
@@ -18,29 +20,50 @@ from typing import Callable, Literal, Optional, Union, get_type_hints
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.errors import RolloutError
+from rollout_cli.server import http_errors
+from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES
+from rollout_cli.server.http_errors import clip
 from rollout_cli.server.worker import Conflict, EngineWorker
 
 log = logging.getLogger("rollout.serve")
 
 
+class _Body(BaseModel):
+    """A request body: a key it does not name is refused (a typo such as `tempreature` must not
+    silently run with the default), with the nearest valid key (http_errors.invalid_body)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# Strings the engine stores or echoes are bounded, so no error message or manifest repeats a
+# megabyte: paths by Linux's PATH_MAX, names and versions by a generous 256.
+PATH_CHARS = 4096
+NAME_CHARS = 256
+
 # The request body mirrors SamplingParams field for field (values are checked when the
 # SamplingParams is built, with its one-line errors).
 _SAMPLING_HINTS = get_type_hints(SamplingParams)
 SamplingRequest = create_model(
-    "SamplingRequest", **{f.name: (_SAMPLING_HINTS[f.name], f.default) for f in fields(SamplingParams)}
+    "SamplingRequest", __base__=_Body,
+    **{f.name: (_SAMPLING_HINTS[f.name], f.default) for f in fields(SamplingParams)},
 )
 
 
-class GenerateRequest(BaseModel):
-    data: str = Field(description="Prompt Parquet file, an absolute path on the engine's machine.")
-    out: str = Field(description="Output directory, an absolute path on the engine's machine.")
+class EmptyRequest(_Body):
+    """Endpoints that take no parameters: `{}` or no body."""
+
+
+class GenerateRequest(_Body):
+    data: str = Field(max_length=PATH_CHARS, description="Prompt Parquet file, an absolute path on the engine's machine.")
+    out: str = Field(max_length=PATH_CHARS, description="Output directory, an absolute path on the engine's machine.")
     sampling_params: SamplingRequest = SamplingRequest()
-    prompt_key: str = "prompt"
+    prompt_key: str = Field("prompt", max_length=NAME_CHARS)
     limit: Optional[int] = None
     resume: bool = False
     skip_invalid: bool = False
@@ -49,62 +72,68 @@ class GenerateRequest(BaseModel):
     capture_routing: bool = False
 
 
-class UpdateWeightsRequest(BaseModel):
-    model_path: str = Field(description="Checkpoint directory with *.safetensors, absolute.")
-    weight_version: Optional[str] = Field(None, description="New version; default: the current one plus 1.")
+class UpdateWeightsRequest(_Body):
+    model_path: str = Field(max_length=PATH_CHARS, description="Checkpoint directory with *.safetensors, absolute.")
+    weight_version: Optional[str] = Field(None, max_length=NAME_CHARS,
+                                          description="New version; default: the current one plus 1.")
 
 
-class TensorUpdateRequest(BaseModel):
+class TensorUpdateRequest(_Body):
     serialized_named_tensors: Union[str, list[str]] = Field(
         description="tensor_ipc.serialize_named_tensors text (as SGLang: a list with one entry per engine rank; one here).")
-    weight_version: Optional[str] = Field(None, description="New version; default: the current one plus 1.")
+    weight_version: Optional[str] = Field(None, max_length=NAME_CHARS,
+                                          description="New version; default: the current one plus 1.")
     partial: bool = Field(False, description="Accept a subset of the model's tensors; by default all are required.")
 
 
-class InitGroupRequest(BaseModel):
-    master_address: str
+class InitGroupRequest(_Body):
+    master_address: str = Field(max_length=NAME_CHARS)
     master_port: int
     rank_offset: int = Field(description="The engine's rank in the group; the trainer is rank 0.")
     world_size: int
-    group_name: str = "weight_update_group"
+    group_name: str = Field("weight_update_group", max_length=NAME_CHARS)
     backend: Optional[Literal["nccl", "gloo"]] = Field(None, description="Default: nccl on CUDA, gloo on the CPU.")
     timeout_seconds: float = 600.0
 
 
-class DistributedUpdateRequest(BaseModel):
+class DistributedUpdateRequest(_Body):
     names: list[str]
     dtypes: list[str] = Field(description="torch dtype names (bfloat16, float32, ...), one per name.")
     shapes: list[list[int]]
-    group_name: str = "weight_update_group"
-    weight_version: Optional[str] = None
+    group_name: str = Field("weight_update_group", max_length=NAME_CHARS)
+    weight_version: Optional[str] = Field(None, max_length=NAME_CHARS)
     partial: bool = False
 
 
-class DestroyGroupRequest(BaseModel):
-    group_name: str = "weight_update_group"
+class DestroyGroupRequest(_Body):
+    group_name: str = Field("weight_update_group", max_length=NAME_CHARS)
 
 
-class MemoryRequest(BaseModel):
+class MemoryRequest(_Body):
     tags: Optional[list[str]] = Field(None, description="weights, kv_cache, cuda_graph; default all.")
 
 
-class PauseRequest(BaseModel):
+class PauseRequest(_Body):
     mode: Literal["abort", "wait"] = "wait"
 
 
+MESSAGE_CHARS = 1000  # the engine's messages are one line; anything longer is a value echoed back
+
+
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"success": False, "error": message}, status_code=status)
+    if len(message) > MESSAGE_CHARS:
+        message = f"{message[:MESSAGE_CHARS]}... ({len(message):,} chars)"
+    return http_errors.error_response(status, message)
 
 
-def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[], None]) -> FastAPI:
+def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[], None],
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="rollout engine", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(RequestValidationError, http_errors.invalid_body)
+    app.add_exception_handler(HTTPException, http_errors.http_error)  # 404, 405, unparsable body, 413
+    app.add_middleware(http_errors.BodyLimit, limit=max_request_bytes)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
-        return _error(400, f"invalid request to {request.url.path}: {problems}")
-
-    @app.middleware("http")
+    @app.middleware("http")  # added last, so it runs first: no token, no body read
     async def bearer_token(request: Request, call_next):
         if token is not None:
             header = request.headers.get("authorization", "")
@@ -146,7 +175,8 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsRequest):
         if not os.path.isabs(body.model_path):
-            return _error(400, f"model_path {body.model_path!r} must be absolute (the engine has its own working directory)")
+            return _error(400, f"model_path {clip(body.model_path)} must be absolute "
+                               "(the engine has its own working directory)")
         return await call("update_weights", path=body.model_path, version=body.weight_version)
 
     @app.post("/update_weights_from_tensor")
@@ -180,7 +210,7 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
         return await call("resume_memory", tags=body.tags)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
+    async def flush_cache(body: EmptyRequest = EmptyRequest()):
         return await call("flush_cache")
 
     @app.post("/pause_generation")
@@ -188,15 +218,15 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
         return await call("pause", mode=body.mode)
 
     @app.post("/continue_generation")
-    async def continue_generation():
+    async def continue_generation(body: EmptyRequest = EmptyRequest()):
         return await call("continue")
 
     @app.post("/abort_request")
-    async def abort_request():
+    async def abort_request(body: EmptyRequest = EmptyRequest()):
         return await call("abort")
 
     @app.post("/shutdown")
-    async def shutdown():
+    async def shutdown(body: EmptyRequest = EmptyRequest()):
         if worker.ready.is_set() and worker.is_alive():
             result = await asyncio.wrap_future(worker.submit("shutdown"))
         else:
@@ -211,7 +241,7 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
         for name in ("data", "out"):
             path = getattr(body, name)
             if not os.path.isabs(path):
-                return _error(400, f"{name} {path!r} must be absolute (the engine has its own working directory)")
+                return _error(400, f"{name} {clip(path)} must be absolute (the engine has its own working directory)")
         if not worker.ready.is_set():
             return _error(503, "the engine is still loading; retry in a moment")
         try:

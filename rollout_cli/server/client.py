@@ -13,6 +13,15 @@ from rollout_cli.server.address import ENV_ENGINE, default_socket_path, is_tcp
 
 START_HINT = "start one with rollout serve --model DIR"
 
+# Seconds an idle pooled connection is kept; below the daemon's keep-alive (daemon.KEEP_ALIVE_SECONDS),
+# so the daemon never closes a connection this client is about to reuse.
+KEEPALIVE_EXPIRY = 5.0
+
+# Raised when a connection ends before any answer: on a reused connection that is the server
+# closing it while idle (a keep-alive timeout, another HTTP server in between), so the request was
+# never read and is sent once more on a fresh connection, as browsers do.
+_CLOSED_UNANSWERED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
 
 def resolve_address(engine: str | None) -> str:
     """--engine, else $ROLLOUT_ENGINE, else the default socket path."""
@@ -34,9 +43,11 @@ class EngineClient:
                 raise RolloutError("--token-file is for an http://HOST:PORT engine; a socket path needs none")
             if not os.path.exists(address):
                 raise RolloutError(f"no engine at {address}; {START_HINT}")
-            transport, base_url = httpx.HTTPTransport(uds=address), "http://rollout"
+            # plain HTTP over the socket: verify=False skips loading a CA bundle no TLS uses (~35 ms)
+            transport, base_url = httpx.HTTPTransport(uds=address, verify=False), "http://rollout"
         self._http = httpx.Client(transport=transport, base_url=base_url, headers=headers,
-                                  timeout=httpx.Timeout(30.0, read=None))
+                                  timeout=httpx.Timeout(30.0, read=None),
+                                  limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY))
 
     def close(self) -> None:
         self._http.close()
@@ -59,11 +70,43 @@ class EngineClient:
                                "pass --token-file with the token it was started with")
         raise RolloutError(message or f"the engine at {self.address} answered HTTP {response.status_code}")
 
+    def _open(self, method: str, path: str, body: dict | None) -> httpx.Response:
+        """Send the request and return the response with its body not yet read.
+
+        A reused connection that ends before the answer began is retried once on a new one
+        (_CLOSED_UNANSWERED); a new connection that does is a daemon that went away.
+        """
+        request = self._http.build_request(method, path, json=body)
+        for attempt in (1, 2):
+            opened = []
+
+            def trace(event: str, info: dict) -> None:
+                # httpcore names each new connection (connection.connect_tcp / connect_unix_socket);
+                # none for this request means the pool reused an idle one
+                if event.startswith("connection.connect_"):
+                    opened.append(event)
+
+            request.extensions["trace"] = trace
+            try:
+                return self._http.send(request, stream=True)
+            except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError) as err:
+                raise RolloutError(f"no engine at {self.address}; {START_HINT}") from err
+            except _CLOSED_UNANSWERED as err:
+                if attempt == 1 and not opened:
+                    continue
+                raise RolloutError(f"no engine at {self.address} (the connection closed before an answer: "
+                                   f"{type(err).__name__}); {START_HINT}") from err
+        raise AssertionError("unreachable")
+
     def _send(self, method: str, path: str, body: dict | None = None) -> dict:
+        response = self._open(method, path, body)
         try:
-            response = self._http.request(method, path, json=body)
-        except (httpx.ConnectError, httpx.RemoteProtocolError, FileNotFoundError, ConnectionRefusedError) as err:
-            raise RolloutError(f"no engine at {self.address}; {START_HINT}") from err
+            response.read()
+        except _CLOSED_UNANSWERED as err:
+            raise RolloutError(f"the engine at {self.address} closed the connection mid-answer ({err}); "
+                               "check its log") from err
+        finally:
+            response.close()
         self._check(response)
         return response.json()
 
@@ -107,14 +150,14 @@ class EngineClient:
 
     def stream(self, path: str, body: dict) -> Iterator[dict]:
         """POST and yield the newline-delimited JSON events of the answer."""
+        response = self._open("POST", path, body)
         try:
-            with self._http.stream("POST", path, json=body) as response:
-                self._check(response)
-                for line in response.iter_lines():
-                    if line.strip():
-                        yield json.loads(line)
-        except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError) as err:
-            raise RolloutError(f"no engine at {self.address}; {START_HINT}") from err
+            self._check(response)
+            for line in response.iter_lines():
+                if line.strip():
+                    yield json.loads(line)
         except httpx.RemoteProtocolError as err:
             raise RolloutError(f"the engine at {self.address} closed the connection mid-job ({err}); "
                                "check its log, then rerun with --resume") from err
+        finally:
+            response.close()

@@ -15,9 +15,20 @@ import sys
 import threading
 
 from rollout_cli.errors import RolloutError
-from rollout_cli.server.address import is_socket_file, socket_is_live
+from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES, is_socket_file, socket_is_live
 
 log = logging.getLogger("rollout.serve")
+
+# Pending connections the kernel queues before we accept them (uvicorn's own default). A burst of
+# clients over a smaller backlog is refused at once on a Unix socket (EAGAIN), which a client
+# cannot tell from a daemon that is not there.
+BACKLOG = 2048
+
+# Seconds an idle keep-alive connection stays open. uvicorn's 5 s equals httpx's pool expiry, so a
+# client reusing a connection idle for ~5 s raced the server closing it: the request went out on a
+# closing connection and failed (ReadError / RemoteProtocolError) with nothing logged here. Well
+# above the client's expiry (client.KEEPALIVE_EXPIRY), the client always lets go first.
+KEEP_ALIVE_SECONDS = 75
 
 
 def read_token(token_file: str) -> str:
@@ -54,7 +65,7 @@ def bind_unix_socket(path: str) -> socket.socket:
     finally:
         os.umask(old_umask)
     os.chmod(path, 0o600)
-    sock.listen(128)
+    sock.listen(BACKLOG)
     return sock
 
 
@@ -67,7 +78,7 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     except OSError as err:
         sock.close()
         raise RolloutError(f"cannot listen on {host}:{port}: {err.strerror}; pick another --port") from err
-    sock.listen(128)
+    sock.listen(BACKLOG)
     return sock
 
 
@@ -91,7 +102,7 @@ def _server_class():
 
 
 def serve(engine_config, socket_path: str | None, host: str | None, port: int | None,
-          token_file: str | None) -> int:
+          token_file: str | None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
     """Run the daemon until /shutdown, SIGINT or SIGTERM; return the exit code."""
     import uvicorn
 
@@ -101,6 +112,8 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
     _Server = _server_class()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout serve: %(message)s", stream=sys.stderr)
+    if max_request_bytes < 1:
+        raise RolloutError(f"--max-request-bytes must be at least 1 (default {DEFAULT_MAX_REQUEST_BYTES})")
     tcp = host is not None or port is not None
     if tcp:
         if socket_path is not None:
@@ -127,8 +140,9 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
     def request_exit() -> None:
         holder["server"].should_exit = True
 
-    config = uvicorn.Config(create_app(worker, token, request_exit), log_level="warning", access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=5)
+    app = create_app(worker, token, request_exit, max_request_bytes=max_request_bytes)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=KEEP_ALIVE_SECONDS)
     server = holder["server"] = _Server(config, worker)
     worker.start()
     log.info("engine loading %s; listening on %s", engine_config.model, where)
