@@ -16,16 +16,18 @@ from typing import TYPE_CHECKING
 
 from rollout_cli.engine.engine import Engine
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.errors import RolloutError
+from rollout_cli.errors import JobInterrupted, RolloutError
 from rollout_cli.io.prompts import PromptRow, PromptSource, SkippedRow
 from rollout_cli.io.trajectories import (
     ROUTING_SUBDIR,
     TRAJECTORIES_SUBDIR,
+    OutputWriteError,
     TrajectoryWriter,
     completed_pairs,
     create_output_dir,
     prepare_output_dir,
     read_manifest,
+    trajectory_schema,
     write_manifest,
 )
 
@@ -59,6 +61,14 @@ class JobConfig:
     capture_routing: bool = False
     """MoE models: also write every token's expert ids to OUT/routing/part-NNNNN.parquet."""
 
+    def __post_init__(self) -> None:
+        # checked here, where the CLI and the daemon's /generate both build the job: before OUT exists
+        if self.shard_rows < 1:
+            raise RolloutError(f"--shard-rows must be at least 1, got {self.shard_rows}")
+        if not self.flush_seconds >= 0:  # also refuses NaN
+            raise RolloutError(f"--flush-seconds must be 0 or more, got {self.flush_seconds}; "
+                               "0 writes every finished row at once")
+
 
 @dataclass
 class JobProgress:
@@ -76,9 +86,10 @@ class JobProgress:
 
 
 def check_job_inputs(job: JobConfig) -> None:
-    """Cheap checks before the model loads: OUT may be used, the prompt file opens."""
+    """Cheap checks before the model loads: OUT may be used, the prompt file opens, its columns fit the output."""
     prepare_output_dir(job.out, job.resume)
-    PromptSource(job.data, tokenizer=None, prompt_key=job.prompt_key, limit=job.limit)
+    source = PromptSource(job.data, tokenizer=None, prompt_key=job.prompt_key, limit=job.limit)
+    trajectory_schema(source.passthrough_schema)
 
 
 def _settings(engine: Engine, job: JobConfig, params: SamplingParams) -> dict:
@@ -171,7 +182,7 @@ def run_job(
                               replica=group.rank if group is not None else None)
     finish_reasons: Counter[str] = Counter()
     stats_before = dataclasses.replace(engine.scheduler.stats)
-    status = "interrupted"
+    failure: BaseException | None = None
     try:
         for trajectory in engine.stream(pending_prompts(), params, skip=done, on_step=writer.maybe_flush):
             writer.add(trajectory.to_row(), trajectory.routed_experts)
@@ -184,21 +195,69 @@ def run_job(
                 progress.prompts_done += 1
             if on_progress is not None:
                 on_progress(progress)
-        status = "complete"
-    finally:
-        writer.close()  # finished rows survive any exception, Ctrl-C and SIGTERM included
-        # count what is on disk: a signal between writer.add and the counter update must not skew it
-        progress.trajectories = already_done + writer.rows_written
-        summary = _summary(engine, progress, writer, finish_reasons, skipped, stats_before, status)
-        if group is None:
-            manifest.update(summary)
-            write_manifest(job.out, manifest)
+    except BaseException as err:  # noqa: BLE001 - re-raised below, once the manifest has its final state
+        failure = err
+    # finished rows survive any exception, Ctrl-C and SIGTERM included
+    close_error = _close(writer)
+    failure = failure or close_error
+    status, error = _final_state(failure, close_error)
+    # count what is on disk: a signal between writer.add and the counter update must not skew it
+    progress.trajectories = already_done + writer.rows_written
+    summary = _summary(engine, progress, writer, finish_reasons, skipped, stats_before, status)
+    if error is not None:
+        summary["error"] = error
+    if group is None:
+        manifest.update(summary)
+        _write_final_manifest(job.out, manifest, failure)
+    elif failure is not None and leader:  # the replicas' counts are gathered only when all finish
+        manifest.update(status=status, **({"error": error} if error else {}))
+        _write_final_manifest(job.out, manifest, failure)
+    if failure is not None:
+        raise failure
     if group is not None:  # a replica that failed above never gets here; torchrun stops the others
         summaries = group.gather(summary)
         manifest.update(_merge_summaries(summaries))
         if leader:
             write_manifest(job.out, manifest)
     return manifest
+
+
+def _close(writer: TrajectoryWriter) -> OutputWriteError | None:
+    """Flush the buffered rows; a failed write is returned, so the manifest still gets its final state."""
+    try:
+        writer.close()
+    except OutputWriteError as err:
+        return err
+    return None
+
+
+def _final_state(failure: BaseException | None, close_error: OutputWriteError | None) -> tuple[str, str | None]:
+    """(manifest status, error line) of a job that ended with `failure` (None: it completed).
+
+    interrupted: --resume completes it (a signal, the daemon's abort, a full disk); failed: the error
+    needs a fix first. Never `running`: that is left only by a process killed outright.
+    """
+    if failure is None:
+        return "complete", None
+    if isinstance(failure, OutputWriteError):
+        return ("interrupted" if failure.disk_full else "failed"), str(failure)
+    error = str(close_error) if close_error is not None else None  # e.g. the disk filled while Ctrl-C flushed
+    if isinstance(failure, (KeyboardInterrupt, JobInterrupted)):
+        return "interrupted", error
+    if isinstance(failure, RolloutError):
+        return "failed", str(failure)
+    text = str(failure).strip().splitlines()
+    return "failed", f"{type(failure).__name__}: {text[0]}" if text else type(failure).__name__
+
+
+def _write_final_manifest(out: str, manifest: dict, failure: BaseException | None) -> None:
+    """Write the manifest; on a failure path, a manifest write that fails too (the disk is still full)
+    must not hide the first error, which is what the user sees."""
+    try:
+        write_manifest(out, manifest)
+    except OutputWriteError:
+        if failure is None:
+            raise
 
 
 def _merge_summaries(summaries: list[dict]) -> dict:

@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_cli.errors import RolloutError
+from rollout_cli.errors import JobInterrupted, RolloutError
 
 log = logging.getLogger("rollout.serve")
 
@@ -33,7 +33,7 @@ class Conflict(RolloutError):
     """The request is valid but cannot run in the engine's current state (HTTP 409)."""
 
 
-class JobAborted(Exception):
+class JobAborted(JobInterrupted):
     """Raised out of a job's trajectory stream after its aborted samples were written."""
 
 
