@@ -8,6 +8,7 @@ Order matters for "nothing written on bad input": every check that can fail
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 from rollout_cli.engine.engine import Engine
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.errors import JobInterrupted, RolloutError
+from rollout_cli.io.fingerprints import checkpoint_change, checkpoint_fingerprint, data_change, data_fingerprint
 from rollout_cli.io.prompts import PromptRow, PromptSource, SkippedRow
 from rollout_cli.io.trajectories import (
     ROUTING_SUBDIR,
@@ -34,8 +36,11 @@ from rollout_cli.io.trajectories import (
 if TYPE_CHECKING:
     from rollout_cli.data_parallel import ReplicaGroup
 
-# Manifest keys that must be equal for --resume to continue a run.
-RESUME_KEYS = ("model", "data", "prompt_key", "limit", "sampling", "capture_routing")
+# Manifest keys that must be equal for --resume to continue a run. The checkpoint, the prompt file and
+# the weights are compared by content (the manifest's "fingerprints"), never by the paths as typed.
+RESUME_KEYS = ("prompt_key", "limit", "sampling", "capture_routing")
+# A manifest written before fingerprints were recorded: its paths are compared as typed, as they were then.
+LEGACY_RESUME_KEYS = ("model", "data", *RESUME_KEYS)
 
 
 @dataclass(frozen=True)
@@ -103,16 +108,86 @@ def _settings(engine: Engine, job: JobConfig, params: SamplingParams) -> dict:
     }
 
 
-def _check_resume(job: JobConfig, settings: dict) -> None:
+def _fingerprints(engine: Engine, job: JobConfig, weights_path: str | None) -> dict:
+    """What --resume compares: the checkpoint and prompt file by content, and the weights the engine holds."""
+    checkpoint = checkpoint_fingerprint(engine.config.model)
+    return {"checkpoint": checkpoint, "data": data_fingerprint(job.data),
+            "weights": _weights(engine, checkpoint, weights_path)}
+
+
+def _weights(engine: Engine, checkpoint: dict, weights_path: str | None) -> dict:
+    """The weights the engine holds now: their version, where they came from, and that directory's digest.
+
+    `weights_path` is the daemon's last reload (None: the weights loaded at start, from the model
+    directory). Weights pushed from tensors have no directory: their version alone tells them apart.
+    """
+    model = engine.config.model
+    from_start = weights_path is None or os.path.realpath(weights_path) == os.path.realpath(model)
+    if from_start and engine.config.load_format == "dummy":
+        source, digest = "random weights (--load-format dummy)", None
+    elif from_start:
+        source, digest = model, checkpoint["digest"]
+    else:
+        source = weights_path
+        digest = checkpoint_fingerprint(weights_path)["digest"] if os.path.isdir(weights_path) else None
+    return {"version": engine.weight_version, "source": source, "checkpoint": digest}
+
+
+def _check_resume(job: JobConfig, settings: dict, fingerprints: dict) -> None:
+    """Refuse, in one line that says what changed, a --resume that would mix two jobs in OUT."""
     previous = read_manifest(job.out)
     if previous is None:
         return
-    for key in RESUME_KEYS:
-        if key in previous and previous[key] != settings[key]:
+    recorded = previous.get("fingerprints")
+    if recorded is not None:
+        change = checkpoint_change(recorded["checkpoint"], fingerprints["checkpoint"])
+        if change is not None:
             raise RolloutError(
-                f"--resume: {job.out} was made with {key}={previous[key]!r}, this run has {settings[key]!r}; "
+                f"--resume: {job.out} was made with another checkpoint ({previous.get('model')}): {change}; "
+                "resume with that checkpoint, or choose another --out"
+            )
+    version = fingerprints["weights"]["version"]
+    if "weight_version" in previous and previous["weight_version"] != version:
+        raise RolloutError(
+            f"--resume: the run was made at weight version {previous['weight_version']} and the engine has "
+            f"weight version {version}; resuming would mix two weight versions in {job.out}: resume with the "
+            f"run's weights at version {previous['weight_version']}, or choose another --out"
+        )
+    if recorded is not None:
+        _check_same_weights(job, recorded["weights"], fingerprints["weights"])
+        change = data_change(recorded["data"], fingerprints["data"])
+        if change is not None:
+            raise RolloutError(
+                f"--resume: the prompt file {job.data} changed since {job.out} was made from it: {change}; "
+                "restore that file, or choose another --out"
+            )
+    for key in RESUME_KEYS if recorded is not None else LEGACY_RESUME_KEYS:
+        if key in previous and previous[key] != settings[key]:
+            name, old, new = _difference(key, previous[key], settings[key])
+            raise RolloutError(
+                f"--resume: {job.out} was made with {name}={old!r}, this run has {new!r}; "
                 "use the same settings to resume, or choose another --out"
             )
+
+
+def _difference(key: str, old, new) -> tuple[str, object, object]:
+    """("sampling.seed", 3, 4) rather than two whole sampling dicts: the line names what differs."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for name in sorted(old.keys() | new.keys()):
+            if old.get(name) != new.get(name):
+                return f"{key}.{name}", old.get(name), new.get(name)
+    return key, old, new
+
+
+def _check_same_weights(job: JobConfig, previous: dict, current: dict) -> None:
+    """Same version, other weights: e.g. a daemon reloaded another directory under the same version."""
+    if (previous.get("checkpoint") or previous.get("source")) == (current["checkpoint"] or current["source"]):
+        return
+    raise RolloutError(
+        f"--resume: {job.out} was made with the weights of {previous.get('source')} (version "
+        f"{previous.get('version')}), the engine holds those of {current['source']}; resuming would mix two "
+        "weight sets: load the run's weights, or choose another --out"
+    )
 
 
 def run_job(
@@ -121,11 +196,14 @@ def run_job(
     job: JobConfig,
     on_progress: Callable[[JobProgress], None] | None = None,
     group: "ReplicaGroup | None" = None,
+    weights_path: str | None = None,
 ) -> dict:
     """Generate every missing trajectory of the job; return the final manifest.
 
     With a data-parallel `group` (rollout_cli.data_parallel) this replica generates only the
     prompts it owns; replica 0 prepares OUT and writes the manifest, with every replica's counts.
+    `weights_path`: where the engine's weights were last loaded from when that is not its model
+    directory (the daemon after a reload); --resume refuses to mix weights.
     """
     leader = group is None or group.is_leader
     if leader:
@@ -148,8 +226,9 @@ def run_job(
                                "top_k": engine.model.top_k, "num_experts": engine.model.num_experts}
     done: set[tuple[int, int]] = set()
     if leader:  # one process cleans and creates OUT; the other replicas start once it did
+        manifest["fingerprints"] = _fingerprints(engine, job, weights_path)
         if job.resume:
-            _check_resume(job, settings)
+            _check_resume(job, settings, manifest["fingerprints"])
             done = completed_pairs(job.out)
         create_output_dir(job.out, (TRAJECTORIES_SUBDIR, ROUTING_SUBDIR) if routing_dtype else (TRAJECTORIES_SUBDIR,))
         write_manifest(job.out, manifest)

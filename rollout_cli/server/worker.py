@@ -347,7 +347,7 @@ class EngineWorker(threading.Thread):
         log.info("job started: %s -> %s", handle.job.data, handle.job.out)
         try:
             manifest = run_job(_ControlledEngine(self.engine, self), handle.params, handle.job,
-                               on_progress=handle.update)
+                               on_progress=handle.update, weights_path=self.snapshot()["weights_path"])
         except JobAborted:
             manifest = read_manifest(handle.job.out) or {}
             log.info("job aborted after %s trajectories", manifest.get("trajectories"))
