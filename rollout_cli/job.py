@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -41,6 +42,10 @@ if TYPE_CHECKING:
 RESUME_KEYS = ("prompt_key", "limit", "sampling", "capture_routing")
 # A manifest written before fingerprints were recorded: its paths are compared as typed, as they were then.
 LEGACY_RESUME_KEYS = ("model", "data", *RESUME_KEYS)
+# Debug knob (tests): "ROWS" or "ROWS:SIGNAL" (TERM, INT, KILL; default TERM). The job raises SIGNAL in
+# itself at the first engine step after ROWS trajectories reached the writer, so a kill test lands at
+# a known row count instead of racing a sleep or a poll against the engine.
+DEBUG_SIGNAL_ENV = "ROLLOUT_DEBUG_SIGNAL_AFTER_ROWS"
 
 
 @dataclass(frozen=True)
@@ -263,7 +268,7 @@ def run_job(
     stats_before = dataclasses.replace(engine.scheduler.stats)
     failure: BaseException | None = None
     try:
-        for trajectory in engine.stream(pending_prompts(), params, skip=done, on_step=writer.maybe_flush):
+        for trajectory in engine.stream(pending_prompts(), params, skip=done, on_step=_step_hook(writer)):
             writer.add(trajectory.to_row(), trajectory.routed_experts)
             finish_reasons[trajectory.finish_reason] += 1
             progress.trajectories += 1
@@ -299,6 +304,27 @@ def run_job(
         if leader:
             write_manifest(job.out, manifest)
     return manifest
+
+
+def _step_hook(writer: TrajectoryWriter) -> Callable[[], None]:
+    """What the engine calls between steps: close shards that waited flush_seconds (and the debug knob)."""
+    knob = os.environ.get(DEBUG_SIGNAL_ENV)
+    if not knob:
+        return writer.maybe_flush
+    rows, _, name = knob.partition(":")
+    threshold, signum = int(rows), getattr(signal, f"SIG{name or 'TERM'}")
+    raised = False
+
+    def hook() -> None:
+        nonlocal raised
+        writer.maybe_flush()
+        if not raised and writer.rows_added >= threshold:
+            raised = True
+            # called from the main thread (the embedded run steps there), raise_signal runs the Python
+            # handler before it returns: SIGTERM's KeyboardInterrupt comes out of this very call
+            signal.raise_signal(signum)
+
+    return hook
 
 
 def _close(writer: TrajectoryWriter) -> OutputWriteError | None:

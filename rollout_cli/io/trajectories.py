@@ -164,6 +164,11 @@ class ShardWriter:
         else:
             self.maybe_flush()
 
+    @property
+    def rows_added(self) -> int:
+        """Rows given to add(): written in whole shards, or buffered."""
+        return self.rows_written + self._buffered
+
     def maybe_flush(self) -> None:
         """Flush when the oldest buffered row has waited flush_seconds (engine loop calls this)."""
         if self._buffered and self.clock() - self._oldest >= self.flush_seconds:
