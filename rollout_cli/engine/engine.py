@@ -30,7 +30,8 @@ from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.schedule_output import BatchEntry, ScheduleOutput
 from rollout_cli.engine.scheduler import Scheduler
 from rollout_cli.errors import RolloutError
-from rollout_cli.models.build import build_model, load_model_config, resolve_device, resolve_dtype, resolve_max_model_len
+from rollout_cli.models.build import (build_model, load_model_config, resolve_device, resolve_dtype,
+                                      resolve_max_model_len)
 from rollout_cli.models.layers import enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
 

@@ -226,7 +226,8 @@ def test_skip_invalid_leaves_a_non_utf8_prompt_out(launched):
     assert result.returncode == 0, result.stderr
     manifest = _manifest(out)
     assert manifest["status"] == "complete" and manifest["trajectories"] == 2
-    assert manifest["skipped_rows"] == [{"prompt_index": 1, "reason": "prompt is not valid UTF-8 (byte 0xff at offset 0)"}]
+    reason = "prompt is not valid UTF-8 (byte 0xff at offset 0)"
+    assert manifest["skipped_rows"] == [{"prompt_index": 1, "reason": reason}]
     assert {r["prompt_index"] for r in pq.read_table(out / "trajectories").to_pylist()} == {0}
 
 

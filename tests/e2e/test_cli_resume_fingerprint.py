@@ -42,7 +42,8 @@ def _cli(args: list, cwd: Path = REPO) -> subprocess.CompletedProcess:
                           env=_env())
 
 
-def _run(out: Path, model="recipes/example_model", data=PROMPTS, *extra, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def _run(out: Path, model="recipes/example_model", data=PROMPTS, *extra,
+         cwd: Path = REPO) -> subprocess.CompletedProcess:
     return _cli(["run", "--model", model, "--data", data, "--out", out, "--device", "cpu", *JOB, *extra], cwd=cwd)
 
 

@@ -292,7 +292,8 @@ def test_invalid_utf8_prompt_is_skipped_with_skip_invalid(tmp_path, tokenizer):
     path = write_parquet(tmp_path / "p.parquet",
                          {"prompt": _with_invalid_utf8(["hello", "world", "hello"], 1), "k": ["a", "b", "c"]})
     src = PromptSource(path, tokenizer, skip_invalid=True)
-    assert [(s.prompt_index, s.reason) for s in src.validate()] == [(1, "prompt is not valid UTF-8 (byte 0xff at offset 0)")]
+    reason = "prompt is not valid UTF-8 (byte 0xff at offset 0)"
+    assert [(s.prompt_index, s.reason) for s in src.validate()] == [(1, reason)]
     assert [(r.prompt_index, r.passthrough["k"]) for r in src] == [(0, "a"), (2, "c")]
 
 
