@@ -9,3 +9,8 @@ bug and keeps its traceback.
 
 class RolloutError(Exception):
     """A user-facing error: `str(err)` is one line with the problem and the fix."""
+
+
+class JobInterrupted(Exception):
+    """Ends a job on request (the daemon's abort or shutdown) after its finished rows were written:
+    the manifest says `interrupted`, and --resume completes the rest."""

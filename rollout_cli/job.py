@@ -8,6 +8,8 @@ Order matters for "nothing written on bad input": every check that can fail
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -16,24 +18,34 @@ from typing import TYPE_CHECKING
 
 from rollout_cli.engine.engine import Engine
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.errors import RolloutError
+from rollout_cli.errors import JobInterrupted, RolloutError
+from rollout_cli.io.fingerprints import checkpoint_change, checkpoint_fingerprint, data_change, data_fingerprint
 from rollout_cli.io.prompts import PromptRow, PromptSource, SkippedRow
 from rollout_cli.io.trajectories import (
     ROUTING_SUBDIR,
     TRAJECTORIES_SUBDIR,
+    OutputWriteError,
     TrajectoryWriter,
     completed_pairs,
     create_output_dir,
     prepare_output_dir,
     read_manifest,
+    trajectory_schema,
     write_manifest,
 )
 
 if TYPE_CHECKING:
     from rollout_cli.data_parallel import ReplicaGroup
 
-# Manifest keys that must be equal for --resume to continue a run.
-RESUME_KEYS = ("model", "data", "prompt_key", "limit", "sampling", "capture_routing")
+# Manifest keys that must be equal for --resume to continue a run. The checkpoint, the prompt file and
+# the weights are compared by content (the manifest's "fingerprints"), never by the paths as typed.
+RESUME_KEYS = ("prompt_key", "limit", "sampling", "capture_routing")
+# A manifest written before fingerprints were recorded: its paths are compared as typed, as they were then.
+LEGACY_RESUME_KEYS = ("model", "data", *RESUME_KEYS)
+# Debug knob (tests): "ROWS" or "ROWS:SIGNAL" (TERM, INT, KILL; default TERM). The job raises SIGNAL in
+# itself at the first engine step after ROWS trajectories reached the writer, so a kill test lands at
+# a known row count instead of racing a sleep or a poll against the engine.
+DEBUG_SIGNAL_ENV = "ROLLOUT_DEBUG_SIGNAL_AFTER_ROWS"
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,14 @@ class JobConfig:
     capture_routing: bool = False
     """MoE models: also write every token's expert ids to OUT/routing/part-NNNNN.parquet."""
 
+    def __post_init__(self) -> None:
+        # checked here, where the CLI and the daemon's /generate both build the job: before OUT exists
+        if self.shard_rows < 1:
+            raise RolloutError(f"--shard-rows must be at least 1, got {self.shard_rows}")
+        if not self.flush_seconds >= 0:  # also refuses NaN
+            raise RolloutError(f"--flush-seconds must be 0 or more, got {self.flush_seconds}; "
+                               "0 writes every finished row at once")
+
 
 @dataclass
 class JobProgress:
@@ -76,9 +96,10 @@ class JobProgress:
 
 
 def check_job_inputs(job: JobConfig) -> None:
-    """Cheap checks before the model loads: OUT may be used, the prompt file opens."""
+    """Cheap checks before the model loads: OUT may be used, the prompt file opens, its columns fit the output."""
     prepare_output_dir(job.out, job.resume)
-    PromptSource(job.data, tokenizer=None, prompt_key=job.prompt_key, limit=job.limit)
+    source = PromptSource(job.data, tokenizer=None, prompt_key=job.prompt_key, limit=job.limit)
+    trajectory_schema(source.passthrough_schema)
 
 
 def _settings(engine: Engine, job: JobConfig, params: SamplingParams) -> dict:
@@ -92,16 +113,86 @@ def _settings(engine: Engine, job: JobConfig, params: SamplingParams) -> dict:
     }
 
 
-def _check_resume(job: JobConfig, settings: dict) -> None:
+def _fingerprints(engine: Engine, job: JobConfig, weights_path: str | None) -> dict:
+    """What --resume compares: the checkpoint and prompt file by content, and the weights the engine holds."""
+    checkpoint = checkpoint_fingerprint(engine.config.model)
+    return {"checkpoint": checkpoint, "data": data_fingerprint(job.data),
+            "weights": _weights(engine, checkpoint, weights_path)}
+
+
+def _weights(engine: Engine, checkpoint: dict, weights_path: str | None) -> dict:
+    """The weights the engine holds now: their version, where they came from, and that directory's digest.
+
+    `weights_path` is the daemon's last reload (None: the weights loaded at start, from the model
+    directory). Weights pushed from tensors have no directory: their version alone tells them apart.
+    """
+    model = engine.config.model
+    from_start = weights_path is None or os.path.realpath(weights_path) == os.path.realpath(model)
+    if from_start and engine.config.load_format == "dummy":
+        source, digest = "random weights (--load-format dummy)", None
+    elif from_start:
+        source, digest = model, checkpoint["digest"]
+    else:
+        source = weights_path
+        digest = checkpoint_fingerprint(weights_path)["digest"] if os.path.isdir(weights_path) else None
+    return {"version": engine.weight_version, "source": source, "checkpoint": digest}
+
+
+def _check_resume(job: JobConfig, settings: dict, fingerprints: dict) -> None:
+    """Refuse, in one line that says what changed, a --resume that would mix two jobs in OUT."""
     previous = read_manifest(job.out)
     if previous is None:
         return
-    for key in RESUME_KEYS:
-        if key in previous and previous[key] != settings[key]:
+    recorded = previous.get("fingerprints")
+    if recorded is not None:
+        change = checkpoint_change(recorded["checkpoint"], fingerprints["checkpoint"])
+        if change is not None:
             raise RolloutError(
-                f"--resume: {job.out} was made with {key}={previous[key]!r}, this run has {settings[key]!r}; "
+                f"--resume: {job.out} was made with another checkpoint ({previous.get('model')}): {change}; "
+                "resume with that checkpoint, or choose another --out"
+            )
+    version = fingerprints["weights"]["version"]
+    if "weight_version" in previous and previous["weight_version"] != version:
+        raise RolloutError(
+            f"--resume: the run was made at weight version {previous['weight_version']} and the engine has "
+            f"weight version {version}; resuming would mix two weight versions in {job.out}: resume with the "
+            f"run's weights at version {previous['weight_version']}, or choose another --out"
+        )
+    if recorded is not None:
+        _check_same_weights(job, recorded["weights"], fingerprints["weights"])
+        change = data_change(recorded["data"], fingerprints["data"])
+        if change is not None:
+            raise RolloutError(
+                f"--resume: the prompt file {job.data} changed since {job.out} was made from it: {change}; "
+                "restore that file, or choose another --out"
+            )
+    for key in RESUME_KEYS if recorded is not None else LEGACY_RESUME_KEYS:
+        if key in previous and previous[key] != settings[key]:
+            name, old, new = _difference(key, previous[key], settings[key])
+            raise RolloutError(
+                f"--resume: {job.out} was made with {name}={old!r}, this run has {new!r}; "
                 "use the same settings to resume, or choose another --out"
             )
+
+
+def _difference(key: str, old, new) -> tuple[str, object, object]:
+    """("sampling.seed", 3, 4) rather than two whole sampling dicts: the line names what differs."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for name in sorted(old.keys() | new.keys()):
+            if old.get(name) != new.get(name):
+                return f"{key}.{name}", old.get(name), new.get(name)
+    return key, old, new
+
+
+def _check_same_weights(job: JobConfig, previous: dict, current: dict) -> None:
+    """Same version, other weights: e.g. a daemon reloaded another directory under the same version."""
+    if (previous.get("checkpoint") or previous.get("source")) == (current["checkpoint"] or current["source"]):
+        return
+    raise RolloutError(
+        f"--resume: {job.out} was made with the weights of {previous.get('source')} (version "
+        f"{previous.get('version')}), the engine holds those of {current['source']}; resuming would mix two "
+        "weight sets: load the run's weights, or choose another --out"
+    )
 
 
 def run_job(
@@ -110,11 +201,14 @@ def run_job(
     job: JobConfig,
     on_progress: Callable[[JobProgress], None] | None = None,
     group: "ReplicaGroup | None" = None,
+    weights_path: str | None = None,
 ) -> dict:
     """Generate every missing trajectory of the job; return the final manifest.
 
     With a data-parallel `group` (rollout_cli.data_parallel) this replica generates only the
     prompts it owns; replica 0 prepares OUT and writes the manifest, with every replica's counts.
+    `weights_path`: where the engine's weights were last loaded from when that is not its model
+    directory (the daemon after a reload); --resume refuses to mix weights.
     """
     leader = group is None or group.is_leader
     if leader:
@@ -137,8 +231,9 @@ def run_job(
                                "top_k": engine.model.top_k, "num_experts": engine.model.num_experts}
     done: set[tuple[int, int]] = set()
     if leader:  # one process cleans and creates OUT; the other replicas start once it did
+        manifest["fingerprints"] = _fingerprints(engine, job, weights_path)
         if job.resume:
-            _check_resume(job, settings)
+            _check_resume(job, settings, manifest["fingerprints"])
             done = completed_pairs(job.out)
         create_output_dir(job.out, (TRAJECTORIES_SUBDIR, ROUTING_SUBDIR) if routing_dtype else (TRAJECTORIES_SUBDIR,))
         write_manifest(job.out, manifest)
@@ -171,9 +266,9 @@ def run_job(
                               replica=group.rank if group is not None else None)
     finish_reasons: Counter[str] = Counter()
     stats_before = dataclasses.replace(engine.scheduler.stats)
-    status = "interrupted"
+    failure: BaseException | None = None
     try:
-        for trajectory in engine.stream(pending_prompts(), params, skip=done, on_step=writer.maybe_flush):
+        for trajectory in engine.stream(pending_prompts(), params, skip=done, on_step=_step_hook(writer)):
             writer.add(trajectory.to_row(), trajectory.routed_experts)
             finish_reasons[trajectory.finish_reason] += 1
             progress.trajectories += 1
@@ -184,21 +279,90 @@ def run_job(
                 progress.prompts_done += 1
             if on_progress is not None:
                 on_progress(progress)
-        status = "complete"
-    finally:
-        writer.close()  # finished rows survive any exception, Ctrl-C and SIGTERM included
-        # count what is on disk: a signal between writer.add and the counter update must not skew it
-        progress.trajectories = already_done + writer.rows_written
-        summary = _summary(engine, progress, writer, finish_reasons, skipped, stats_before, status)
-        if group is None:
-            manifest.update(summary)
-            write_manifest(job.out, manifest)
+    except BaseException as err:  # noqa: BLE001 - re-raised below, once the manifest has its final state
+        failure = err
+    # finished rows survive any exception, Ctrl-C and SIGTERM included
+    close_error = _close(writer)
+    failure = failure or close_error
+    status, error = _final_state(failure, close_error)
+    # count what is on disk: a signal between writer.add and the counter update must not skew it
+    progress.trajectories = already_done + writer.rows_written
+    summary = _summary(engine, progress, writer, finish_reasons, skipped, stats_before, status)
+    if error is not None:
+        summary["error"] = error
+    if group is None:
+        manifest.update(summary)
+        _write_final_manifest(job.out, manifest, failure)
+    elif failure is not None and leader:  # the replicas' counts are gathered only when all finish
+        manifest.update(status=status, **({"error": error} if error else {}))
+        _write_final_manifest(job.out, manifest, failure)
+    if failure is not None:
+        raise failure
     if group is not None:  # a replica that failed above never gets here; torchrun stops the others
         summaries = group.gather(summary)
         manifest.update(_merge_summaries(summaries))
         if leader:
             write_manifest(job.out, manifest)
     return manifest
+
+
+def _step_hook(writer: TrajectoryWriter) -> Callable[[], None]:
+    """What the engine calls between steps: close shards that waited flush_seconds (and the debug knob)."""
+    knob = os.environ.get(DEBUG_SIGNAL_ENV)
+    if not knob:
+        return writer.maybe_flush
+    rows, _, name = knob.partition(":")
+    threshold, signum = int(rows), getattr(signal, f"SIG{name or 'TERM'}")
+    raised = False
+
+    def hook() -> None:
+        nonlocal raised
+        writer.maybe_flush()
+        if not raised and writer.rows_added >= threshold:
+            raised = True
+            # called from the main thread (the embedded run steps there), raise_signal runs the Python
+            # handler before it returns: SIGTERM's KeyboardInterrupt comes out of this very call
+            signal.raise_signal(signum)
+
+    return hook
+
+
+def _close(writer: TrajectoryWriter) -> OutputWriteError | None:
+    """Flush the buffered rows; a failed write is returned, so the manifest still gets its final state."""
+    try:
+        writer.close()
+    except OutputWriteError as err:
+        return err
+    return None
+
+
+def _final_state(failure: BaseException | None, close_error: OutputWriteError | None) -> tuple[str, str | None]:
+    """(manifest status, error line) of a job that ended with `failure` (None: it completed).
+
+    interrupted: --resume completes it (a signal, the daemon's abort, a full disk); failed: the error
+    needs a fix first. Never `running`: that is left only by a process killed outright.
+    """
+    if failure is None:
+        return "complete", None
+    if isinstance(failure, OutputWriteError):
+        return ("interrupted" if failure.disk_full else "failed"), str(failure)
+    error = str(close_error) if close_error is not None else None  # e.g. the disk filled while Ctrl-C flushed
+    if isinstance(failure, (KeyboardInterrupt, JobInterrupted)):
+        return "interrupted", error
+    if isinstance(failure, RolloutError):
+        return "failed", str(failure)
+    text = str(failure).strip().splitlines()
+    return "failed", f"{type(failure).__name__}: {text[0]}" if text else type(failure).__name__
+
+
+def _write_final_manifest(out: str, manifest: dict, failure: BaseException | None) -> None:
+    """Write the manifest; on a failure path, a manifest write that fails too (the disk is still full)
+    must not hide the first error, which is what the user sees."""
+    try:
+        write_manifest(out, manifest)
+    except OutputWriteError:
+        if failure is None:
+            raise
 
 
 def _merge_summaries(summaries: list[dict]) -> dict:

@@ -33,7 +33,8 @@ from rollout_cli.engine.tensor_parallel import TensorParallelRanks, TensorParall
 from rollout_cli.engine.tokenizer import eos_token_ids, load_tokenizer
 from rollout_cli.engine.trajectory import PromptInput, Trajectory
 from rollout_cli.errors import RolloutError
-from rollout_cli.models.build import build_model, load_model_config, resolve_device, resolve_dtype
+from rollout_cli.models.build import (build_model, load_model_config, resolve_device, resolve_dtype,
+                                      resolve_max_model_len)
 from rollout_cli.models.layers import enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
 
@@ -64,8 +65,7 @@ class Engine:
         self.hf_config = load_model_config(cfg.model)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
-        self.max_model_len = cfg.max_model_len or limit
+        self.max_model_len = resolve_max_model_len(self.hf_config, cfg.max_model_len)
         self.attention_backend = _attention_backend(cfg.attention_backend, self.device)
         self.tokenizer = load_tokenizer(cfg.model)
         self.eos_token_ids = eos_token_ids(cfg.model, self.hf_config, self.tokenizer)

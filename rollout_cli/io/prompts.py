@@ -72,15 +72,34 @@ def encode_prompt(tokenizer: Any, value: Any) -> list[int]:
         if not value:
             raise InvalidPrompt("empty prompt")
         _require_tokenizer(tokenizer)
+        _silence_length_warning(tokenizer)
         return [int(t) for t in tokenizer.encode(value)]
     return _encode_non_string(tokenizer, value)
+
+
+def _silence_length_warning(tokenizer: Any) -> None:
+    """Keep transformers' "Token indices sequence length is longer than ..." warning off stderr.
+
+    Long prompts are judged against --max-model-len by PromptSource (one clear line, or a
+    skipped row); the tokenizer's model_max_length says nothing about this engine. transformers
+    prints that warning once per tokenizer, tracked in `deprecation_warnings` (4.x and 5.x):
+    marking it shown silences every path, chat templates included.
+    """
+    shown = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(shown, dict):
+        shown["sequence-length-is-longer-than-the-specified-maximum"] = True
+
+
+def _a(noun: str) -> str:
+    """'an int', 'a float'."""
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def _to_python(value: Any) -> Any:
     """numpy arrays (pandas-written cells, array columns) become lists; the rest is left as is."""
     if isinstance(value, np.ndarray):
         if value.ndim != 1:
-            raise InvalidPrompt(f"prompt is a {value.ndim}-d array; expected a 1-d list of token ids")
+            raise InvalidPrompt(f"prompt is {_a(f'{value.ndim}-d')} array; expected a 1-d list of token ids")
         return value.tolist()
     return value
 
@@ -90,7 +109,7 @@ def _encode_non_string(tokenizer: Any, value: Any) -> list[int]:
         raise InvalidPrompt("prompt is null")
     if not isinstance(value, (list, tuple)):
         raise InvalidPrompt(
-            f"prompt is a {type(value).__name__}; expected a string, a list of chat messages "
+            f"prompt is {_a(type(value).__name__)}; expected a string, a list of chat messages "
             "or a list of token ids"
         )
     if not value:
@@ -128,6 +147,7 @@ def _encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[
         # A list<struct> column holds the union of all messages' keys, so a message
         # gets e.g. name=None it never had; templates test `is defined`, so drop those.
         clean.append({key: val for key, val in m.items() if val is not None})
+    _silence_length_warning(tokenizer)
     try:
         out = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as err:
@@ -162,6 +182,9 @@ def _encode_batch(tokenizer: Any, values: list[Any]) -> list[list[int] | Invalid
     results: list[list[int] | InvalidPrompt | None] = [None] * len(values)
     string_pos: list[int] = []
     for pos, raw in enumerate(values):
+        if isinstance(raw, InvalidPrompt):  # a cell _cells could not read
+            results[pos] = raw
+            continue
         if isinstance(raw, str) and raw:
             string_pos.append(pos)
             continue
@@ -172,6 +195,7 @@ def _encode_batch(tokenizer: Any, values: list[Any]) -> list[list[int] | Invalid
     if string_pos:
         _require_tokenizer(tokenizer)
         strings = [values[p] for p in string_pos]
+        _silence_length_warning(tokenizer)
         if callable(tokenizer):
             # verbose=False: long prompts are judged against max_prompt_len below,
             # not against the tokenizer's model_max_length warning.
@@ -181,6 +205,27 @@ def _encode_batch(tokenizer: Any, values: list[Any]) -> list[list[int] | Invalid
         for p, ids in zip(string_pos, encoded):
             results[p] = [int(t) for t in ids]
     return results  # type: ignore[return-value]
+
+
+def _cells(column: pa.Array | pa.ChunkedArray) -> list[Any]:
+    """column.to_pylist(), except that a cell that is not valid UTF-8 becomes an InvalidPrompt.
+
+    Parquet does not check that a string column holds UTF-8, so such a file reads fine and only
+    the conversion to Python fails, for the whole batch at once; cell by cell, the bad rows can be
+    named (or skipped) and the rest kept. The fast path converts the batch in one call.
+    """
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    values: list[Any] = []
+    for i in range(len(column)):
+        try:
+            values.append(column[i].as_py())
+        except UnicodeDecodeError as err:
+            values.append(InvalidPrompt(f"prompt is not valid UTF-8 (byte 0x{err.object[err.start]:02x} "
+                                        f"at offset {err.start})"))
+    return values
 
 
 def _one_line(err: BaseException) -> str:
@@ -260,7 +305,7 @@ class PromptSource:
             return list(self._skipped_rows)
         skipped: list[SkippedRow] = []
         for start, batch in self._batches(columns=[self.prompt_key]):
-            values = batch.column(0).to_pylist()
+            values = _cells(batch.column(0))
             for offset, result in enumerate(_encode_batch(self.tokenizer, values)):
                 index = start + offset
                 problem = self._problem(result)
@@ -304,15 +349,40 @@ class PromptSource:
             self.validate()
         names = self.passthrough_schema.names
         for start, batch in self._batches(columns=None):
-            prompts = batch.column(self.prompt_key).to_pylist()
+            prompts = _cells(batch.column(self.prompt_key))
             keep = [o for o in range(len(prompts)) if start + o not in self._skipped_index]
             encoded = _encode_batch(self.tokenizer, [prompts[o] for o in keep])
-            passthrough = batch.select(names).to_pylist()  # [batch rows] of {column: value}
+            passthrough = self._passthrough(batch.select(names), start, keep)
             for offset, ids in zip(keep, encoded):
                 if isinstance(ids, InvalidPrompt):
                     # validate() saw this row pass; only a non-deterministic tokenizer gets here.
                     raise RuntimeError(f"row {start + offset} passed validation but now fails: {ids}")
                 yield PromptRow(start + offset, ids, passthrough[offset])
+
+    def _passthrough(self, batch: pa.RecordBatch, start: int, keep: list[int]) -> dict[int, dict[str, Any]]:
+        """{offset in batch: {column: value}} of the kept rows.
+
+        Row by row only when the batch holds a string that is not UTF-8 (a skipped row may hold
+        it, and is not read); in a kept row it is an error naming the row and column.
+        """
+        try:
+            rows = batch.to_pylist()
+            return {o: rows[o] for o in keep}
+        except UnicodeDecodeError:
+            pass
+        out = {}
+        for o in keep:
+            row = {}
+            for name, column in zip(batch.schema.names, batch.columns):
+                try:
+                    row[name] = column[o].as_py()
+                except UnicodeDecodeError as err:
+                    raise RolloutError(
+                        f"row {start + o} of {self.path}: column {name!r} is not valid UTF-8 "
+                        f"(byte 0x{err.object[err.start]:02x} at offset {err.start}); fix or drop that row"
+                    ) from err
+            out[o] = row
+        return out
 
     def _batches(self, columns: list[str] | None) -> Iterator[tuple[int, pa.RecordBatch]]:
         """(index of the batch's first row, batch) over the first num_rows rows."""

@@ -24,6 +24,8 @@ both present or both absent.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
@@ -59,6 +61,28 @@ FIXED_NAMES: tuple[str, ...] = tuple(f.name for f in FIXED_FIELDS)
 # part-NNNNN.parquet, or part-rRRR-NNNNN.parquet from data-parallel replica RRR (each numbers its own)
 _PART_RE = re.compile(r"^(part-(?:r\d+-)?)(\d+)\.parquet$")
 _TEMP_RE = re.compile(r"^\.part-(?:r\d+-)?\d+\.parquet\.tmp$")
+
+
+class OutputWriteError(RolloutError):
+    """Writing OUT failed (a full disk, a broken mount). The whole shards already written stay valid;
+    the rows that were buffered are left for --resume."""
+
+    def __init__(self, path: Path, err: OSError):
+        self.disk_full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+        if self.disk_full:
+            message = f"disk full writing {path}: free space and re-run with --resume"
+        else:
+            message = f"cannot write {path} ({err.strerror or err}); fix that and re-run with --resume"
+        super().__init__(message)
+
+
+@contextlib.contextmanager
+def _writing(path: Path):
+    """An OSError while writing `path` becomes an OutputWriteError naming it."""
+    try:
+        yield
+    except OSError as err:
+        raise OutputWriteError(path, err) from err
 
 
 def trajectory_schema(passthrough_schema: pa.Schema) -> pa.Schema:
@@ -122,6 +146,7 @@ class ShardWriter:
                                if prefix == self.prefix), default=-1) + 1
         self.rows_written = 0
         self.shards_written = 0
+        self.failed = False  # a write failed: close() writes nothing more (see flush)
 
     def add(self, row: dict[str, Any]) -> None:
         """Buffer one row holding every schema field; flush when the buffer is due."""
@@ -139,22 +164,42 @@ class ShardWriter:
         else:
             self.maybe_flush()
 
+    @property
+    def rows_added(self) -> int:
+        """Rows given to add(): written in whole shards, or buffered."""
+        return self.rows_written + self._buffered
+
     def maybe_flush(self) -> None:
         """Flush when the oldest buffered row has waited flush_seconds (engine loop calls this)."""
         if self._buffered and self.clock() - self._oldest >= self.flush_seconds:
             self.flush()
 
     def flush(self) -> None:
-        """Write the buffer as one new shard: temp file, fsync, rename. No-op when empty."""
-        if not self._buffered:
+        """Write the buffer as one new shard: temp file, fsync, rename. No-op when empty.
+
+        A failed write (OSError: disk full, ...) removes its temp files, so the space it took is free
+        again for the manifest, and raises OutputWriteError. The writer then stops: a paired routing
+        buffer was already taken, so a retry could write trajectories without their routing; the
+        buffered rows are not in a whole shard, so --resume generates them again.
+        """
+        if not self._buffered or self.failed:
             return
         # from_pydict with the schema casts Python values back to the input's
         # types (structs, timestamps, dictionaries) instead of inferring them.
         table = pa.Table.from_pydict(self._columns, schema=self.schema)
         final = self.dir / f"{self.prefix}{self._next_part:05d}.parquet"
-        temp = _write_temp(table, final)
-        self._before_rename(final.name)
-        os.replace(temp, final)
+        try:
+            with _writing(final):
+                temp = _write_temp(table, final)
+                try:
+                    self._before_rename(final.name)
+                except OutputWriteError:
+                    temp.unlink(missing_ok=True)
+                    raise
+                os.replace(temp, final)
+        except OutputWriteError:
+            self.failed = True
+            raise
         _fsync_dir(self.dir)  # make the rename itself durable
         self.rows_written += self._buffered
         self.shards_written += 1
@@ -250,7 +295,8 @@ class TrajectoryWriter(ShardWriter):
             ], schema=self.routing_schema))
         table = pa.concat_tables(tables)
         final = self.routing_dir / name
-        os.replace(_write_temp(table, final), final)
+        with _writing(final):
+            os.replace(_write_temp(table, final), final)
         _fsync_dir(self.routing_dir)
 
 
@@ -296,7 +342,10 @@ def prepare_output_dir(out_dir: str | Path, resume: bool) -> None:
     path = Path(out_dir)
     if path.exists() and not path.is_dir():
         raise RolloutError(f"--out {path} is a file, not a directory; choose another --out")
-    if not path.exists() or not any(path.iterdir()):
+    if not path.exists():
+        _check_creatable(path)
+        return
+    if not any(path.iterdir()):
         return
     if not resume:
         raise RolloutError(
@@ -310,11 +359,31 @@ def prepare_output_dir(out_dir: str | Path, resume: bool) -> None:
         )
 
 
+def _check_creatable(path: Path) -> None:
+    """Refuse an --out whose nearest existing parent is no writable directory, before the model loads.
+
+    Not every failure shows here (as root, /proc passes os.access but refuses mkdir):
+    create_output_dir turns the rest into the same kind of one-line error.
+    """
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise RolloutError(f"cannot create --out {path}: {parent} is a file, not a directory; choose another --out")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise RolloutError(f"cannot create --out {path}: {parent} is not writable; choose another --out")
+
+
 def create_output_dir(out_dir: str | Path, subdirs: Iterable[str] = (TRAJECTORIES_SUBDIR,)) -> None:
     """Make OUT and its shard folders; call it only after every input check passed."""
-    for sub in subdirs:
-        (Path(out_dir) / sub).mkdir(parents=True, exist_ok=True)
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        for sub in subdirs:
+            (Path(out_dir) / sub).mkdir(parents=True, exist_ok=True)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutputWriteError(Path(out_dir), err) from err
+        raise RolloutError(f"cannot create --out {out_dir} ({err.strerror or err}); choose another --out") from err
 
 
 def write_manifest(out_dir: str | Path, manifest: dict[str, Any]) -> None:
@@ -322,11 +391,16 @@ def write_manifest(out_dir: str | Path, manifest: dict[str, Any]) -> None:
     directory = Path(out_dir)
     final = directory / MANIFEST_NAME
     temp = directory / f".{MANIFEST_NAME}.tmp"
-    with open(temp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(manifest, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, final)
+    with _writing(final):
+        try:
+            with open(temp, "w", encoding="utf-8") as f:
+                f.write(json.dumps(manifest, indent=2) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, final)
+        except OSError:
+            temp.unlink(missing_ok=True)  # the previous manifest.json stays whole
+            raise
     _fsync_dir(directory)
 
 
@@ -362,8 +436,12 @@ def _shard_key(name: str) -> tuple[str, int]:
 def _write_temp(table: pa.Table, final: Path) -> Path:
     """Write table to the hidden temp name of `final` and fsync it; returns the temp path."""
     temp = final.parent / f".{final.name}.tmp"
-    pq.write_table(table, temp, compression="zstd")
-    _fsync_file(temp)
+    try:
+        pq.write_table(table, temp, compression="zstd")
+        _fsync_file(temp)
+    except OSError:
+        temp.unlink(missing_ok=True)  # a partial file only takes space; resume would delete it anyway
+        raise
     return temp
 
 

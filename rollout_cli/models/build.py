@@ -55,6 +55,48 @@ def _language_model_config(config, architectures: list[str]):
     return text
 
 
+# rope types whose factor stretches the original context: vLLM's rule (max_position_embeddings of llama3
+# and longrope configs already count the stretch); dynamic is refused when the model is built
+_STRETCHING_ROPE_TYPES = ("linear", "yarn", "dynamic")
+
+
+def model_positions(hf_config) -> tuple[int, str | None]:
+    """(positions the model can take, how rope scaling stretches them or None), for --max-model-len."""
+    base = getattr(hf_config, "max_position_embeddings", None) or 4096
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return base, None
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    factor = params.get("factor")
+    if rope_type in _STRETCHING_ROPE_TYPES and factor:
+        original = params.get("original_max_position_embeddings") or base
+        stretched = int(original * factor)
+        if stretched > base:
+            return stretched, f"{original} x {rope_type} factor {factor:g}"
+    return base, None
+
+
+def resolve_max_model_len(hf_config, requested: int | None) -> int:
+    """--max-model-len, or max_position_embeddings when it is not given.
+
+    Past the positions the model was trained for (or that its rope scaling stretches to) outputs
+    are garbage without any error, so a longer --max-model-len is refused.
+    """
+    if requested is None:  # a stretched context is opted into: it costs rope tables and KV per request
+        return getattr(hf_config, "max_position_embeddings", None) or 4096
+    positions, stretch = model_positions(hf_config)
+    if requested <= positions:
+        return requested
+    if stretch is not None:
+        raise RolloutError(f"--max-model-len {requested} exceeds the {positions} positions the model's rope_scaling "
+                           f"allows ({stretch}); lower it to at most {positions}")
+    raise RolloutError(
+        f"--max-model-len {requested} exceeds the model's {positions} positions (max_position_embeddings in "
+        f"config.json, no rope_scaling); lower it to at most {positions}, or add rope_scaling (yarn or linear "
+        "with a factor) to config.json where the model supports a longer context"
+    )
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

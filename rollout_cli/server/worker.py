@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_cli.engine.engine import Engine
-from rollout_cli.errors import RolloutError
+from rollout_cli.errors import JobInterrupted, RolloutError
 from rollout_cli.io.trajectories import read_manifest
 from rollout_cli.job import run_job
 from rollout_cli.process_gc import freeze_long_lived_objects
@@ -39,7 +39,7 @@ class Conflict(RolloutError):
     """The request is valid but cannot run in the engine's current state (HTTP 409)."""
 
 
-class JobAborted(Exception):
+class JobAborted(JobInterrupted):
     """Raised out of a job's trajectory stream after its aborted samples were written."""
 
 
@@ -322,7 +322,7 @@ class EngineWorker(threading.Thread):
         log.info("job started: %s -> %s", handle.job.data, handle.job.out)
         try:
             manifest = run_job(_ControlledEngine(self.engine, self), handle.params, handle.job,
-                               on_progress=handle.update)
+                               on_progress=handle.update, weights_path=self.snapshot()["weights_path"])
         except JobAborted:
             manifest = read_manifest(handle.job.out) or {}
             log.info("job aborted after %s trajectories", manifest.get("trajectories"))

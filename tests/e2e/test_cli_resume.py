@@ -1,6 +1,12 @@
 """Kill and resume: SIGKILL mid-run leaves only whole shards and --resume completes the run to exactly the
 rows of one uninterrupted run; SIGTERM flushes finished rows, exits 130, marks the manifest interrupted;
---resume with other sampling settings is refused."""
+--resume with other sampling settings is refused.
+
+No test here waits for something to happen: the runs signal themselves after a known number of rows
+(the ROLLOUT_DEBUG_SIGNAL_AFTER_ROWS knob of rollout_cli/job.py), so a loaded machine changes only how
+long they take. (Waiting for the first shard, then signalling, raced twice: a slow step let the
+10 s flush write a 6-row shard first, and a fast run could finish before the signal.)
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -24,8 +29,12 @@ CLI = [sys.executable, "-m", "rollout_cli.cli.main", "run"]
 N, LIMIT, MAX_NEW, SHARD_ROWS = 4, 8, 64, 8
 TOTAL = N * LIMIT
 LP_TOL = 1e-5
+# The interrupted runs signal themselves at the first step after this many rows reached the writer:
+# past the first shard, with rows buffered and prompts left with only some of their samples done.
+SIGNAL_AFTER_ROWS = 11
 # Fixed-length responses (ignore eos); the interrupted runs also cap requests in flight, so they
-# finish in several waves of MAX_NEW decode steps and a signal after the first shard lands mid-run.
+# finish in several waves of MAX_NEW decode steps and the signal lands mid-run; a flush only by
+# row count keeps their shard layout the same however slow the machine is.
 SETTINGS = ["--model", str(MODEL), "--data", str(PROMPTS), "--n", str(N), "--limit", str(LIMIT),
             "--max-new-tokens", str(MAX_NEW), "--ignore-eos", "--temperature", "1", "--seed", "3",
             "--shard-rows", str(SHARD_ROWS), "--device", "cpu", "--quiet"]
@@ -33,8 +42,11 @@ PART_RE = re.compile(r"^part-\d{5}\.parquet$")
 TEMP_RE = re.compile(r"^\.part-\d{5}\.parquet\.tmp$")
 
 
-def _env() -> dict:
-    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+def _env(**extra: str) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra)
+    if not extra:
+        env.pop("ROLLOUT_DEBUG_SIGNAL_AFTER_ROWS", None)
+    return env
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
@@ -42,23 +54,15 @@ def _start(out: Path, *extra: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(CLI + SETTINGS + ["--out", str(out), *extra], cwd=REPO, env=_env(),
+def _run(out: Path, *extra: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(CLI + SETTINGS + ["--out", str(out), *extra], cwd=REPO, env=_env(**env),
                           capture_output=True, text=True, timeout=300)
 
 
-def _wait_for_first_shard(proc: subprocess.Popen, out: Path, timeout: float = 180.0) -> None:
-    shards = out / "trajectories"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if shards.is_dir() and any(PART_RE.match(f) for f in os.listdir(shards)):
-            return
-        if proc.poll() is not None:
-            _, err = proc.communicate()
-            pytest.fail(f"run ended (exit {proc.returncode}) before a shard appeared:\n{err}")
-        time.sleep(0.01)
-    proc.kill()
-    pytest.fail("no shard within the timeout")
+def _run_until_signal(out: Path, signame: str, *extra: str) -> subprocess.CompletedProcess:
+    """A run that raises SIG<signame> in itself at the first step after SIGNAL_AFTER_ROWS rows."""
+    return _run(out, *extra, "--flush-seconds", "3600",
+                ROLLOUT_DEBUG_SIGNAL_AFTER_ROWS=f"{SIGNAL_AFTER_ROWS}:{signame}")
 
 
 def _manifest(out: Path) -> dict:
@@ -122,11 +126,8 @@ def reference(tmp_path_factory):
 
 def test_sigkill_then_resume_matches_an_uninterrupted_run(reference, tmp_path):
     out = tmp_path / "killed"
-    proc = _start(out, "--max-running", "8")
-    _wait_for_first_shard(proc, out)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    killed = _run_until_signal(out, "KILL", "--max-running", "8")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
 
     rows = _check_whole_shards(out)
     assert SHARD_ROWS <= rows < TOTAL, f"{rows} rows: the kill did not land mid-run"
@@ -155,18 +156,17 @@ def test_sigterm_flushes_finished_rows_exits_130_and_resume_completes(reference,
     out = tmp_path / "terminated"
     # 6 in flight: rows finish in sixes, shards take eights, so rows are buffered when SIGTERM lands
     # and prompts are left with some of their samples done.
-    proc = _start(out, "--max-running", "6")
-    _wait_for_first_shard(proc, out)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    terminated = _run_until_signal(out, "TERM", "--max-running", "6")
+    err = terminated.stderr
+    assert terminated.returncode == 130, err
     assert "Traceback" not in err
     assert "interrupted" in err and "--resume" in err, err
 
     m = _manifest(out)
     assert m["status"] == "interrupted"
     rows = _check_whole_shards(out)
-    assert SHARD_ROWS <= rows < TOTAL, rows
+    # every row that reached the writer before the signal is on disk: the buffered ones too
+    assert SIGNAL_AFTER_ROWS <= rows < TOTAL, rows
     # Every finished trajectory was written, none twice.
     assert rows == m["trajectories"] == m["trajectories_this_run"], (rows, m["trajectories"])
     assert len(_by_pair(out)) == rows

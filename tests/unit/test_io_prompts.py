@@ -103,7 +103,8 @@ def test_encode_token_ids_lists_and_numpy():
     "value, reason",
     [
         (None, "null"),
-        (3, "int"),
+        (3, "prompt is an int;"),
+        (3.5, "prompt is a float;"),
         ("", "empty prompt"),
         ([], "empty prompt"),
         ([1, "a"], "mixes types"),
@@ -111,7 +112,7 @@ def test_encode_token_ids_lists_and_numpy():
         ([4, -1], "negative"),
         ([{"role": "user"}], "'content'"),
         ([{"content": "hi"}], "'role'"),
-        (np.array([[1, 2]]), "2-d"),
+        (np.array([[1, 2]]), "prompt is a 2-d array"),
         (np.array([1.5]), "mixes types"),
     ],
 )
@@ -271,3 +272,63 @@ def test_skip_invalid_reports_and_skips(tmp_path, tokenizer):
     assert src.num_valid == 2
     rows = list(src)
     assert [(r.prompt_index, r.passthrough["k"]) for r in rows] == [(0, "a"), (4, "e")]
+
+
+def _with_invalid_utf8(values: list[str], bad_row: int) -> pa.Array:
+    """A string array whose row `bad_row` starts with the byte 0xff: Parquet stores it without a check."""
+    good = pa.array(values, pa.string())
+    offsets, data = good.buffers()[1], bytearray(good.buffers()[2].to_pybytes())
+    data[sum(len(v.encode()) for v in values[:bad_row])] = 0xFF
+    return pa.Array.from_buffers(pa.string(), len(values), [None, offsets, pa.py_buffer(bytes(data))])
+
+
+def test_invalid_utf8_prompt_names_the_row(tmp_path, tokenizer):
+    path = write_parquet(tmp_path / "p.parquet", {"prompt": _with_invalid_utf8(["hello", "world", "hello"], 1)})
+    with pytest.raises(RolloutError, match=r"row 1 .*not valid UTF-8 \(byte 0xff at offset 0\).*--skip-invalid"):
+        PromptSource(path, tokenizer).validate()
+
+
+def test_invalid_utf8_prompt_is_skipped_with_skip_invalid(tmp_path, tokenizer):
+    path = write_parquet(tmp_path / "p.parquet",
+                         {"prompt": _with_invalid_utf8(["hello", "world", "hello"], 1), "k": ["a", "b", "c"]})
+    src = PromptSource(path, tokenizer, skip_invalid=True)
+    reason = "prompt is not valid UTF-8 (byte 0xff at offset 0)"
+    assert [(s.prompt_index, s.reason) for s in src.validate()] == [(1, reason)]
+    assert [(r.prompt_index, r.passthrough["k"]) for r in src] == [(0, "a"), (2, "c")]
+
+
+def test_invalid_utf8_passthrough_of_a_skipped_row_is_not_read(tmp_path, tokenizer):
+    path = write_parquet(tmp_path / "p.parquet", {"prompt": ["hello", "", "world"],
+                                                  "k": _with_invalid_utf8(["a", "b", "c"], 1)})
+    src = PromptSource(path, tokenizer, skip_invalid=True)
+    assert [s.prompt_index for s in src.validate()] == [1]
+    assert [(r.prompt_index, r.passthrough["k"]) for r in src] == [(0, "a"), (2, "c")]
+
+
+def test_invalid_utf8_passthrough_of_a_kept_row_names_row_and_column(tmp_path, tokenizer):
+    path = write_parquet(tmp_path / "p.parquet", {"prompt": ["hello", "world"], "k": _with_invalid_utf8(["a", "b"], 1)})
+    rows = iter(PromptSource(path, tokenizer))
+    with pytest.raises(RolloutError, match=r"row 1 .*column 'k' is not valid UTF-8"):
+        list(rows)
+
+
+def test_long_prompts_leave_no_tokenizer_warning(tmp_path):
+    """transformers warns past the tokenizer's model_max_length; the length check is ours (--max-model-len)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    library_logger = logging.getLogger("transformers")  # where transformers' own handler sits
+    library_logger.addHandler(handler)
+    try:
+        for prompt in ("hello world what is two plus two", [{"role": "user", "content": "hello world what is two"}]):
+            tok = make_tokenizer()  # a fresh one each time: transformers warns once per tokenizer
+            tok.model_max_length = 4
+            path = write_parquet(tmp_path / "p.parquet", {"prompt": [prompt]})
+            with pytest.raises(RolloutError, match="exceeds the limit of 3"):
+                PromptSource(path, tok, max_prompt_len=3).validate()
+            assert len(encode_prompt(make_tokenizer(), prompt)) > 4  # encode_prompt alone, on a fresh one too
+    finally:
+        library_logger.removeHandler(handler)
+    assert not [r for r in records if "Token indices sequence length" in r.getMessage()]
