@@ -75,10 +75,15 @@ def follow_leader(config, daemon: bool = False) -> None:
             engine.control.close()  # this rank's weight update groups, then the process group
         else:
             close_tensor_parallel()
-    # A follower owns no output (rank 0 writes every file), so it skips interpreter finalization:
-    # gloo's worker threads can still hold tensors then, and freeing them without a live interpreter
-    # aborts the process ("terminate called without an active exception", exit -6; seen once in CI
-    # after a weight-update group was used), which torch.distributed.run reports as a failed command.
+    exit_rank()
+
+
+def exit_rank() -> None:
+    """End a rank's process once its work is done and its files are closed, skipping interpreter
+    finalization: gloo's worker threads can still hold tensors then, and freeing them without a live
+    interpreter aborts the process ("terminate called without an active exception", exit -6; seen in CI
+    on a follower after a weight-update group was used, and on rank 0 of `run --tp 2` on a loaded
+    machine), which torch.distributed.run reports as a failed command."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -131,3 +136,4 @@ def tensor_parallel_run(tp: int, dp: int, engine_options: dict, quiet: bool, out
             manifest = run_job(engine, params, job, on_progress=update, group=replicas)
         if not quiet and rank == 0:
             console.print(_summary_table(manifest, out))
+    exit_rank()  # every file is closed and the followers are released
