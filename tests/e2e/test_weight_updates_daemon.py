@@ -42,7 +42,7 @@ def setup(tiny_checkpoints, tmp_path_factory):
     sock = work / "engine.sock"
     log = work / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "rollout_cli.cli.main", "serve", "--model", base, "--device", "cpu",
-                             "--max-model-len", "4096", "--kv-cache-tokens", "16384", "--socket", str(sock)],
+                             "--max-model-len", "512", "--kv-cache-tokens", "16384", "--socket", str(sock)],
                             stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=REPO)
     try:
         client = wait_for_daemon(proc, sock, log, timeout=90)
