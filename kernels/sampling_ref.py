@@ -91,5 +91,20 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, raw_logprobs, uniform=N
         last_kept = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1)
         tokens = torch.where(landed_on_zero, last_kept, tokens)
     tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
-    chosen = torch.where(raw_logprobs[:, None], raw, processed).gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, chosen
+    return tokens, _reported(raw, processed, raw_logprobs, tokens)
+
+
+def _reported(raw, processed, raw_logprobs, tokens):
+    """The logprob each row reports for `tokens` [B]: raw [B, V] where raw_logprobs, else processed."""
+    return torch.where(raw_logprobs[:, None], raw, processed).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def token_logprobs_ref(logits, tokens, temperature, raw_logprobs):
+    """The logprob `sample_ref` reports when it draws `tokens` [B] from logits [B, V] (temperature [B],
+    0 = greedy; raw_logprobs [B] bool): teacher forcing, the same expressions as the sampler, so a
+    token scored from the same logits row gets the same bits it was sampled with. -> [B] float32."""
+    logits = logits.float()
+    raw = torch.log_softmax(logits, dim=-1)
+    t = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)
+    processed = torch.log_softmax(logits / t[:, None], dim=-1)
+    return _reported(raw, processed, raw_logprobs, tokens)

@@ -14,6 +14,8 @@
 #   REWARD=digit_fraction              a name from recipes/rewards.py (answer_match for real models)
 #   LR=1e-2  TRAIN_STEPS=4             trainer settings (recipes/train_grpo.py)
 #   DEVICE=auto                        engine device
+#   DETERMINISTIC=0                    1: engine and trainer in the on-policy mode (serve --deterministic,
+#                                      train_grpo.py --deterministic): logprob_mismatch is exactly 0
 #   ROLLOUT=rollout  PYTHON=python     commands to run
 # Appends one JSON line per iteration to $WORKDIR/metrics.jsonl: iteration, weight_version,
 # mean_reward, rollout_seconds, train_seconds, reload_seconds, logprob_mismatch, release_seconds,
@@ -34,6 +36,7 @@ REWARD=${REWARD:-digit_fraction}
 LR=${LR:-1e-2}
 TRAIN_STEPS=${TRAIN_STEPS:-4}
 DEVICE=${DEVICE:-auto}
+DETERMINISTIC=${DETERMINISTIC:-0}
 ROLLOUT=${ROLLOUT:-rollout}
 PYTHON=${PYTHON:-python}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -53,7 +56,9 @@ trap 'exit 130' INT TERM
 
 now() { date +%s.%N; }
 
-$ROLLOUT serve --model "$MODEL" --socket "$SOCKET" --device "$DEVICE" >"$WORKDIR/serve.log" 2>&1 &
+on_policy_args=()
+[ "$DETERMINISTIC" = 1 ] && on_policy_args=(--deterministic)
+$ROLLOUT serve --model "$MODEL" --socket "$SOCKET" --device "$DEVICE" "${on_policy_args[@]}" >"$WORKDIR/serve.log" 2>&1 &
 SERVE_PID=$!
 for _ in $(seq 1 240); do
     $ROLLOUT status --engine "$SOCKET" >/dev/null 2>&1 && break
@@ -76,7 +81,7 @@ for iteration in $(seq 1 "$ITERATIONS"); do
     t_released=$(now)
     train_json=$($PYTHON "$HERE/train_grpo.py" --trajectories "$traj" --model "$checkpoint" \
         --out "$WORKDIR/ckpt_$iteration" --reward "$REWARD" --temperature "$TEMPERATURE" --lr "$LR" \
-        --steps "$TRAIN_STEPS" --seed "$iteration" 2>/dev/null | tail -1)
+        --steps "$TRAIN_STEPS" --seed "$iteration" "${on_policy_args[@]}" 2>/dev/null | tail -1)
     t2=$(now)
     $ROLLOUT resume-memory --engine "$SOCKET" >/dev/null
     t_resumed=$(now)

@@ -11,6 +11,10 @@ leaves a half-written checkpoint behind.
 
 Prints one JSON line: mean_reward, logprob_mismatch (mean |trainer - rollout| logprob on the
 same weights, before any update), train_seconds, loss.
+
+With --deterministic the trainer is rollout's own differentiable forward (rollout_cli.training), whose
+logprobs equal a `--deterministic` rollout's bit for bit: logprob_mismatch is exactly 0.0 and the
+importance weights exactly 1 on the first step. Without it, HF transformers' forward (float32).
 """
 
 from __future__ import annotations
@@ -66,6 +70,53 @@ def response_logprobs(model, rows: list[dict], temperature: float) -> list[torch
     return out
 
 
+class HFPolicy:
+    """HF transformers' model of the checkpoint, with the interface of rollout_cli.training.Policy."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def batch_logprobs(self, rows: list[dict], temperature: float) -> list[torch.Tensor]:
+        return response_logprobs(self.model, rows, temperature)
+
+    def save_pretrained(self, out_dir: str) -> None:
+        self.model.eval()
+        save_checkpoint(self.model, self.model_dir, out_dir)
+
+
+class RolloutPolicy:
+    """rollout's own forward (rollout_cli.training): the deterministic engine's logprobs, bit for bit."""
+
+    def __init__(self, model_dir: str, dtype: str):
+        from rollout_cli.training import Policy
+
+        self.policy = Policy(model_dir, dtype=dtype)
+
+    def parameters(self):
+        return self.policy.parameters()
+
+    def batch_logprobs(self, rows: list[dict], temperature: float) -> list[torch.Tensor]:
+        """One forward of each prompt, shared by the samples of its group."""
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, row in enumerate(rows):
+            groups[row["prompt_index"]].append(i)
+        out: list = [None] * len(rows)
+        for members in groups.values():
+            prompt = rows[members[0]]["prompt_token_ids"]
+            responses = [rows[i]["response_token_ids"] for i in members]
+            for i, logprobs in zip(members, self.policy.group_logprobs(prompt, responses, temperature)):
+                out[i] = logprobs
+        return out
+
+    def save_pretrained(self, out_dir: str) -> None:
+        self.policy.save_pretrained(out_dir)
+
+
 def save_checkpoint(model, source_dir: str, out_dir: str) -> None:
     temp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(temp, ignore_errors=True)
@@ -88,6 +139,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps over the batch")
     parser.add_argument("--tis-cap", type=float, default=2.0, help="truncation of the importance weights")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="train with rollout's own forward: on-policy bit for bit with a --deterministic engine")
+    parser.add_argument("--dtype", default="float32", help="--deterministic: the engine's dtype")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -97,14 +151,13 @@ def main() -> None:
     score = reward_function(args.reward)
     rewards = [score(r) for r in rows]
     advantages = group_advantages(rows, rewards)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    policy = RolloutPolicy(args.model, args.dtype) if args.deterministic else HFPolicy(args.model)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
     rollout_lp = [torch.tensor(r["response_logprobs"], dtype=torch.float32) for r in rows]
 
     mismatch, loss_value = None, 0.0
     for step in range(args.steps):
-        current = response_logprobs(model, rows, args.temperature)
+        current = policy.batch_logprobs(rows, args.temperature)
         if step == 0:  # same weights as the rollout: the engine should be on-policy
             diffs = torch.cat([(c.detach() - r).abs() for c, r in zip(current, rollout_lp)])
             mismatch = float(diffs.mean())
@@ -117,8 +170,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         loss_value = float(loss.detach())
-    model.eval()
-    save_checkpoint(model, args.model, args.out)
+    policy.save_pretrained(args.out)
     print(json.dumps({"mean_reward": sum(rewards) / len(rewards), "logprob_mismatch": mismatch,
                       "train_seconds": round(time.monotonic() - start, 3), "loss": loss_value,
                       "trajectories": len(rows)}))

@@ -48,6 +48,9 @@ class EngineConfig:
     overlap_schedule: bool = True
     """Schedule and launch the next decode step while the current one runs on the GPU (the host's
     per-step work hides behind the device's); off: schedule, run, post-process one step at a time."""
+    deterministic: bool = False
+    """On-policy mode: a sample's tokens, logprobs and routing are bit for bit the same whatever runs
+    beside it (batch, chunking, prefix-cache hits). Today on the torch path, one token per forward."""
     tensor_parallel_size: int = 1
     """Tensor parallel ranks (`rollout run --tp N`): processes started by torch.distributed.run, one per GPU."""
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 # Manifest keys that must be equal for --resume to continue a run. The checkpoint, the prompt file and
 # the weights are compared by content (the manifest's "fingerprints"), never by the paths as typed.
-RESUME_KEYS = ("prompt_key", "limit", "sampling", "capture_routing")
+RESUME_KEYS = ("prompt_key", "limit", "sampling", "capture_routing", "deterministic")
 # A manifest written before fingerprints were recorded: its paths are compared as typed, as they were then.
 LEGACY_RESUME_KEYS = ("model", "data", *RESUME_KEYS)
 # Debug knob (tests): "ROWS" or "ROWS:SIGNAL" (TERM, INT, KILL; default TERM). The job raises SIGNAL in
@@ -110,6 +110,8 @@ def _settings(engine: Engine, job: JobConfig, params: SamplingParams) -> dict:
         "limit": job.limit,
         "sampling": dataclasses.asdict(params),
         "capture_routing": job.capture_routing,
+        # a run resumed in the other mode would mix on-policy rows with batch-dependent ones
+        "deterministic": engine.config.deterministic,
     }
 
 
@@ -395,6 +397,7 @@ def _engine_settings(engine: Engine) -> dict:
         "kv_cache_tokens": engine.num_kv_slots - 1,
         "enable_prefix_cache": cfg.enable_prefix_cache,
         "tensor_parallel": cfg.tensor_parallel_size,
+        "attention_backend": engine.attention_backend,
     }
 
 

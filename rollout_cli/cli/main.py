@@ -10,6 +10,7 @@ from typer.core import TyperCommand, TyperGroup
 from rollout_cli.cli import control
 from rollout_cli.cli.bench import bench_command
 from rollout_cli.cli.run import run_command
+from rollout_cli.cli.score import score_command
 from rollout_cli.cli.serve import serve_command
 
 
@@ -47,6 +48,7 @@ def _command(name: str):
 
 
 _command("run")(run_command)
+_command("score")(score_command)
 _command("bench")(bench_command)
 _command("serve")(serve_command)
 _command("reload-weights")(control.reload_weights_command)

@@ -101,3 +101,4 @@ def _make_group(entries, offsets: list[int], req_to_token: torch.Tensor) -> _Gro
     mask &= k_pos[None, None, :] < ctx_lens[:, None, None]
     mask |= ~valid[:, :, None]  # padded queries see everything: no all-masked rows, no NaN
     return _Group(token_index, valid, context_slots, mask[:, None])
+

@@ -8,7 +8,6 @@ caller's iterator, so a million-row prompt file never sits in memory.
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -20,18 +19,18 @@ from rollout_cli.config import EngineConfig
 from rollout_cli.engine.attention import KVCache
 from rollout_cli.engine.cache_split import hybrid_pool_sizes
 from rollout_cli.engine.control import EngineControl, RankOperations, SingleRank
-from rollout_cli.engine.kv_sizing import kv_pool_tokens, profile_activation_bytes
+from rollout_cli.engine.kv_sizing import kv_heads_here, kv_pool_tokens, profile_activation_bytes, run_largest_step
 from rollout_cli.engine.linear_state import LinearStatePool
 from rollout_cli.engine.memory_saver import MemorySaver
 from rollout_cli.engine.model_runner import ModelRunner
 from rollout_cli.engine.request import Request
+from rollout_cli.engine.request_maker import RequestMaker
 from rollout_cli.engine.routing_capture import RoutingCapture
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.engine.schedule_output import BatchEntry, ScheduleOutput
 from rollout_cli.engine.scheduler import Scheduler
 from rollout_cli.engine.tensor_parallel import TensorParallelRanks, TensorParallelRunner, min_over_ranks
 from rollout_cli.engine.tokenizer import eos_token_ids, load_tokenizer
-from rollout_cli.engine.trajectory import PromptInput, Trajectory
+from rollout_cli.engine.trajectory import PromptInput, Score, ScoreInput, Trajectory
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import (build_model, load_model_config, resolve_device, resolve_dtype,
                                       resolve_max_model_len)
@@ -39,7 +38,12 @@ from rollout_cli.models.layers import enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
 
 
-def _attention_backend(name: str, device: torch.device) -> str:
+def _attention_backend(name: str, device: torch.device, deterministic: bool = False) -> str:
+    if deterministic:  # the torch path runs one token per forward: batch-invariant by construction
+        if name == "triton":
+            raise RolloutError("--deterministic runs on the torch path for now (--attention-backend torch or auto); "
+                               "the batch-invariant Triton kernels are issue 19's next slice")
+        return "torch"
     # auto: the Triton kernels and CUDA graphs on a GPU (tests/e2e/test_gpu_engine.py passed on the
     # H200: graph replay equals eager, greedy tokens equal the torch path; hybrid models: tests/e2e/
     # test_gpu_hybrid.py), the torch path on the CPU.
@@ -66,7 +70,7 @@ class Engine:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.max_model_len = resolve_max_model_len(self.hf_config, cfg.max_model_len)
-        self.attention_backend = _attention_backend(cfg.attention_backend, self.device)
+        self.attention_backend = _attention_backend(cfg.attention_backend, self.device, cfg.deterministic)
         self.tokenizer = load_tokenizer(cfg.model)
         self.eos_token_ids = eos_token_ids(cfg.model, self.hf_config, self.tokenizer)
         self.tp = None  # models.tensor_parallel.TensorParallelGroup under --tp N > 1
@@ -84,7 +88,7 @@ class Engine:
             enable_triton_kernels(self.model)
         self.weight_version = cfg.weight_version
         self._build_cache()
-        self._request_ids = itertools.count()
+        self.requests = RequestMaker(self.hf_config.vocab_size, self.eos_token_ids, self.max_model_len)
         self.routing = RoutingCapture()  # off until enable_routing_capture
         self.weight_update_groups = {}  # group name -> engine.weight_group.WeightGroup
         # the control API; tensor parallelism is decided here, once: operations reach every rank or this one
@@ -96,12 +100,12 @@ class Engine:
         cfg, hf = self.config, self.hf_config
         # hybrid models keep KV for their full-attention layers only, and a linear-state pool beside it
         num_layers = getattr(self.model, "num_kv_layers", hf.num_hidden_layers)
-        num_kv_heads, head_dim = self._kv_heads_here(), head_dim_of(hf)
+        num_kv_heads, head_dim = kv_heads_here(self.model, hf, self.tp), head_dim_of(hf)
         state_shape = getattr(self.model, "linear_state_shape", None)
         bytes_per_token = KVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, self.dtype)
         activation = 0
         if self.device.type == "cuda" and cfg.kv_cache_tokens is None:
-            activation = profile_activation_bytes(self._profile_step, self.device)
+            activation = profile_activation_bytes(lambda: run_largest_step(self), self.device)
         sizes = dict(device=self.device, max_running=cfg.max_running, max_model_len=self.max_model_len,
                      kv_memory_fraction=cfg.kv_memory_fraction, kv_cache_tokens=cfg.kv_cache_tokens,
                      activation_bytes=activation)
@@ -122,7 +126,7 @@ class Engine:
             self.kv = KVCache(num_layers, num_slots, num_kv_heads, head_dim, self.dtype, self.device)
         runner_class = ModelRunner if self.tp is None else TensorParallelRunner
         self.runner = runner_class(self.model, self.kv, cfg.max_running, self.max_model_len, self.device,
-                                  self.attention_backend, self.linear_states)
+                                  self.attention_backend, self.linear_states, deterministic=cfg.deterministic)
         self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache,
                                    linear_state_slots=state_slots)
         self.cuda_graph_capture_seconds = None
@@ -132,27 +136,6 @@ class Engine:
         capturable = self.tp is None  # tensor parallel: eager steps for now
         if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs and capturable:
             self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256))
-
-    def _kv_heads_here(self) -> int:
-        """KV heads this process keeps in its pool: all of them, or this tensor-parallel rank's."""
-        if self.tp is None:
-            return self.hf_config.num_key_value_heads
-        # the first layer with attention (hybrid models start with linear-attention layers)
-        return next(layer.self_attn.num_kv_heads for layer in self.model.model.layers if layer.self_attn is not None)
-
-    def _profile_step(self) -> None:
-        """One prefill chunk of max_batch_tokens over a throwaway KV pool, to measure activations."""
-        hf = self.hf_config
-        tokens = min(self.config.max_batch_tokens, self.max_model_len)
-        num_layers = getattr(self.model, "num_kv_layers", hf.num_hidden_layers)
-        kv = KVCache(num_layers, tokens + 1, self._kv_heads_here(), head_dim_of(hf), self.dtype, self.device)
-        state_shape = getattr(self.model, "linear_state_shape", None)
-        states = LinearStatePool(state_shape, 2, self.device) if state_shape is not None else None
-        runner = ModelRunner(self.model, kv, 1, tokens, self.device, self.attention_backend, states)
-        request = Request(-1, 0, 0, [0] * tokens, SamplingParams(max_new_tokens=1), state_slot=1)
-        slots = list(range(1, tokens + 1))
-        entry = BatchEntry(request, 0, 0, request.prompt_token_ids, 0, slots, sample=True)
-        runner.run(ScheduleOutput([entry]))
 
     def enable_routing_capture(self) -> str:
         """Record every token's expert ids from now on; returns the routing dtype name ("uint8"/"int16").
@@ -262,12 +245,36 @@ class Engine:
         """Yield trajectories as they finish; (prompt_index, sample_index) pairs in `skip` are not run."""
         self.memory.check_can_generate()
         try:
-            yield from self._stream(prompts, params, skip, on_step)
+            yield from self._stream(prompts, lambda prompt: self._add_prompt(prompt, params, skip), on_step)
         finally:
             # A job that failed or was abandoned mid-way must not leak its requests into the next one.
             self.scheduler.abort_all()
 
-    def _stream(self, prompts, params, skip, on_step) -> Iterator[Trajectory]:
+    def score(self, samples: Iterable[ScoreInput], params: SamplingParams,
+              on_step: Callable[[], None] | None = None) -> Iterator[Score]:
+        """Teacher forcing: yield each sample's response logprobs as they are computed (prompt and
+        response in one prefill, the trainer's way; chunked, cached and preempted like any prompt).
+        `params` gives the temperature and logprobs mode the samples were drawn with. Under
+        --deterministic the logprobs equal the sampled ones bit for bit."""
+        self.memory.check_can_generate()
+        empty: list[Score] = []  # nothing to score: no request, handed out in order of arrival
+
+        def scorable():
+            for sample in samples:
+                if sample.response_token_ids:
+                    yield sample
+                else:
+                    empty.append(Score(sample.prompt_index, sample.sample_index, [], dict(sample.passthrough)))
+
+        try:
+            for score in self._stream(scorable(), lambda sample: self._add_scoring(sample, params), on_step):
+                yield from _drain(empty)
+                yield score
+            yield from _drain(empty)
+        finally:
+            self.scheduler.abort_all()
+
+    def _stream(self, prompts, add, on_step) -> Iterator[Trajectory | Score]:
         """The step loop. With overlap (the default), while a decode step runs on the GPU the next one
         is scheduled ahead of its results (Scheduler.schedule_ahead) and launched behind it; then the
         running step's results are post-processed. Otherwise: schedule, launch, post-process."""
@@ -285,7 +292,7 @@ class Engine:
                     if prompt is None:
                         exhausted = True
                         break
-                    self._add_prompt(prompt, params, skip)
+                    add(prompt)
                 ahead = None
                 if inflight is not None and self.config.overlap_schedule:
                     ahead = scheduler.schedule_ahead(inflight.out)
@@ -330,7 +337,7 @@ class Engine:
     def _complete(self, handle) -> list[Trajectory]:
         """Post-process a launched step (waiting for its results); returns the trajectories it finished."""
         tokens, logprobs = self.runner.collect(handle)
-        finished = self.scheduler.postprocess(handle.out, tokens, logprobs)
+        finished = self.scheduler.postprocess(handle.out, tokens, logprobs, handle.scores)
         now = time.perf_counter()
         wall = now - max(handle.launch_time, self._last_step_done)  # the step's share of wall time
         self._last_step_done = now
@@ -344,40 +351,20 @@ class Engine:
         # in flight writes only slots it was given); with capture on they come back one call later.
         return self._trajectories(self.routing.finish(finished))
 
-    def _trajectories(self, finished: list[tuple[Request, Any]]) -> list[Trajectory]:
-        return [self.trajectory(request, routed) for request, routed in finished]
+    def _trajectories(self, finished: list[tuple[Request, Any]]) -> list[Trajectory | Score]:
+        return [self._score(request) if request.is_scoring else self.trajectory(request, routed)
+                for request, routed in finished]
+
+    def _score(self, request: Request) -> Score:
+        return Score(request.prompt_index, request.sample_index, list(request.scored_logprobs),
+                     request.payload or {})
 
     def _add_prompt(self, prompt: PromptInput, params: SamplingParams, skip) -> None:
-        ids = prompt.prompt_token_ids
-        vocab = self.hf_config.vocab_size
-        # An empty prompt never gets admitted (stalls the queue); an id past the vocabulary crashes
-        # the embedding (on CUDA a device assert that kills the whole engine).
-        if not ids or min(ids) < 0 or max(ids) >= vocab:
-            what = "is empty" if not ids else f"holds token ids outside [0, {vocab})"
-            raise RolloutError(f"prompt {prompt.prompt_index} {what}; pass 1-d token ids of this model's tokenizer")
-        if len(prompt.prompt_token_ids) >= self.max_model_len:
-            raise RolloutError(
-                f"prompt {prompt.prompt_index} has {len(prompt.prompt_token_ids)} tokens, leaving no room to "
-                f"generate under --max-model-len {self.max_model_len}; raise it or filter long prompts"
-            )
-        params = getattr(prompt, "params", None) or params
-        leader = None
-        for sample_index in range(params.n):
-            if (prompt.prompt_index, sample_index) in skip:
-                continue
-            request = Request(
-                request_id=next(self._request_ids),
-                prompt_index=prompt.prompt_index,
-                sample_index=sample_index,
-                prompt_token_ids=list(prompt.prompt_token_ids),
-                params=params,
-                eos_token_ids=self.eos_token_ids,
-                max_model_len=self.max_model_len,
-                group_leader=leader,
-                payload=prompt.passthrough,
-            )
-            leader = leader or request
+        for request in self.requests.samples(prompt, params, skip):
             self.scheduler.add(request)
+
+    def _add_scoring(self, sample: ScoreInput, params: SamplingParams) -> None:
+        self.scheduler.add(self.requests.scoring(sample, params))
 
     def trajectory(self, request: Request, routed_experts=None) -> Trajectory:
         return Trajectory(
@@ -393,3 +380,9 @@ class Engine:
             ttft_seconds=(request.first_token_time or request.arrival_time) - request.arrival_time,
             routed_experts=routed_experts,
         )
+
+
+def _drain(items: list):
+    """Yield and remove every item of `items` (filled while another generator runs)."""
+    while items:
+        yield items.pop(0)

@@ -1,12 +1,43 @@
-"""How many token slots the KV pool gets."""
+"""How many token slots the KV pool gets, and the profile step that measures activations for it."""
 
 from __future__ import annotations
 
 import torch
 
+from rollout_cli.engine.attention import KVCache
+from rollout_cli.engine.linear_state import LinearStatePool
+from rollout_cli.engine.model_runner import ModelRunner
+from rollout_cli.engine.request import Request
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.schedule_output import BatchEntry, ScheduleOutput
 from rollout_cli.errors import RolloutError
+from rollout_cli.models.llama import head_dim_of
 
 CPU_KV_BUDGET_BYTES = 4 << 30  # the CPU has no "free memory after weights": cap the pool at 4 GiB
+
+
+def kv_heads_here(model, hf_config, tp) -> int:
+    """KV heads this process keeps in its pool: all of them, or this tensor-parallel rank's."""
+    if tp is None:
+        return hf_config.num_key_value_heads
+    # the first layer with attention (hybrid models start with linear-attention layers)
+    return next(layer.self_attn.num_kv_heads for layer in model.model.layers if layer.self_attn is not None)
+
+
+def run_largest_step(engine) -> None:
+    """One prefill chunk of max_batch_tokens through the engine's model over a throwaway KV pool (and
+    state pool), for profile_activation_bytes."""
+    hf = engine.hf_config
+    tokens = min(engine.config.max_batch_tokens, engine.max_model_len)
+    num_layers = getattr(engine.model, "num_kv_layers", hf.num_hidden_layers)
+    kv = KVCache(num_layers, tokens + 1, kv_heads_here(engine.model, hf, engine.tp), head_dim_of(hf), engine.dtype,
+                 engine.device)
+    state_shape = getattr(engine.model, "linear_state_shape", None)
+    states = LinearStatePool(state_shape, 2, engine.device) if state_shape is not None else None
+    runner = ModelRunner(engine.model, kv, 1, tokens, engine.device, engine.attention_backend, states)
+    request = Request(-1, 0, 0, [0] * tokens, SamplingParams(max_new_tokens=1), state_slot=1)
+    entry = BatchEntry(request, 0, 0, request.prompt_token_ids, 0, list(range(1, tokens + 1)), sample=True)
+    runner.run(ScheduleOutput([entry]))
 
 
 def profile_activation_bytes(run_dummy_step, device: torch.device) -> int:

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout_cli.engine.attention import KVCache, prepare_attention
-from rollout_cli.engine.sampler import SamplingRows, sample_rows
-from rollout_cli.engine.schedule_output import ScheduleOutput
+from rollout_cli.engine.on_policy import PoolTokenAttention, token_forward
+from rollout_cli.engine.sampler import SamplingRows, sample_rows, teacher_logprobs
+from rollout_cli.engine.schedule_output import BatchEntry, ScheduleOutput
 
 
 @dataclass
@@ -44,6 +45,7 @@ class StepHandle:
     out: ScheduleOutput
     tokens: list[int] | None = None
     logprobs: list[float] | None = None
+    scores: list[float] = field(default_factory=list)  # scoring requests' teacher-forced logprobs, entry order
     prefilled: bool = False  # the step ran prompt tokens
     graph_step: bool = False  # replayed a decode graph: its sampled tokens are also on the device
     host: torch.Tensor | None = None
@@ -54,7 +56,7 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, max_running: int, max_model_len: int, device: torch.device,
-                 attention_backend: str = "torch", linear_states=None):
+                 attention_backend: str = "torch", linear_states=None, deterministic: bool = False):
         self.model = model
         self.kv = kv
         self.linear_states = linear_states  # hybrid models: engine.linear_state.LinearStatePool
@@ -75,6 +77,9 @@ class ModelRunner:
         self.traffic = DecodeTraffic()
         self.time_decode_steps = False  # `rollout bench` turns this on to measure GPU idle time
         self.routing_pool = None  # a models.moe.RoutingPool while routing capture is on (Engine sets it)
+        # On-policy mode: every token runs in a forward of its own and every row samples alone, so no
+        # reduction ever sees another token's row or a batch-dependent shape (see _forward_logits)
+        self.deterministic = deterministic
 
     def capture_cuda_graphs(self, max_batch: int, warm_up: bool = True) -> float:
         """Capture decode graphs for batches up to max_batch; returns the capture time in seconds."""
@@ -144,8 +149,9 @@ class ModelRunner:
             return self._launch_graph(out, tokens_on_device=on_device, started=started)
         if pending:
             self._resolve_pending(out, prev)
-        tokens, logprobs = self._run_eager(out)
-        return StepHandle(out, tokens=tokens, logprobs=logprobs, prefilled=prefilled, launch_time=started)
+        tokens, logprobs, scores = self._run_eager(out)
+        return StepHandle(out, tokens=tokens, logprobs=logprobs, scores=scores, prefilled=prefilled,
+                          launch_time=started)
 
     def collect(self, handle: StepHandle) -> tuple[list[int], list[float]]:
         """The step's (tokens, logprobs), waiting for the GPU if it is still running."""
@@ -167,19 +173,29 @@ class ModelRunner:
             if e.source_row >= 0:
                 e.token_ids = [tokens[e.source_row]]
 
-    def _run_eager(self, out: ScheduleOutput) -> tuple[list[int], list[float]]:
+    def _run_eager(self, out: ScheduleOutput) -> tuple[list[int], list[float], list[float]]:
+        """(sampled tokens, their logprobs, the scored rows' logprobs) of an eager step."""
         sampled = [e for e in out.entries if e.sample]
         self._write_table(out.entries)
-        logits = self._eager_logits(out)
+        logits, score_logits = self._forward_logits(out)
+        scores = []
+        if score_logits is not None:
+            scores = teacher_logprobs(score_logits, [e for e in out.entries if e.score_targets],
+                                      per_row=self.deterministic).tolist()
         if not sampled:
-            return [], []
+            return [], [], scores
         # each row draws the token at start + num_new_tokens: that position keys its random number
         sampling = SamplingRows([e.request for e in sampled], [e.start + e.num_new_tokens for e in sampled])
-        tokens, logprobs = sample_rows(logits, *sampling.to_device(self.device),
-                                       use_triton=self.attention_backend == "triton")
+        tables = sampling.to_device(self.device)
+        if self.deterministic:  # one row at a time: the sampler's reductions never see a batch shape
+            rows = [sample_rows(logits[i : i + 1].clone(), tables[0][:, i : i + 1].clone(),
+                                tables[1][:, i : i + 1].clone(), use_triton=False) for i in range(len(sampled))]
+            tokens, logprobs = torch.cat([t for t, _ in rows]), torch.cat([lp for _, lp in rows])
+        else:
+            tokens, logprobs = sample_rows(logits, *tables, use_triton=self.attention_backend == "triton")
         # one device-to-host copy: float64 holds both the token ids and the float32 logprobs exactly
         token_values, logprob_values = torch.stack((tokens.double(), logprobs.double())).tolist()
-        return [int(t) for t in token_values], logprob_values
+        return [int(t) for t in token_values], logprob_values, scores
 
     def _launch_graph(self, out: ScheduleOutput, tokens_on_device: bool, started: float) -> StepHandle:
         """A decode-only step by graph replay (forward and sampling); every entry samples."""
@@ -205,7 +221,44 @@ class ModelRunner:
         ready.record()
         return StepHandle(out, host=host, ready=ready, timing=timing, graph_step=True, launch_time=started)
 
-    def _eager_logits(self, out: ScheduleOutput) -> torch.Tensor | None:
+    def _forward_logits(self, out: ScheduleOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's forward: logits [B, V] of its sampling entries' last rows and [S, V] of its scored
+        rows, in entry order (each None when there are none)."""
+        if not self.deterministic:
+            return self._eager_logits(out)
+        # One token per forward, in order: each token's every reduction (matmul, attention over its
+        # exact context, norms, softmax) has the same shape and inputs whether it came in a prefill
+        # chunk, a decode step, a batch of one or of 256, so its bits cannot depend on them.
+        if self.linear_states is not None:
+            self.linear_states.copy(out.state_copies)  # once, before any token; each sub-step zeroes its own start
+        sample_rows, score_rows = [], []
+        for e in out.entries:
+            for j, token in enumerate(e.token_ids):
+                sample = e.sample and j == e.num_new_tokens - 1
+                scored = e.score_targets is not None and 0 <= j - e.score_first_row < len(e.score_targets)
+                logits = self._token_forward(e, j, token, keep_logits=sample or scored)
+                if sample:
+                    sample_rows.append(logits)
+                if scored:
+                    score_rows.append(logits)
+        return (torch.cat(sample_rows) if sample_rows else None), (torch.cat(score_rows) if score_rows else None)
+
+    def _token_forward(self, entry, j: int, token: int, keep_logits: bool) -> torch.Tensor | None:
+        """The on-policy mode's forward of token j of `entry` alone -> its logits [1, V] float32 (if kept)."""
+        position, slot = entry.start + j, entry.new_slots[j]
+        if self.routing_pool is not None:
+            self.routing_pool.begin_step(torch.tensor([slot], dtype=torch.long, device=self.device))
+        context = self.req_to_token[entry.table_row, : position + 1].long()  # [position + 1] slots, own included
+        attn = PoolTokenAttention(self.kv, slot, context, self.scale)
+        if self.linear_states is not None:
+            from rollout_cli.engine.linear_state import HybridBatch, begin_step
+
+            one = BatchEntry(entry.request, entry.table_row, position, [token], position, [slot], sample=False)
+            attn = HybridBatch(attn, begin_step(self.linear_states, ScheduleOutput([one]), self.device))
+        return token_forward(self.model, token, position, attn, self.device, logits=keep_logits)
+
+    def _eager_logits(self, out: ScheduleOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One forward over the step's entries -> (sampling logits [B, V], scored rows' logits [S, V])."""
         input_ids = torch.tensor([t for e in out.entries for t in e.token_ids], device=self.device)
         positions = torch.tensor(
             [p for e in out.entries for p in range(e.start, e.start + e.num_new_tokens)], device=self.device
@@ -223,13 +276,18 @@ class ModelRunner:
             triton_kernels = self.attention_backend == "triton"
             attn = HybridBatch(attn, begin_step(self.linear_states, out, self.device, triton_kernels))
         hidden = self.model(input_ids, positions, attn)  # [T, hidden]
-        last_rows, offset = [], 0
+        last_rows, score_rows, offset = [], [], 0
         for e in out.entries:
+            if e.score_targets:
+                first = offset + e.score_first_row
+                score_rows.extend(range(first, first + len(e.score_targets)))
             offset += e.num_new_tokens
             if e.sample:
                 last_rows.append(offset - 1)
-        if not last_rows:
-            return None
+        if not last_rows and not score_rows:
+            return None, None
         # the Triton sampler takes model-dtype logits (it upcasts in registers); the torch one float32
-        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)],
-                                         upcast=self.attention_backend != "triton")  # [B, V]
+        logits = self.model.compute_logits(hidden[torch.tensor(last_rows + score_rows, device=self.device)],
+                                           upcast=self.attention_backend != "triton")  # [B + S, V]
+        n = len(last_rows)
+        return (logits[:n] if n else None), (logits[n:] if score_rows else None)

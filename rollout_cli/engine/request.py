@@ -49,6 +49,21 @@ class Request:
     payload: object = None  # caller data carried to the result (passthrough columns)
     arrival_time: float = 0.0  # time.monotonic() when queued; with first_token_time gives TTFT
     first_token_time: float | None = None
+    # Scoring (teacher forcing, Engine.score): `prompt_token_ids` holds prompt + response and the
+    # tokens from position `score_from` on are scored, not sampled: scored_logprobs[i] is the logprob
+    # of token score_from + i given the tokens before it (None until computed; a recompute after
+    # preemption writes the same places again). None for generation requests.
+    score_from: int | None = None
+    scored_logprobs: list[float | None] | None = None
+
+    @property
+    def is_scoring(self) -> bool:
+        return self.score_from is not None
+
+    def cacheable_prefix(self, limit: int) -> int:
+        """How many leading tokens (of at most `limit`) may come from the prefix cache: a scoring
+        request computes every position whose logits it scores, from score_from - 1 on."""
+        return min(limit, self.score_from - 1) if self.score_from is not None else limit
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout_kernels.sampling_ref import as_int64_key, sample_ref
+from rollout_kernels.sampling_ref import as_int64_key, sample_ref, token_logprobs_ref
 
 # rows of the int64 table, then of the float32 table
 SEED, PROMPT_INDEX, SAMPLE_INDEX, POSITION, TOP_K = range(5)
@@ -85,3 +85,24 @@ def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor,
 
         return sample(logits, *settings, keys=keys)
     return sample_ref(logits, *settings, keys=keys)
+
+
+def teacher_logprobs(logits: torch.Tensor, entries, per_row: bool) -> torch.Tensor:
+    """Scoring (teacher forcing): logits [S, V] of the scored rows of `entries` (engine.schedule_output
+    BatchEntry with score_targets, in order) -> [S] float32 logprobs of their targets, reported as the
+    sampler reports a drawn token (the request's temperature and logprobs mode). `per_row`: one row
+    at a time, as the on-policy mode samples, so a row's bits never depend on the others."""
+    targets, temperature, raw = [], [], []
+    for e in entries:
+        params = e.request.params
+        targets += e.score_targets
+        temperature += [params.temperature] * len(e.score_targets)
+        raw += [params.logprobs_mode == "raw"] * len(e.score_targets)
+    device = logits.device
+    targets = torch.tensor(targets, dtype=torch.int64, device=device)
+    temperature = torch.tensor(temperature, dtype=torch.float32, device=device)
+    raw = torch.tensor(raw, dtype=torch.bool, device=device)
+    if not per_row:
+        return token_logprobs_ref(logits, targets, temperature, raw)
+    return torch.cat([token_logprobs_ref(logits[i : i + 1].clone(), targets[i : i + 1], temperature[i : i + 1],
+                                         raw[i : i + 1]) for i in range(logits.shape[0])])

@@ -24,6 +24,10 @@ class BatchEntry:
     source_row: int = -1
     # Scheduled ahead for a request that finished (eos) in the previous step: computed, discarded.
     ghost: bool = False
+    # Scoring requests: rows score_first_row, score_first_row + 1, ... of this entry's new tokens give
+    # the logprob of score_targets[0], [1], ... (the token at the next position of each row).
+    score_first_row: int = 0
+    score_targets: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.num_new_tokens = len(self.token_ids)

@@ -131,6 +131,8 @@ class Scheduler(OverlapScheduling):
         for request in running:
             if request.num_computed_tokens + 1 != len(request.prompt_token_ids) + len(request.output_token_ids):
                 return False
+            if request.score_from is not None:  # scoring requests never sample: the general path scores them
+                return False
         slots = self.allocator.allocate(len(running))
         entries = out.entries
         for request, slot in zip(running, slots):
@@ -199,7 +201,7 @@ class Scheduler(OverlapScheduling):
         if self.cache is not None:
             if self.linear is None:
                 # At least one token must run through the model to produce logits.
-                slots, node = self.cache.match_prefix(request.all_token_ids[: request.num_tokens - 1])
+                slots, node = self.cache.match_prefix(request.all_token_ids[: request.cacheable_prefix(request.num_tokens - 1)])
             else:
                 slots, node, snapshot = self._match_snapshot(request)
             self.cache.lock(node)
@@ -214,7 +216,7 @@ class Scheduler(OverlapScheduling):
     def _match_snapshot(self, request: Request):
         """Hybrid models: the prompt's first len - 1 tokens, if both their KV and their state snapshot
         are cached -> (slots, radix node, snapshot slot); else nothing -> ([], root, None)."""
-        end = request.num_prompt_tokens - 1
+        end = request.cacheable_prefix(request.num_prompt_tokens - 1)
         if end > 0:
             prefix = request.prompt_token_ids[:end]
             slots, node = self.cache.match_prefix(prefix)
@@ -227,7 +229,7 @@ class Scheduler(OverlapScheduling):
     def _snapshots_prompt(self, request: Request) -> bool:
         """Whether this request's prompt state is worth a snapshot: hybrid, prefix cache on, n > 1."""
         return (self.linear is not None and self.cache is not None and request.params.n > 1
-                and request.num_prompt_tokens > 1)
+                and request.num_prompt_tokens > 1 and not request.is_scoring)
 
     def _stop_at_snapshot(self, request: Request, count: int) -> int:
         """Cut a prefill chunk at the snapshot point (len(prompt) - 1) so the state there can be copied."""
@@ -251,28 +253,39 @@ class Scheduler(OverlapScheduling):
         request.slots.extend(new_slots)
         table_start = request.num_slots_in_table
         self.stats.computed_tokens += count
-        return BatchEntry(
+        entry = BatchEntry(
             request=request,
             table_row=request.table_row,
             start=start,
             token_ids=request.tokens_between(start, start + count),
             table_start=table_start,
             table_slots=request.slots[table_start : start + count],
-            sample=start + count == request.num_tokens,
+            sample=start + count == request.num_tokens and not request.is_scoring,
         )
+        if request.is_scoring:  # rows from position score_from - 1 on, but the last token (no next one)
+            first, end = max(start, request.score_from - 1), min(start + count, request.num_tokens - 1)
+            if first < end:
+                entry.score_first_row = first - start
+                entry.score_targets = request.tokens_between(first + 1, end + 1)
+        return entry
 
     # ---- after the forward -------------------------------------------------
 
-    def postprocess(self, out: ScheduleOutput, tokens: list[int], logprobs: list[float]) -> list[Request]:
-        """Advance each request by its step; `tokens`/`logprobs` hold one entry per sampling request."""
+    def postprocess(self, out: ScheduleOutput, tokens: list[int], logprobs: list[float],
+                    scores: list[float] = ()) -> list[Request]:
+        """Advance each request by its step; `tokens`/`logprobs` hold one entry per sampling request,
+        `scores` the scored rows' logprobs in entry order (scoring requests)."""
         finished = []
         sampled = iter(zip(tokens, logprobs))
+        scored = iter(scores)
         now = time.monotonic()
         for entry in out.entries:
             request = entry.request
             if entry.ghost or request.status is not RequestStatus.RUNNING:  # finished or aborted meanwhile
                 if entry.sample:
                     next(sampled)
+                for _ in entry.score_targets or ():
+                    next(scored)
                 continue
             num_prompt = len(request.prompt_token_ids)
             prompt_was_computed = request.num_computed_tokens >= num_prompt
@@ -288,6 +301,12 @@ class Scheduler(OverlapScheduling):
                 if request.first_token_time is None:
                     request.first_token_time = now
                 request.append_token(token, logprob)
+            if entry.score_targets:
+                first = entry.start + entry.score_first_row + 1 - request.score_from  # index of the first target
+                for i in range(len(entry.score_targets)):
+                    request.scored_logprobs[first + i] = next(scored)
+            if request.is_scoring and request.num_computed_tokens == request.num_tokens:
+                request.finish_reason = "scored"
             if request.finish_reason is not None:
                 self._finish(request)
                 finished.append(request)

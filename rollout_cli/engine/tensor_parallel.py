@@ -65,7 +65,8 @@ class FollowerRequest:
 def _wire(entry: BatchEntry) -> BatchEntry:
     """The entry as followers need it: no Request (only rank 0 samples), only its state slot."""
     return BatchEntry(FollowerRequest(entry.request.state_slot), entry.table_row, entry.start, entry.token_ids,
-                      entry.table_start, entry.table_slots, entry.sample)
+                      entry.table_start, entry.table_slots, entry.sample, score_first_row=entry.score_first_row,
+                      score_targets=entry.score_targets)  # followers compute the same logits rows (all-gather)
 
 
 class TensorParallelRunner(ModelRunner):
@@ -81,7 +82,7 @@ class TensorParallelRunner(ModelRunner):
     def follow_step(self, entries: list[BatchEntry], state_copies: list[tuple[int, int]]) -> None:
         """A follower's share of one step: table writes and the forward (its logits are dropped)."""
         self._write_table(entries)
-        self._eager_logits(ScheduleOutput(entries, state_copies=state_copies))
+        self._forward_logits(ScheduleOutput(entries, state_copies=state_copies))
 
 
 def follow(engine) -> None:

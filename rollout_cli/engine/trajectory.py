@@ -40,3 +40,25 @@ class PromptInput:
     prompt_token_ids: list[int]
     passthrough: dict[str, Any] = field(default_factory=dict)
     params: SamplingParams | None = None  # overrides the job's settings for this prompt (bench: mixed lengths)
+
+
+@dataclass(frozen=True)
+class ScoreInput:
+    """A finished sample to score by teacher forcing: its prompt and response token ids."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    passthrough: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Score:
+    """A scored sample: the logprob of every response token given the tokens before it, reported as
+    the sampler reports a drawn token (the params' temperature and logprobs mode)."""
+
+    prompt_index: int
+    sample_index: int
+    response_logprobs: list[float]
+    passthrough: dict[str, Any] = field(default_factory=dict)

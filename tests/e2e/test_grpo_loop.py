@@ -41,6 +41,18 @@ def test_loop_learns_with_true_versions_and_on_policy_logprobs(tmp_path):
     assert not (workdir / "engine.sock").exists() and not _daemons_on(workdir / "engine.sock")
 
 
+def test_deterministic_loop_is_on_policy_bit_for_bit(tmp_path):
+    """serve --deterministic and the trainer on rollout_cli.training: the trainer's logprobs equal the
+    rollout's exactly, also after a weight update went through reload-weights."""
+    workdir = tmp_path / "grpo"
+    subprocess.run(["bash", "recipes/grpo_loop.sh"], cwd=REPO, check=True, capture_output=True, timeout=600,
+                   env=_loop_env(workdir, ITERATIONS=2, LIMIT=2, GROUP_SIZE=4, MAX_NEW_TOKENS=8, TRAIN_STEPS=1,
+                                 DETERMINISTIC=1))
+    metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["weight_version"] for m in metrics] == ["0", "1"]
+    assert [m["logprob_mismatch"] for m in metrics] == [0.0, 0.0]
+
+
 def test_killed_loop_leaves_no_daemon_and_no_partial_checkpoint(tmp_path):
     workdir = tmp_path / "grpo"
     loop = subprocess.Popen(["bash", "recipes/grpo_loop.sh"], cwd=REPO, env=_loop_env(workdir, ITERATIONS=50),

@@ -1,0 +1,81 @@
+"""`rollout score`: teacher-forced logprobs of a run's trajectories, and how far they are from the run's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from rollout_cli.cli import options as opt
+from rollout_cli.cli.errors import user_errors
+
+DATA = "Input and output"
+
+
+@opt.with_engine_options()
+def score_command(
+    model: Annotated[str, typer.Option(help="HuggingFace checkpoint directory to score with.", rich_help_panel=opt.ENGINE)] = ...,
+    data: Annotated[str, typer.Option(help="A run's output directory (or its trajectories/ folder).", rich_help_panel=DATA)] = ...,
+    out: Annotated[str, typer.Option(help="Output directory (scores/part-NNNNN.parquet, manifest.json).", rich_help_panel=DATA)] = ...,
+    temperature: Annotated[Optional[float], typer.Option(help="Temperature the logprobs are reported at; default: the run's (its manifest.json), else 1.", rich_help_panel=opt.SAMPLING)] = None,
+    logprobs_mode: Annotated[Optional[str], typer.Option(help="processed or raw; default: the run's, else processed.", rich_help_panel=opt.SAMPLING)] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue a killed job in OUT: score only the missing samples.", rich_help_panel=DATA)] = False,
+    shard_rows: Annotated[int, typer.Option(help="Rows per output shard.", rich_help_panel=DATA)] = 1024,
+    flush_seconds: Annotated[float, typer.Option(help="Close a shard when its oldest row waited this long.", rich_help_panel=DATA)] = 10.0,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary table.")] = False,
+    engine_options: Optional[dict] = None,  # filled by with_engine_options
+) -> None:
+    """Re-score a run's trajectories by teacher forcing (prompt and response in one prefill, the way a
+    trainer computes old logprobs) and report how far the run's logprobs are from them: tokens scored,
+    mean / p99 / max absolute difference, and the share equal bit for bit (all of it under --deterministic,
+    when both commands use it).
+
+    Example:
+
+        rollout run --model recipes/example_model --data recipes/prompts.parquet --out traj/ --n 4 --deterministic
+        rollout score --model recipes/example_model --data traj/ --out scores/ --deterministic
+    """
+    from rollout_cli.engine.engine import Engine
+    from rollout_cli.engine.sampling_params import SamplingParams
+    from rollout_cli.process_gc import freeze_long_lived_objects
+    from rollout_cli.score_job import ScoreJobConfig, run_sampling, run_score_job
+
+    console = Console(stderr=True, quiet=quiet)
+    with user_errors():
+        recorded = run_sampling(data)
+        params = SamplingParams(temperature=recorded.get("temperature", 1.0) if temperature is None else temperature,
+                                logprobs_mode=logprobs_mode or recorded.get("logprobs_mode", "processed"))
+        job = ScoreJobConfig(data=data, out=out, resume=resume, shard_rows=shard_rows, flush_seconds=flush_seconds)
+        config = opt.engine_config(model=model, **engine_options)
+        with console.status("loading model"):
+            engine = Engine(config)
+        freeze_long_lived_objects()
+        progress = Progress(TextColumn("[bold]samples"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[tps]:>9.0f} tok/s"), TimeElapsedColumn(), console=console)
+        with progress:
+            task = progress.add_task("score", total=None, tps=0.0)
+            manifest = run_score_job(engine, params, job, on_progress=lambda p: progress.update(
+                task, total=p.samples_total, completed=p.samples_done, tps=p.tokens_per_s))
+    if not quiet:
+        console.print(_summary_table(manifest, out))
+
+
+def _summary_table(manifest: dict, out: str) -> Table:
+    table = Table(title=f"rollout score -> {Path(out)}", show_header=False)
+    rows = [("status", manifest["status"]), ("samples", str(manifest["samples"])),
+            ("tokens scored", str(manifest["tokens"]))]
+    if manifest["tokens"]:
+        rows += [
+            ("|run - score| mean / p99 / max",
+             f"{manifest['mean_abs_diff']:.3g} / {manifest['p99_abs_diff']:.3g} / {manifest['max_abs_diff']:.3g}"),
+            ("bit-for-bit equal", f"{manifest['bitwise_equal_tokens']:.1%} of tokens, "
+                                  f"{manifest['bitwise_equal_samples']} of {manifest['samples']} samples"),
+        ]
+    rows.append(("wall time", f"{manifest['wall_seconds']:.1f} s"))
+    for key, value in rows:
+        table.add_row(key, value)
+    return table

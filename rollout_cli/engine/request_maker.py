@@ -1,0 +1,63 @@
+"""Prompts and finished samples turned into scheduler requests, checked first."""
+
+from __future__ import annotations
+
+import itertools
+
+from rollout_cli.engine.request import Request
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.trajectory import PromptInput, ScoreInput
+from rollout_cli.errors import RolloutError
+
+
+class RequestMaker:
+    """Numbers requests and refuses token ids the model cannot run: an empty prompt never gets admitted
+    (it would stall the queue), an id past the vocabulary crashes the embedding (on CUDA a device
+    assert that kills the whole engine), a sequence past --max-model-len has no KV row to live in."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: frozenset[int], max_model_len: int):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self._ids = itertools.count()
+
+    def samples(self, prompt: PromptInput, params: SamplingParams, skip) -> list[Request]:
+        """The n samples of a prompt (its own params if it carries them), but those in `skip`; the first
+        one computes the prompt, the others wait for it and read its KV from the prefix cache."""
+        self._check(prompt.prompt_index, prompt.prompt_token_ids)
+        params = getattr(prompt, "params", None) or params
+        requests, leader = [], None
+        for sample_index in range(params.n):
+            if (prompt.prompt_index, sample_index) in skip:
+                continue
+            request = Request(request_id=next(self._ids), prompt_index=prompt.prompt_index, sample_index=sample_index,
+                              prompt_token_ids=list(prompt.prompt_token_ids), params=params,
+                              eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                              group_leader=leader, payload=prompt.passthrough)
+            leader = leader or request
+            requests.append(request)
+        return requests
+
+    def scoring(self, sample: ScoreInput, params: SamplingParams) -> Request:
+        """A request that runs prompt + response through the model and scores the response tokens."""
+        ids = list(sample.prompt_token_ids) + list(sample.response_token_ids)
+        self._check(sample.prompt_index, ids, "prompt + response")
+        return Request(request_id=next(self._ids), prompt_index=sample.prompt_index,
+                       sample_index=sample.sample_index, prompt_token_ids=ids, params=params,
+                       max_model_len=self.max_model_len, payload=dict(sample.passthrough),
+                       score_from=len(sample.prompt_token_ids),
+                       scored_logprobs=[None] * len(sample.response_token_ids))
+
+    def _check(self, prompt_index: int, ids: list[int], what: str = "prompt") -> None:
+        vocab = self.vocab_size
+        if not ids or min(ids) < 0 or max(ids) >= vocab:
+            problem = "is empty" if not ids else f"holds token ids outside [0, {vocab})"
+            raise RolloutError(f"{what} {prompt_index} {problem}; pass 1-d token ids of this model's tokenizer")
+        if what == "prompt" and len(ids) >= self.max_model_len:
+            raise RolloutError(
+                f"prompt {prompt_index} has {len(ids)} tokens, leaving no room to "
+                f"generate under --max-model-len {self.max_model_len}; raise it or filter long prompts"
+            )
+        if len(ids) > self.max_model_len:
+            raise RolloutError(f"{what} {prompt_index} has {len(ids)} tokens, more than --max-model-len "
+                               f"{self.max_model_len}; raise it to score this sample")

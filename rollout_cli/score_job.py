@@ -1,0 +1,181 @@
+"""One `rollout score` job: a run's trajectories in, teacher-forced logprobs out, and how far the two are.
+
+    SCORES/scores/part-00000.parquet   prompt_index, sample_index, response_logprobs (list<float32>)
+    SCORES/manifest.json               settings, status, and the comparison with the run's logprobs
+
+Shards are written atomically and numbered like `run`'s (io/trajectories.ShardWriter); `--resume`
+scores only the (prompt_index, sample_index) pairs no whole shard holds yet. The comparison is
+computed at the end over every shard, so a resumed job reports on all of its samples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+
+from rollout_cli.engine.engine import Engine
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.trajectory import ScoreInput
+from rollout_cli.errors import RolloutError
+from rollout_cli.io.trajectories import (
+    TRAJECTORIES_SUBDIR,
+    ShardWriter,
+    completed_pairs,
+    create_output_dir,
+    prepare_output_dir,
+    read_manifest,
+    write_manifest,
+)
+
+SCORES_SUBDIR = "scores"
+SCORE_SCHEMA = pa.schema([
+    pa.field("prompt_index", pa.int64()),
+    pa.field("sample_index", pa.int32()),
+    pa.field("response_logprobs", pa.list_(pa.float32())),
+])
+NEEDED = ("prompt_index", "sample_index", "prompt_token_ids", "response_token_ids", "response_logprobs")
+
+
+@dataclass(frozen=True)
+class ScoreJobConfig:
+    data: str
+    """A run's output directory or its trajectories/ folder (or one trajectory Parquet file)."""
+    out: str
+    """Output directory: scores/part-NNNNN.parquet and manifest.json."""
+    resume: bool = False
+    shard_rows: int = 1024
+    flush_seconds: float = 10.0
+
+
+@dataclass
+class ScoreProgress:
+    samples_total: int = 0
+    samples_done: int = 0
+    tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(time.monotonic() - self.started, 1e-9)
+
+
+def trajectories_path(data: str) -> Path:
+    """The Parquet file or folder of trajectories that `data` names."""
+    path = Path(data)
+    if path.is_dir() and (path / TRAJECTORIES_SUBDIR).is_dir():
+        path = path / TRAJECTORIES_SUBDIR
+    if not path.exists():
+        raise RolloutError(f"--data {data} does not exist; pass a run's output directory or its trajectories/ folder")
+    return path
+
+
+def run_sampling(data: str) -> dict:
+    """The sampling settings recorded by the run that wrote `data` (its manifest.json), or {}."""
+    path = trajectories_path(data)
+    folder = path.parent if path.is_file() else path
+    run_dir = folder.parent if folder.name == TRAJECTORIES_SUBDIR else folder
+    return dict((read_manifest(run_dir) or {}).get("sampling") or {})
+
+
+def _dataset(data: str) -> ds.Dataset:
+    dataset = ds.dataset(str(trajectories_path(data)), format="parquet")
+    missing = [name for name in NEEDED if name not in dataset.schema.names]
+    if missing:
+        raise RolloutError(f"{data} holds no {', '.join(missing)} column(s); pass the trajectories of rollout run")
+    return dataset
+
+
+def _samples(dataset: ds.Dataset, done: set, run_logprobs: dict) -> Iterator[ScoreInput]:
+    """The trajectories not yet scored, one Parquet batch at a time; their run logprobs go to `run_logprobs`."""
+    for batch in dataset.to_batches(columns=list(NEEDED)):
+        for row in batch.to_pylist():
+            key = (row["prompt_index"], row["sample_index"])
+            if key in done:
+                continue
+            run_logprobs[key] = row["response_logprobs"]
+            yield ScoreInput(row["prompt_index"], row["sample_index"], row["prompt_token_ids"],
+                             row["response_token_ids"])
+
+
+def run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig,
+                  on_progress: Callable[[ScoreProgress], None] | None = None) -> dict:
+    """Score every trajectory of `job.data` (those not already in `job.out` with --resume); returns the manifest."""
+    if job.shard_rows < 1 or not job.flush_seconds > 0:
+        raise RolloutError("--shard-rows must be at least 1 and --flush-seconds above 0")
+    dataset = _dataset(job.data)
+    prepare_output_dir(job.out, job.resume)
+    create_output_dir(job.out, (SCORES_SUBDIR,))
+    done = completed_pairs(job.out, SCORES_SUBDIR) if job.resume else set()
+    settings = {"model": engine.config.model, "data": job.data, "weight_version": engine.weight_version,
+                "deterministic": engine.config.deterministic,
+                "sampling": {"temperature": params.temperature, "logprobs_mode": params.logprobs_mode}}
+    previous = read_manifest(job.out) if job.resume else None
+    if previous and previous.get("settings") != settings:
+        name, old, new = _first_difference(previous.get("settings") or {}, settings)
+        raise RolloutError(f"--resume: {job.out} was scored with {name}={old!r}, this job has {new!r}; "
+                           "use the same settings to resume, or choose another --out")
+    started = time.monotonic()
+    write_manifest(job.out, {"status": "running", "settings": settings})
+    progress = ScoreProgress(samples_total=dataset.count_rows() - len(done))
+    run_logprobs: dict = {}
+    status = "interrupted"
+    try:
+        with ShardWriter(job.out, SCORE_SCHEMA, job.shard_rows, job.flush_seconds, subdir=SCORES_SUBDIR) as writer:
+            if on_progress is not None:
+                on_progress(progress)
+            for score in engine.score(_samples(dataset, done, run_logprobs), params, on_step=writer.maybe_flush):
+                run_logprobs.pop((score.prompt_index, score.sample_index), None)
+                writer.add({"prompt_index": score.prompt_index, "sample_index": score.sample_index,
+                            "response_logprobs": score.response_logprobs})
+                progress.samples_done += 1
+                progress.tokens += len(score.response_logprobs)
+                if on_progress is not None:
+                    on_progress(progress)
+        status = "complete"
+    finally:
+        manifest = {"status": status, "settings": settings, "wall_seconds": round(time.monotonic() - started, 3),
+                    "scored_this_run": progress.samples_done, **compare_with_run(dataset, job.out)}
+        write_manifest(job.out, manifest)
+    return manifest
+
+
+def _first_difference(old: dict, new: dict, prefix: str = "") -> tuple[str, object, object]:
+    """("sampling.temperature", 0.8, 1.0): the first setting that differs, named by its path."""
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key), new.get(key)
+        if a != b:
+            if isinstance(a, dict) and isinstance(b, dict):
+                return _first_difference(a, b, f"{prefix}{key}.")
+            return f"{prefix}{key}", a, b
+    return prefix.rstrip(".") or "settings", old, new
+
+
+def compare_with_run(dataset: ds.Dataset, out: str) -> dict:
+    """How the scores in `out` differ from the run's logprobs of the same tokens: absolute differences
+    (mean, p99, max over tokens) and the fraction of tokens and of samples that are equal bit for bit."""
+    scores_dir = Path(out) / SCORES_SUBDIR
+    scored = {}
+    if any(scores_dir.glob("part-*.parquet")):
+        for row in ds.dataset(str(scores_dir), format="parquet").to_table().to_pylist():
+            scored[(row["prompt_index"], row["sample_index"])] = row["response_logprobs"]
+    diffs, equal_samples = [], 0
+    for batch in dataset.to_batches(columns=["prompt_index", "sample_index", "response_logprobs"]):
+        for row in batch.to_pylist():
+            ours = scored.get((row["prompt_index"], row["sample_index"]))
+            if ours is None:
+                continue
+            diff = np.abs(np.asarray(ours, np.float32) - np.asarray(row["response_logprobs"], np.float32))
+            diffs.append(diff)
+            equal_samples += bool((diff == 0).all())
+    diff = np.concatenate(diffs) if diffs else np.zeros(0, np.float32)
+    stats = {"samples": len(diffs), "tokens": int(diff.size), "bitwise_equal_samples": equal_samples}
+    if diff.size:
+        stats.update(mean_abs_diff=float(diff.mean()), p99_abs_diff=float(np.percentile(diff, 99)),
+                     max_abs_diff=float(diff.max()), bitwise_equal_tokens=float((diff == 0).mean()))
+    return stats

@@ -1,0 +1,134 @@
+"""Issue 19's fidelity table, re-measured: does a sample depend on what runs beside it?
+
+    python scripts/fidelity_check.py --model recipes/example_model --dtype bfloat16 --modes default,deterministic
+    python scripts/fidelity_check.py --model recipes/configs/qwen3-0.6b --load-format dummy --num-prompts 64 \
+        --n 4 --output-len 256 --modes default --hf      # the H200 measurement of issue 19
+
+For each mode (default kernels, or --deterministic), one engine:
+  alone vs batch   prompt 0's samples run alone, then inside the whole batch
+  rerun, cache on  the whole call twice; the second call hits the prefix cache
+  rerun, cache off the same on an engine without prefix cache
+  score vs run     Engine.score (teacher forcing) against the run's logprobs
+  HF vs run        (--hf) HF transformers' teacher forcing in the same dtype against the run's logprobs
+Prints one row per comparison: samples with identical tokens, and the max (or mean / p99 / max)
+absolute logprob difference; differences after two samples' tokens diverge are not comparable, so
+"max |dlogprob|" counts the common prefix of the two token sequences only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import numpy as np
+
+
+def _prompts(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+def _compare(a: dict, b: dict) -> tuple[int, int, float]:
+    """(samples with identical tokens, samples compared, max |logprob diff| over each pair's common token prefix)."""
+    same, worst = 0, 0.0
+    keys = sorted(a.keys() & b.keys())
+    for key in keys:
+        x, y = a[key], b[key]
+        same += x.response_token_ids == y.response_token_ids
+        common = 0
+        while (common < min(len(x.response_token_ids), len(y.response_token_ids))
+               and x.response_token_ids[common] == y.response_token_ids[common]):
+            common += 1
+        if common:
+            diff = np.abs(np.asarray(x.response_logprobs[:common]) - np.asarray(y.response_logprobs[:common]))
+            worst = max(worst, float(diff.max()))
+    return same, len(keys), worst
+
+
+def _stats(diffs: list) -> str:
+    d = np.concatenate(diffs) if diffs else np.zeros(1)
+    return f"mean {d.mean():.3g}, p99 {np.percentile(d, 99):.3g}, max {d.max():.3g}, bit-equal {(d == 0).mean():.1%}"
+
+
+def measure(args, deterministic: bool) -> list[tuple[str, str, str]]:
+    from rollout_cli import Engine, PromptInput, SamplingParams
+    from rollout_cli.engine.trajectory import ScoreInput
+
+    options = dict(device=args.device, dtype=args.dtype, load_format=args.load_format, deterministic=deterministic,
+                   max_model_len=args.max_len + args.output_len + 1)
+    params = SamplingParams(n=args.n, max_new_tokens=args.output_len, temperature=1.0, seed=args.seed,
+                            ignore_eos=True)
+    engine = Engine(model=args.model, **options)
+    prompts = _prompts(args.num_prompts, args.min_len, args.max_len, min(engine.hf_config.vocab_size, 32000), 7)
+    inputs = [PromptInput(i, p) for i, p in enumerate(prompts)]
+
+    def run(target, which):
+        return {(t.prompt_index, t.sample_index): t for t in target.stream([inputs[i] for i in which], params)}
+
+    everything = range(len(prompts))
+    alone = run(Engine(model=args.model, **options), [0])
+    first = run(engine, everything)
+    second = run(engine, everything)  # its prompts come from the prefix cache
+    cold = Engine(model=args.model, enable_prefix_cache=False, **options)
+    cold_a, cold_b = run(cold, everything), run(cold, everything)
+    rows = []
+    for name, (a, b) in (("alone vs batch", (alone, first)), ("rerun, cache on", (first, second)),
+                         ("rerun, cache off", (cold_a, cold_b))):
+        same, total, worst = _compare(a, b)
+        rows.append((name, f"{same} of {total}", f"max {worst:.3g}"))
+    samples = [ScoreInput(t.prompt_index, t.sample_index, t.prompt_token_ids, t.response_token_ids)
+               for t in first.values()]
+    scored = {(s.prompt_index, s.sample_index): s.response_logprobs for s in engine.score(samples, params)}
+    diffs = [np.abs(np.asarray(scored[k], np.float32) - np.asarray(t.response_logprobs, np.float32))
+             for k, t in first.items()]
+    rows.append(("score vs run", "-", _stats(diffs)))
+    if args.hf:
+        rows.append(("HF vs run", "-", _stats(_hf_diffs(args, first))))
+    return rows
+
+
+def _hf_diffs(args, trajectories: dict) -> list:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    device = "cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+    if args.load_format == "dummy":
+        raise SystemExit("--hf compares against the same weights: give a real checkpoint, not --load-format dummy")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, config=AutoConfig.from_pretrained(args.model))
+    model = model.to(device).eval()
+    diffs = []
+    with torch.no_grad():
+        for t in trajectories.values():
+            ids = torch.tensor([t.prompt_token_ids + t.response_token_ids], device=device)
+            logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+            start = len(t.prompt_token_ids) - 1
+            rows = torch.arange(start, start + len(t.response_token_ids), device=device)
+            want = logp[rows, torch.tensor(t.response_token_ids, device=device)].cpu().numpy()
+            diffs.append(np.abs(want - np.asarray(t.response_logprobs, np.float32)))
+    return diffs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-prompts", type=int, default=12)
+    parser.add_argument("--min-len", type=int, default=8)
+    parser.add_argument("--max-len", type=int, default=48)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default="default,deterministic")
+    parser.add_argument("--hf", action="store_true", help="also HF teacher forcing vs the run (real checkpoints)")
+    args = parser.parse_args()
+    table = [(mode, *row) for mode in args.modes.split(",") for row in measure(args, mode == "deterministic")]
+    print(f"{'mode':<14} {'comparison':<17} {'identical tokens':>16}  logprob difference")
+    for mode, name, same, diff in table:
+        print(f"{mode:<14} {name:<17} {same:>16}  {diff}")
+
+
+if __name__ == "__main__":
+    main()
