@@ -1,0 +1,67 @@
+"""batch_invariant_matmul: against its reference over odd sizes, strided inputs, bias; and batch
+invariance: a row's bits do not depend on how many rows run with it or which."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout_kernels.batch_invariant_matmul import BLOCK_M, batch_invariant_matmul, batch_invariant_matmul_ref
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+# the interpreter's tl.dot is wrong on bf16 operands (shared/DESIGN.md): float32 / float16 there
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 63, 31), (7, 257, 127), (65, 129, 300), (130, 64, 65)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_the_reference(dtype, m, n, k, bias):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k + 3, generator=gen)[:, 1:k + 1].to(DEV, dtype)  # strided rows, offset start
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEV, dtype)
+    b = torch.randn(n, generator=gen).to(DEV, dtype) if bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)  # unwritten elements would stay NaN
+    got = batch_invariant_matmul(x, w, b, out=out)
+    assert got is out and not got.isnan().any()
+    want = batch_invariant_matmul_ref(x, w, b)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_has_the_same_bits_in_any_batch(dtype):
+    """Alone, in a full tile, in a partial tile, at another position, after a shuffle: bit for bit."""
+    m, n, k = 2 * BLOCK_M + 5, 200, 150
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen).to(DEV, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEV, dtype)
+    full = batch_invariant_matmul(x, w)
+    for row in (0, 1, BLOCK_M - 1, BLOCK_M, m - 1):
+        assert torch.equal(batch_invariant_matmul(x[row:row + 1], w)[0], full[row]), row
+    assert torch.equal(batch_invariant_matmul(x[3:9], w), full[3:9])
+    order = torch.randperm(m, generator=gen).to(DEV)
+    assert torch.equal(batch_invariant_matmul(x[order], w), full[order])
+
+
+def test_shapes_are_checked():
+    x, w = torch.randn(3, 8, device=DEV), torch.randn(5, 8, device=DEV)
+    assert batch_invariant_matmul(x[:0], w).shape == (0, 5)
+    with pytest.raises(AssertionError):
+        batch_invariant_matmul(x, torch.randn(5, 7, device=DEV))
+    with pytest.raises(AssertionError):
+        batch_invariant_matmul(x, w.half())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 4096), (151936, 1024), (12288, 4096)])
+def test_gpu_bf16_batch_invariance_at_model_shapes(n, k):
+    """The H200 claim: every row of a 256-row matmul equals the same row computed alone and in a batch of 7."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(256, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+    full = batch_invariant_matmul(x, w)
+    for rows in (slice(0, 1), slice(100, 107), slice(255, 256)):
+        assert torch.equal(batch_invariant_matmul(x[rows], w), full[rows])
+    torch.testing.assert_close(full.float(), batch_invariant_matmul_ref(x, w).float(), atol=3e-2, rtol=2e-2)
