@@ -112,7 +112,9 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
     capture_routing = cfg.capture_routing
     report["engine_settings"] = {"device": str(engine.device), "dtype": str(engine.dtype),
                                  "kv_cache_tokens": engine.num_kv_slots - 1,
-                                 "tensor_parallel": engine.config.tensor_parallel_size}
+                                 "tensor_parallel": engine.config.tensor_parallel_size,
+                                 "attention_backend": engine.attention_backend,
+                                 "deterministic": engine.config.deterministic}
     if capture_routing == "on":
         engine.enable_routing_capture()  # a dense model is refused here, before any timing
     elif capture_routing == "compare" and not getattr(engine.model, "moe_layers", None):

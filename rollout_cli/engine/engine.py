@@ -29,10 +29,10 @@ from rollout_cli.engine.routing_capture import RoutingCapture
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduler import Scheduler
 from rollout_cli.engine.tensor_parallel import TensorParallelRanks, TensorParallelRunner, min_over_ranks
-from rollout_cli.engine.tokenizer import eos_token_ids, load_tokenizer
+from rollout_cli.engine.tokenizer import checkpoint_eos_token_ids, load_tokenizer
 from rollout_cli.engine.trajectory import PromptInput, Score, ScoreInput, Trajectory
 from rollout_cli.errors import RolloutError
-from rollout_cli.models.build import (build_model, load_model_config, resolve_device, resolve_dtype,
+from rollout_cli.models.build import (build_model, load_model_config, model_positions, resolve_device, resolve_dtype,
                                       resolve_max_model_len)
 from rollout_cli.models.layers import enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
@@ -72,7 +72,6 @@ class Engine:
         self.max_model_len = resolve_max_model_len(self.hf_config, cfg.max_model_len)
         self.attention_backend = _attention_backend(cfg.attention_backend, self.device, cfg.deterministic)
         self.tokenizer = load_tokenizer(cfg.model)
-        self.eos_token_ids = eos_token_ids(cfg.model, self.hf_config, self.tokenizer)
         self.tp = None  # models.tensor_parallel.TensorParallelGroup under --tp N > 1
         if cfg.tensor_parallel_size > 1:
             from rollout_cli.models.tensor_parallel import check_tensor_parallel, init_tensor_parallel
@@ -88,7 +87,8 @@ class Engine:
             enable_triton_kernels(self.model)
         self.weight_version = cfg.weight_version
         self._build_cache()
-        self.requests = RequestMaker(self.hf_config.vocab_size, self.eos_token_ids, self.max_model_len)
+        eos = checkpoint_eos_token_ids(cfg.model, self.hf_config, self.tokenizer)
+        self.requests = RequestMaker(self.hf_config.vocab_size, eos, self.max_model_len, model_positions(self.hf_config)[0])
         self.routing = RoutingCapture()  # off until enable_routing_capture
         self.weight_update_groups = {}  # group name -> engine.weight_group.WeightGroup
         # the control API; tensor parallelism is decided here, once: operations reach every rank or this one
@@ -156,6 +156,15 @@ class Engine:
     def routing_pool(self):
         """The models.moe.RoutingPool while routing capture is on, else None."""
         return self.routing.pool
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end a sample (config.json, generation_config.json, else the tokenizer's)."""
+        return self.requests.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.requests.eos_token_ids = frozenset(ids)
 
     @property
     def cache_pools(self) -> list:

@@ -15,10 +15,12 @@ class RequestMaker:
     (it would stall the queue), an id past the vocabulary crashes the embedding (on CUDA a device
     assert that kills the whole engine), a sequence past --max-model-len has no KV row to live in."""
 
-    def __init__(self, vocab_size: int, eos_token_ids: frozenset[int], max_model_len: int):
+    def __init__(self, vocab_size: int, eos_token_ids: frozenset[int], max_model_len: int,
+                 model_positions: int | None = None):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.model_positions = model_positions  # how far --max-model-len may go (None: unknown)
         self._ids = itertools.count()
 
     def samples(self, prompt: PromptInput, params: SamplingParams, skip) -> list[Request]:
@@ -54,10 +56,14 @@ class RequestMaker:
             problem = "is empty" if not ids else f"holds token ids outside [0, {vocab})"
             raise RolloutError(f"{what} {prompt_index} {problem}; pass 1-d token ids of this model's tokenizer")
         if what == "prompt" and len(ids) >= self.max_model_len:
-            raise RolloutError(
-                f"prompt {prompt_index} has {len(ids)} tokens, leaving no room to "
-                f"generate under --max-model-len {self.max_model_len}; raise it or filter long prompts"
-            )
+            raise RolloutError(f"prompt {prompt_index} has {len(ids)} tokens, leaving no room to generate under "
+                               f"--max-model-len {self.max_model_len}; {self._fix()}")
         if len(ids) > self.max_model_len:
             raise RolloutError(f"{what} {prompt_index} has {len(ids)} tokens, more than --max-model-len "
-                               f"{self.max_model_len}; raise it to score this sample")
+                               f"{self.max_model_len}; {self._fix()}")
+
+    def _fix(self) -> str:
+        if self.model_positions is not None and self.max_model_len >= self.model_positions:
+            return "that is all the positions the model has: filter long prompts"
+        limit = f" (the model allows up to {self.model_positions})" if self.model_positions else ""
+        return f"raise --max-model-len{limit} or filter long prompts"

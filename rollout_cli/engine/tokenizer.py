@@ -20,7 +20,7 @@ def load_tokenizer(model_dir: str):
         return None
 
 
-def eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
+def checkpoint_eos_token_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
 
     def add(value):

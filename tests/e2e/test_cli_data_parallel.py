@@ -70,3 +70,16 @@ def test_dp_needs_an_embedded_engine(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: --dp starts embedded replicas: give --model (a daemon serves one engine)"]
+
+
+def test_deterministic_dp2_equals_dp1_bit_for_bit(tmp_path):
+    """--deterministic: the union of two replicas' rows equals one replica's, logprobs included, bit for bit."""
+    args = [*ARGS, "--deterministic", "--dtype", "bfloat16"]
+    one = _run(*args, "--out", tmp_path / "one")
+    assert one.returncode == 0, one.stderr
+    two = _run(*args, "--out", tmp_path / "two", "--dp", "2")
+    assert two.returncode == 0, two.stderr
+    got, want = _rows(tmp_path / "two"), _rows(tmp_path / "one")
+    assert len(got) == len(want) == 18
+    for a, b in zip(got, want, strict=True):
+        assert a == b, (a["prompt_index"], a["sample_index"])

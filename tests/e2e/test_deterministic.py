@@ -95,6 +95,11 @@ def test_shared_system_prompt_hit_gives_the_same_bits(sampling_checkpoint, dtype
     _assert_bitwise(with_cache, without)
 
 
+def test_overlap_off_gives_the_same_bits(sampling_checkpoint, dtype, baseline):
+    engine = _engine(sampling_checkpoint, dtype, LAYOUTS[2], overlap_schedule=False)
+    _assert_bitwise(_samples(engine, PROMPTS, PARAMS), baseline["plain"])
+
+
 def test_moe_routing_ids_are_batch_invariant(tiny_moe_checkpoints):
     model_dir = tiny_moe_checkpoints["qwen3_moe"]
     results = []

@@ -107,6 +107,6 @@ def test_overlapped_steps_drop_the_samples_that_stopped(tiny_checkpoints):
                                                     eos_every=23)
     assert any(e.ghost for out in ahead for e in out.entries)
     assert {reason for _, _, reason in sequential} == {"stop", "length"}
-    for (tokens, logprobs, reason), (want_tokens, want_logprobs, want_reason) in zip(overlapped, sequential):
+    for (tokens, logprobs, reason), (want_tokens, want_logprobs, want_reason) in zip(overlapped, sequential, strict=True):
         assert (tokens, reason) == (want_tokens, want_reason)
-        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4

@@ -67,7 +67,7 @@ def test_graph_replay_equals_eager_triton_bfloat16(tiny_hybrid_checkpoints, name
         runs.append(engine.generate(_prompts(engine.hf_config.vocab_size, 8, seed=2), params))
         if graphs:
             assert engine.runner.graphs.replays >= 20
-    for replayed, eager in zip(*runs):
+    for replayed, eager in zip(*runs, strict=True):
         assert replayed.response_token_ids == eager.response_token_ids
         assert _max_diff(replayed.response_logprobs, eager.response_logprobs) < 1e-3
         if moe:  # the decode rows of the replayed run came from the graphs' routing buffer
@@ -84,7 +84,7 @@ def _torch_and_triton(model_dir: str, prompts, params, **options):
     triton = engines["auto"]
     assert triton.attention_backend == "triton" and triton.runner.graphs.replays > 0
     assert engines["torch"].runner.graphs is None
-    for a, b in zip(runs["torch"], runs["auto"]):
+    for a, b in zip(runs["torch"], runs["auto"], strict=True):
         assert (a.prompt_index, a.sample_index) == (b.prompt_index, b.sample_index)
         assert a.response_token_ids == b.response_token_ids, (a.prompt_index, a.sample_index)
         assert _max_diff(a.response_logprobs, b.response_logprobs) < 1e-3

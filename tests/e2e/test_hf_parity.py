@@ -108,7 +108,7 @@ def test_max_model_len_stops_with_length(arch, hf_ref):
     prompts = prompts_of([10, 3], seed=8)
     engine = make_engine(model_dir, max_model_len=16)
     results = engine.generate(prompts, SamplingParams(max_new_tokens=100, **GREEDY))
-    for traj, prompt in zip(results, prompts):
+    for traj, prompt in zip(results, prompts, strict=True):
         assert traj.finish_reason == "length"
         assert len(prompt) + len(traj.response_token_ids) == 16
         want = hf_ref.greedy(model_dir, prompt, 16 - len(prompt))

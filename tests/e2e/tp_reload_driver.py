@@ -13,6 +13,7 @@ import sys
 from safetensors.torch import load_file
 
 from rollout_cli import Engine, SamplingParams
+from rollout_cli.cli.tensor_parallel_run import exit_rank
 from rollout_cli.engine.tensor_parallel import follow
 from rollout_cli.errors import RolloutError
 
@@ -49,6 +50,7 @@ def main(model_a: str, model_b: str, bad: str, out: str) -> None:
             json.dump(results, f)
     finally:
         engine.control.close()  # rank 0 stops the followers; every rank leaves the process group
+    exit_rank()  # as the CLI's ranks do: no interpreter finalization with gloo threads about
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ def test_bad_files_are_refused_by_name(tmp_path, bad, match):
 
 
 def test_shipped_files_parse():
-    for path in CONFIG_DIR.glob("*.json"):
+    paths = sorted(CONFIG_DIR.glob("*.json"))
+    assert paths, f"no tuned configs in {CONFIG_DIR}: the package data did not install"
+    for path in paths:
         assert parse_configs(json.loads(path.read_text()), str(path))
 
 

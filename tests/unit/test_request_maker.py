@@ -1,0 +1,45 @@
+"""RequestMaker: the n samples of a prompt, scoring requests, and bad token ids refused in one line
+whose fix fits the model (no "raise --max-model-len" past the model's positions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_cli.engine.request_maker import RequestMaker
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.trajectory import PromptInput, ScoreInput
+from rollout_cli.errors import RolloutError
+
+
+def test_samples_follow_their_leader_and_skip_what_is_done():
+    maker = RequestMaker(vocab_size=100, eos_token_ids=frozenset({2}), max_model_len=16, model_positions=32)
+    requests = maker.samples(PromptInput(7, [5, 6, 7]), SamplingParams(n=3), skip={(7, 1)})
+    assert [r.sample_index for r in requests] == [0, 2]
+    assert requests[0].group_leader is None and requests[1].group_leader is requests[0]
+    assert len({r.request_id for r in requests}) == 2
+
+
+def test_scoring_request_scores_the_response():
+    maker = RequestMaker(vocab_size=100, eos_token_ids=frozenset(), max_model_len=16)
+    request = maker.scoring(ScoreInput(1, 2, [5, 6], [7, 8, 9]), SamplingParams())
+    assert request.prompt_token_ids == [5, 6, 7, 8, 9] and request.score_from == 2
+    assert request.scored_logprobs == [None, None, None]
+
+
+@pytest.mark.parametrize("max_model_len,positions,fix", [
+    (8, 32, "raise --max-model-len (the model allows up to 32)"),
+    (8, 8, "that is all the positions the model has: filter long prompts"),
+])
+def test_a_prompt_too_long_names_the_fix_that_exists(max_model_len, positions, fix):
+    maker = RequestMaker(vocab_size=100, eos_token_ids=frozenset(), max_model_len=max_model_len,
+                         model_positions=positions)
+    with pytest.raises(RolloutError, match="prompt 0 has 9 tokens") as err:
+        maker.samples(PromptInput(0, list(range(9))), SamplingParams(), skip=set())
+    assert fix in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_ids_are_refused():
+    maker = RequestMaker(vocab_size=10, eos_token_ids=frozenset(), max_model_len=16)
+    for ids, problem in (([], "is empty"), ([3, 10], "outside [0, 10)"), ([-1], "outside")):
+        with pytest.raises(RolloutError, match=problem.replace("[", r"\[").replace(")", r"\)")):
+            maker.samples(PromptInput(0, ids), SamplingParams(), skip=set())
