@@ -170,3 +170,14 @@ def _wait_ready(proc: subprocess.Popen, sock: Path, log: Path, timeout: float = 
                 pass
             time.sleep(0.1)
     raise AssertionError(f"daemon not ready:\n{log.read_text()}")
+
+
+@pytest.mark.parametrize("parallel", [["--dp", "2"], ["--tp", "2"]])
+def test_replicas_and_ranks_load_the_commit_their_launcher_resolved(hub_cache, tmp_path, parallel):
+    """--dp / --tp re-start the command: each process is handed --revision COMMIT (the branch could move)."""
+    cache, one, many = hub_cache["cache"], tmp_path / "one", tmp_path / "many"
+    greedy = ["--temperature", "0", "--kv-cache-tokens", "1024", "--max-model-len", "256"]
+    _ok(_run(cache, one, hub_cache["snapshots"][COMMIT_MAIN], *greedy))
+    _ok(_run(cache, many, HUB_ID, *greedy, *parallel))
+    assert _manifest(many)["model_source"] == {"hub_id": HUB_ID, "revision": COMMIT_MAIN, "commit": COMMIT_MAIN}
+    assert _tokens(many) == _tokens(one)
