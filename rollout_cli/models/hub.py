@@ -151,10 +151,11 @@ def _snapshot(hub_id: str, revision: str, weights: bool, quiet: bool, what: str)
             raise RolloutError(f"{described} is only partly in the Hugging Face cache {_cache_dir()} (an interrupted "
                                "download); run again online to complete it") from None
         if offline:
+            # also what a mistyped local path gets offline, hence "neither a local directory"
             raise RolloutError(
-                f"{described} is not in the Hugging Face cache {_cache_dir()} and HF_HUB_OFFLINE=1 forbids "
-                f"downloading it; download it once online (unset HF_HUB_OFFLINE), or pass {what} DIR of a local "
-                "checkpoint") from None
+                f"{what} {described} is neither a local directory nor in the Hugging Face cache {_cache_dir()}, "
+                "and HF_HUB_OFFLINE=1 forbids downloading it; download it once online (unset HF_HUB_OFFLINE), "
+                "or check the path of a local checkpoint") from None
         raise RolloutError(
             f"cannot reach the Hugging Face hub for {described}, and it is not in the cache {_cache_dir()}; check "
             f"the network (or HF_ENDPOINT), or pass {what} DIR of a local checkpoint") from None

@@ -100,8 +100,8 @@ def test_revision_loads_the_files_of_that_ref(hub_cache, tmp_path):
 def test_uncached_id_offline_is_one_line_and_exit_2(hub_cache, tmp_path):
     out = tmp_path / "out"
     line = _one_error_line(_run(hub_cache["cache"], out, "rollout-test/not-cached"),
-                           "rollout-test/not-cached (revision main)", "not in the Hugging Face cache",
-                           "HF_HUB_OFFLINE", "--model DIR")
+                           "--model rollout-test/not-cached (revision main)", "neither a local directory nor in the "
+                           "Hugging Face cache", "HF_HUB_OFFLINE=1 forbids downloading it", "unset HF_HUB_OFFLINE")
     assert str(hub_cache["cache"]) in line
     assert not out.exists()
 
@@ -151,7 +151,7 @@ def test_serve_a_hub_id_and_reload_another_revision(hub_cache, tmp_path):
         _ok(status)
         assert f"snapshots/{COMMIT_V2}" in status.stdout  # the weights now served name their commit
         _one_error_line(_cli(cache, ["reload-weights", "rollout-test/not-cached", "--engine", sock]),
-                        "rollout-test/not-cached (revision main)", "HF_HUB_OFFLINE", "CHECKPOINT DIR")
+                        "CHECKPOINT rollout-test/not-cached (revision main)", "HF_HUB_OFFLINE")
     finally:
         proc.terminate()
         proc.wait(timeout=60)
