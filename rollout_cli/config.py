@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollout_cli.models.hub import HubSource
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -15,7 +19,12 @@ class EngineConfig:
     """How the engine loads the model and sizes its batches and KV cache."""
 
     model: str
-    """Directory of a HuggingFace checkpoint: config.json, *.safetensors, tokenizer files."""
+    """Directory of a HuggingFace checkpoint (config.json, *.safetensors, tokenizer files), or a hub id
+    (ORG/NAME) that models/hub.py resolves to its snapshot directory in the Hugging Face cache."""
+    revision: str | None = None
+    """Hub ids: the branch, tag or commit to load; default main."""
+    model_source: HubSource | None = None
+    """Set by models.hub.resolve_engine_config when `model` was a hub id: the id, revision and commit."""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu, or cuda / cuda:N."""
     dtype: str = "auto"

@@ -33,6 +33,7 @@ from rollout_cli.io.trajectories import (
     trajectory_schema,
     write_manifest,
 )
+from rollout_cli.models.hub import source_change
 
 if TYPE_CHECKING:
     from rollout_cli.data_parallel import ReplicaGroup
@@ -105,6 +106,8 @@ def check_job_inputs(job: JobConfig) -> None:
 def _settings(engine: Engine, job: JobConfig, params: SamplingParams) -> dict:
     return {
         "model": engine.config.model,
+        # a hub id's id, revision and commit (None: a local directory): which weights ran, by name
+        "model_source": engine.config.model_source and engine.config.model_source.as_dict(),
         "data": job.data,
         "prompt_key": job.prompt_key,
         "limit": job.limit,
@@ -145,6 +148,11 @@ def _check_resume(job: JobConfig, settings: dict, fingerprints: dict) -> None:
     previous = read_manifest(job.out)
     if previous is None:
         return
+    change = source_change(previous.get("model_source"), settings["model_source"])
+    if change is not None:  # before the content check: the commits say more than "model.safetensors changed"
+        hub = previous["model_source"]
+        raise RolloutError(f"--resume: {job.out} was made from another hub commit: {change}; resume with --model "
+                           f"{hub['hub_id']} --revision {hub['commit']}, or choose another --out")
     recorded = previous.get("fingerprints")
     if recorded is not None:
         change = checkpoint_change(recorded["checkpoint"], fingerprints["checkpoint"])

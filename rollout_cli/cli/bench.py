@@ -61,20 +61,20 @@ def bench_command(
                           baseline_time_limit=baseline_time_limit,
                           capture_routing=capture_routing)
         engine_config = opt.engine_config(model=model, **engine_options)
-        hf_config = load_model_config(model)
+        hf_config = load_model_config(engine_config.model)  # a hub id's snapshot directory
         if tp != 1:
             engine_config = _tensor_parallel_rank(engine_config, hf_config, tp, cfg)
             if engine_config is None:
                 return  # a follower: rank 0 ran the benchmark
         torch_device = resolve_device(engine_config.device)
-        data_prompts = _read_prompts(data, prompt_key, model) if data else None
+        data_prompts = _read_prompts(data, prompt_key, engine_config.model) if data else None
         workload = make_workload(cfg, hf_config.vocab_size, data_prompts)
         hbm = measure_hbm_bandwidth(torch_device)
         flops = measure_matmul_flops(torch_device, resolve_dtype(engine_config.dtype, torch_device))
         report: dict = {"workload": {**cfg.__dict__, "prompts": len(workload.prompts)}}
         if baseline == "hf":
             with console.status("HF transformers baseline"):
-                report["hf"] = run_hf_baseline(model, engine_config.load_format, torch_device,
+                report["hf"] = run_hf_baseline(engine_config.model, engine_config.load_format, torch_device,
                                                resolve_dtype(engine_config.dtype, torch_device), workload, cfg)
         with console.status("loading engine"):
             engine = Engine(engine_config)
@@ -96,7 +96,7 @@ def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg):
         raise RolloutError(f"--baseline {cfg.baseline} runs transformers in one process; compare it with --tp 1")
     if not is_rank():
         check_tensor_parallel(hf_config, tp)
-        launch_ranks(tp, "bench")
+        launch_ranks(tp, "bench", engine_config)
     engine_config, rank = rank_config(engine_config, tp, "bench")
     if rank != 0:
         follow_leader(engine_config)

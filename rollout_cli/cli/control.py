@@ -25,8 +25,9 @@ def _call(engine, token_file, method: str, path: str, body: dict | None = None) 
 
 
 def reload_weights_command(
-    checkpoint: Annotated[str, typer.Argument(help="Checkpoint directory with *.safetensors of the served architecture.")],
+    checkpoint: Annotated[str, typer.Argument(help="Checkpoint directory with *.safetensors of the served architecture, or a hub id (fetched into the Hugging Face cache here).")],
     version: Annotated[Optional[str], typer.Option(help="New weight version; default: the current one plus 1.")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="Hub ids: branch, tag or commit to load; default main.")] = None,
     engine: opt.EngineAddress = None,
     token_file: opt.TokenFile = None,
 ) -> None:
@@ -37,8 +38,14 @@ def reload_weights_command(
 
         rollout reload-weights ckpt_1/ --version 1
     """
+    from rollout_cli.models.hub import resolve_model
+
+    with user_errors():
+        # a hub id is fetched on this machine; the daemon reads its snapshot directory, whose name is the
+        # commit (status and the manifests' weights source show it)
+        path = resolve_model(checkpoint, revision, what="CHECKPOINT").path
     result = _call(engine, token_file, "POST", "/update_weights_from_disk",
-                   {"model_path": os.path.abspath(checkpoint), "weight_version": version})
+                   {"model_path": os.path.abspath(path), "weight_version": version})
     typer.echo(f"weight version {result['previous_weight_version']} -> {result['weight_version']} "
                f"({result['seconds']:.2f} s)")
 

@@ -17,7 +17,8 @@ import typer
 ENGINE = "Engine"
 SAMPLING = "Sampling"
 
-Model = Annotated[str, typer.Option(help="HuggingFace checkpoint directory (config.json, *.safetensors, tokenizer).", rich_help_panel=ENGINE)]
+Model = Annotated[str, typer.Option(help="HuggingFace checkpoint directory (config.json, *.safetensors, tokenizer), or a hub id such as Qwen/Qwen3-8B (fetched into the Hugging Face cache).", rich_help_panel=ENGINE)]
+Revision = Annotated[Optional[str], typer.Option(help="Hub ids: branch, tag or commit to load; default main.", rich_help_panel=ENGINE)]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.", rich_help_panel=ENGINE)]
 Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.", rich_help_panel=ENGINE)]
 MaxModelLen = Annotated[Optional[int], typer.Option(help="Longest prompt + response; default: the model's max_position_embeddings.", rich_help_panel=ENGINE)]
@@ -41,6 +42,7 @@ Seed = Annotated[int, typer.Option(help="Seed; each sample's stream is keyed by 
 
 # (parameter name, option type, default) of every engine flag, in --help order.
 ENGINE_OPTIONS = (
+    ("revision", Revision, None),
     ("device", Device, "auto"),
     ("dtype", Dtype, "auto"),
     ("max_model_len", MaxModelLen, None),
@@ -89,17 +91,21 @@ def with_engine_options(exclude: tuple[str, ...] = ()):
 
 def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_running, kv_memory_fraction,
                   kv_cache_tokens, load_format, no_prefix_cache, attention_backend="auto", no_cuda_graphs=False,
-                  weight_version="0", linear_state_memory_ratio=0.5, no_overlap_schedule=False, deterministic=False):
+                  weight_version="0", linear_state_memory_ratio=0.5, no_overlap_schedule=False, deterministic=False,
+                  revision=None, quiet=False):
+    """The EngineConfig of the flags, a hub id already resolved to its snapshot directory (fetched
+    here, before any spinner or replica starts; `quiet` silences the download bars)."""
     from rollout_cli.config import EngineConfig
+    from rollout_cli.models.hub import resolve_engine_config
 
-    return EngineConfig(
-        model=model, device=device, dtype=dtype, max_model_len=max_model_len,
+    return resolve_engine_config(EngineConfig(
+        model=model, revision=revision, device=device, dtype=dtype, max_model_len=max_model_len,
         max_batch_tokens=max_batch_tokens, max_running=max_running, kv_memory_fraction=kv_memory_fraction,
         kv_cache_tokens=kv_cache_tokens, load_format=load_format, enable_prefix_cache=not no_prefix_cache,
         attention_backend=attention_backend, cuda_graphs=not no_cuda_graphs, weight_version=weight_version,
         linear_state_memory_ratio=linear_state_memory_ratio, overlap_schedule=not no_overlap_schedule,
         deterministic=deterministic,
-    )
+    ), quiet=quiet)
 
 
 CLIENT = "Engine daemon"

@@ -18,7 +18,7 @@ DATA = "Input and output"
 
 @opt.with_engine_options()
 def run_command(
-    model: Annotated[Optional[str], typer.Option(help="HuggingFace checkpoint directory: run an embedded engine. Leave out to run on a daemon (--engine).", rich_help_panel=opt.ENGINE)] = None,
+    model: Annotated[Optional[str], typer.Option(help="HuggingFace checkpoint directory or hub id (e.g. Qwen/Qwen3-8B): run an embedded engine. Leave out to run on a daemon (--engine).", rich_help_panel=opt.ENGINE)] = None,
     data: Annotated[str, typer.Option(help="Prompt Parquet file.", rich_help_panel=DATA)] = ...,
     out: Annotated[str, typer.Option(help="Output directory (trajectories/part-NNNNN.parquet, manifest.json).", rich_help_panel=DATA)] = ...,
     n: opt.N = 1,
@@ -101,21 +101,23 @@ def run_command(
     from rollout_cli.engine.engine import Engine
     from rollout_cli.engine.sampling_params import SamplingParams
     from rollout_cli.job import JobConfig, check_job_inputs, run_job
+    from rollout_cli.models.hub import pinned_argv
 
     with user_errors():
         params = SamplingParams(
             n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, seed=seed, ignore_eos=ignore_eos, logprobs_mode=logprobs_mode,
         )
-        engine_config = opt.engine_config(model=model, **engine_options)
         job = JobConfig(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume,
                         skip_invalid=skip_invalid, shard_rows=shard_rows, flush_seconds=flush_seconds,
                         capture_routing=capture_routing)
         group = ReplicaGroup.from_environment()
         if group is None:
-            check_job_inputs(job)  # bad input: one line before any replica or model starts
+            check_job_inputs(job)  # bad input: one line before any replica or model starts (or download)
+        engine_config = opt.engine_config(model=model, quiet=quiet, **engine_options)
+        if group is None:
             if dp > 1:
-                raise typer.Exit(launch_replicas(dp, without_option(sys.argv[2:], "--dp")))
+                raise typer.Exit(launch_replicas(dp, pinned_argv(without_option(sys.argv[2:], "--dp"), engine_config)))
         else:
             engine_config = dataclasses.replace(engine_config, device=replica_device(engine_config.device, group))
         # replicas other than the first draw nothing: replica 0's bar shows its share of the prompts

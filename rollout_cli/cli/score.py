@@ -50,7 +50,7 @@ def score_command(
         params = SamplingParams(temperature=recorded.get("temperature", 1.0) if temperature is None else temperature,
                                 logprobs_mode=logprobs_mode or recorded.get("logprobs_mode", "processed"))
         job = ScoreJobConfig(data=data, out=out, resume=resume, shard_rows=shard_rows, flush_seconds=flush_seconds)
-        config = opt.engine_config(model=model, **engine_options)
+        config = opt.engine_config(model=model, quiet=quiet, **engine_options)
         with console.status("loading model"):
             engine = Engine(config)
         freeze_long_lived_objects()

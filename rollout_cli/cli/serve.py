@@ -47,7 +47,7 @@ def serve_command(
                                             weights_cpu_backup=weights_cpu_backup)
         from rollout_cli.models.build import load_model_config
 
-        hf_config = load_model_config(model)  # a bad --model fails here, before the socket is claimed
+        hf_config = load_model_config(engine_config.model)  # a bad --model fails here, before the socket is claimed
         if host is None and port is None and socket is None:
             socket = default_socket_path()
         if tp != 1:
@@ -75,7 +75,7 @@ def _tensor_parallel_rank(engine_config, hf_config, tp: int, socket: str | None)
         if socket is not None and socket_is_live(socket):
             raise RolloutError(f"an engine is already serving on {socket}; stop it with "
                                f"rollout shutdown --engine {socket}, or pass another --socket")
-        launch_ranks(tp, "serve", signal_exit_code=0)
+        launch_ranks(tp, "serve", engine_config, signal_exit_code=0)
     engine_config, rank = rank_config(engine_config, tp, "serve")
     if rank != 0:
         follow_leader(engine_config, daemon=True)

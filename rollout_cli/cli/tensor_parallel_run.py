@@ -27,12 +27,14 @@ def is_rank() -> bool:
     return "RANK" in os.environ
 
 
-def launch_ranks(tp: int, command: str, signal_exit_code: int | None = None) -> None:
+def launch_ranks(tp: int, command: str, config, signal_exit_code: int | None = None) -> None:
     """The command the user typed, its inputs checked: run it again as `tp` ranks; exits with their code
-    (`signal_exit_code`, if given, after SIGINT / SIGTERM: a daemon's normal way out)."""
+    (`signal_exit_code`, if given, after SIGINT / SIGTERM: a daemon's normal way out). A hub id in
+    `config` (the engine config resolved here) is pinned to its commit in every rank."""
     from rollout_cli.data_parallel import launch_replicas
+    from rollout_cli.models.hub import pinned_argv
 
-    code = launch_replicas(tp, sys.argv[2:], what="tensor-parallel rank", command=command)
+    code = launch_replicas(tp, pinned_argv(sys.argv[2:], config), what="tensor-parallel rank", command=command)
     if signal_exit_code is not None and code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
         code = signal_exit_code
     raise typer.Exit(code)
@@ -113,12 +115,13 @@ def tensor_parallel_run(tp: int, dp: int, engine_options: dict, quiet: bool, out
 
     with user_errors():
         params = SamplingParams(**sampling)
-        config = opt.engine_config(model=model, **engine_options)
         job = JobConfig(**job_args)
-        if not is_rank():  # the command the user typed: check the inputs, then start the ranks
-            check_job_inputs(job)
-            check_tensor_parallel(load_model_config(model), tp)
-            launch_ranks(tp * dp, "run")
+        if not is_rank():
+            check_job_inputs(job)  # before a hub id is downloaded
+        config = opt.engine_config(model=model, quiet=quiet, **engine_options)
+        if not is_rank():  # the command the user typed: its inputs checked, start the ranks
+            check_tensor_parallel(load_model_config(config.model), tp)
+            launch_ranks(tp * dp, "run", config)
         config, rank = rank_config(config, tp)
         if rank % tp != 0:
             follow_leader(config)

@@ -34,6 +34,7 @@ from rollout_cli.engine.trajectory import PromptInput, Score, ScoreInput, Trajec
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import (build_model, load_model_config, model_positions, resolve_device, resolve_dtype,
                                       resolve_max_model_len)
+from rollout_cli.models.hub import resolve_engine_config
 from rollout_cli.models.layers import enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
 
@@ -64,7 +65,8 @@ class Engine:
     """
 
     def __init__(self, model: str | EngineConfig, **options):
-        self.config = model if isinstance(model, EngineConfig) else EngineConfig(model=model, **options)
+        config = model if isinstance(model, EngineConfig) else EngineConfig(model=model, **options)
+        self.config = resolve_engine_config(config)  # a hub id -> its snapshot directory (no-op once resolved)
         cfg = self.config
         self.hf_config = load_model_config(cfg.model)
         self.device = resolve_device(cfg.device)
