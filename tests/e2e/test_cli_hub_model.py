@@ -18,7 +18,7 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import COMMIT_MAIN, COMMIT_V2, HUB_ID
+from hub_cache import COMMIT_MAIN, COMMIT_V2, HUB_ID
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = REPO / "recipes" / "prompts.parquet"

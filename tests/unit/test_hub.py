@@ -9,7 +9,7 @@ import huggingface_hub.constants
 import pytest
 from huggingface_hub.utils import filter_repo_objects
 
-from conftest import COMMIT_MAIN, COMMIT_V2, HUB_ID
+from hub_cache import COMMIT_MAIN, COMMIT_V2, HUB_ID
 from rollout_cli.config import EngineConfig
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.hub import (IGNORE_PATTERNS, HubSource, allow_patterns, pinned_argv, resolve_engine_config,
