@@ -99,12 +99,18 @@ def _reported(raw, processed, raw_logprobs, tokens):
     return torch.where(raw_logprobs[:, None], raw, processed).gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def token_logprobs_ref(logits, tokens, temperature, raw_logprobs):
+def token_logprobs_ref(logits, tokens, temperature, raw_logprobs, top_k: int = 0):
     """The logprob `sample_ref` reports when it draws `tokens` [B] from logits [B, V] (temperature [B],
     0 = greedy; raw_logprobs [B] bool): teacher forcing, the same expressions as the sampler, so a
-    token scored from the same logits row gets the same bits it was sampled with. -> [B] float32."""
+    token scored from the same logits row gets the same bits it was sampled with. -> [B] float32;
+    with top_k > 0, also the top_k most likely tokens' ids [B, top_k] int64 and logprobs [B, top_k]
+    reported the same way (the most likely first)."""
     logits = logits.float()
     raw = torch.log_softmax(logits, dim=-1)
     t = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)
     processed = torch.log_softmax(logits / t[:, None], dim=-1)
-    return _reported(raw, processed, raw_logprobs, tokens)
+    chosen = _reported(raw, processed, raw_logprobs, tokens)
+    if top_k <= 0:
+        return chosen
+    top = torch.where(raw_logprobs[:, None], raw, processed).topk(min(top_k, logits.shape[-1]), dim=-1)
+    return chosen, top.indices, top.values

@@ -1,6 +1,8 @@
 """One `rollout score` job: a run's trajectories in, teacher-forced logprobs out, and how far the two are.
 
-    SCORES/scores/part-00000.parquet   prompt_index, sample_index, response_logprobs (list<float32>)
+    SCORES/scores/part-00000.parquet   prompt_index, sample_index, response_logprobs (list<float32>);
+                                       with --top-logprobs K also top_token_ids (list<list<int32>>) and
+                                       top_logprobs (list<list<float32>>): K per response position
     SCORES/manifest.json               settings, status, and the comparison with the run's logprobs
 
 Shards are written atomically and numbered like `run`'s (io/trajectories.ShardWriter); `--resume`
@@ -39,6 +41,8 @@ SCORE_SCHEMA = pa.schema([
     pa.field("sample_index", pa.int32()),
     pa.field("response_logprobs", pa.list_(pa.float32())),
 ])
+TOP_FIELDS = (pa.field("top_token_ids", pa.list_(pa.list_(pa.int32()))),
+              pa.field("top_logprobs", pa.list_(pa.list_(pa.float32()))))
 NEEDED = ("prompt_index", "sample_index", "prompt_token_ids", "response_token_ids", "response_logprobs")
 
 
@@ -51,6 +55,8 @@ class ScoreJobConfig:
     resume: bool = False
     shard_rows: int = 1024
     flush_seconds: float = 10.0
+    top_logprobs: int = 0
+    """K > 0: also the K most likely tokens and their logprobs at every response position."""
 
 
 @dataclass
@@ -108,13 +114,16 @@ def run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig,
     """Score every trajectory of `job.data` (those not already in `job.out` with --resume); returns the manifest."""
     if job.shard_rows < 1 or not job.flush_seconds > 0:
         raise RolloutError("--shard-rows must be at least 1 and --flush-seconds above 0")
+    if job.top_logprobs < 0:
+        raise RolloutError(f"--top-logprobs {job.top_logprobs}: give 0 (off) or the number of tokens to keep")
     dataset = _dataset(job.data)
     prepare_output_dir(job.out, job.resume)
     create_output_dir(job.out, (SCORES_SUBDIR,))
     done = completed_pairs(job.out, SCORES_SUBDIR) if job.resume else set()
     settings = {"model": engine.config.model, "data": job.data, "weight_version": engine.weight_version,
                 "deterministic": engine.config.deterministic,
-                "sampling": {"temperature": params.temperature, "logprobs_mode": params.logprobs_mode}}
+                "sampling": {"temperature": params.temperature, "logprobs_mode": params.logprobs_mode},
+                "top_logprobs": job.top_logprobs}
     previous = read_manifest(job.out) if job.resume else None
     if previous and previous.get("settings") != settings:
         name, old, new = _first_difference(previous.get("settings") or {}, settings)
@@ -126,13 +135,20 @@ def run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig,
     run_logprobs: dict = {}
     status = "interrupted"
     try:
-        with ShardWriter(job.out, SCORE_SCHEMA, job.shard_rows, job.flush_seconds, subdir=SCORES_SUBDIR) as writer:
+        schema = pa.schema(list(SCORE_SCHEMA) + (list(TOP_FIELDS) if job.top_logprobs else []))
+        with ShardWriter(job.out, schema, job.shard_rows, job.flush_seconds, subdir=SCORES_SUBDIR) as writer:
             if on_progress is not None:
                 on_progress(progress)
-            for score in engine.score(_samples(dataset, done, run_logprobs), params, on_step=writer.maybe_flush):
+            scores = engine.score(_samples(dataset, done, run_logprobs), params, on_step=writer.maybe_flush,
+                                  top_logprobs=job.top_logprobs)
+            for score in scores:
                 run_logprobs.pop((score.prompt_index, score.sample_index), None)
-                writer.add({"prompt_index": score.prompt_index, "sample_index": score.sample_index,
-                            "response_logprobs": score.response_logprobs})
+                row = {"prompt_index": score.prompt_index, "sample_index": score.sample_index,
+                       "response_logprobs": score.response_logprobs}
+                if job.top_logprobs:
+                    row["top_token_ids"] = [[t for t, _ in top] for top in score.top_logprobs]
+                    row["top_logprobs"] = [[lp for _, lp in top] for top in score.top_logprobs]
+                writer.add(row)
                 progress.samples_done += 1
                 progress.tokens += len(score.response_logprobs)
                 if on_progress is not None:

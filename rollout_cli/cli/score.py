@@ -23,6 +23,7 @@ def score_command(
     out: Annotated[str, typer.Option(help="Output directory (scores/part-NNNNN.parquet, manifest.json).", rich_help_panel=DATA)] = ...,
     temperature: Annotated[Optional[float], typer.Option(help="Temperature the logprobs are reported at; default: the run's (its manifest.json), else 1.", rich_help_panel=opt.SAMPLING)] = None,
     logprobs_mode: Annotated[Optional[str], typer.Option(help="processed or raw; default: the run's, else processed.", rich_help_panel=opt.SAMPLING)] = None,
+    top_logprobs: Annotated[int, typer.Option(help="Also write the K most likely tokens and their logprobs at every response position (teacher scoring for distillation); 0 = off.", rich_help_panel=DATA)] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed job in OUT: score only the missing samples.", rich_help_panel=DATA)] = False,
     shard_rows: Annotated[int, typer.Option(help="Rows per output shard.", rich_help_panel=DATA)] = 1024,
     flush_seconds: Annotated[float, typer.Option(help="Close a shard when its oldest row waited this long.", rich_help_panel=DATA)] = 10.0,
@@ -49,7 +50,8 @@ def score_command(
         recorded = run_sampling(data)
         params = SamplingParams(temperature=recorded.get("temperature", 1.0) if temperature is None else temperature,
                                 logprobs_mode=logprobs_mode or recorded.get("logprobs_mode", "processed"))
-        job = ScoreJobConfig(data=data, out=out, resume=resume, shard_rows=shard_rows, flush_seconds=flush_seconds)
+        job = ScoreJobConfig(data=data, out=out, resume=resume, shard_rows=shard_rows, flush_seconds=flush_seconds,
+                             top_logprobs=top_logprobs)
         config = opt.engine_config(model=model, quiet=quiet, **engine_options)
         with console.status("loading model"):
             engine = Engine(config)

@@ -262,11 +262,14 @@ class Engine:
             self.scheduler.abort_all()
 
     def score(self, samples: Iterable[ScoreInput], params: SamplingParams,
-              on_step: Callable[[], None] | None = None) -> Iterator[Score]:
+              on_step: Callable[[], None] | None = None, top_logprobs: int = 0) -> Iterator[Score]:
         """Teacher forcing: yield each sample's response logprobs as they are computed (prompt and
         response in one prefill, the trainer's way; chunked, cached and preempted like any prompt).
         `params` gives the temperature and logprobs mode the samples were drawn with. Under
-        --deterministic the logprobs equal the sampled ones bit for bit."""
+        --deterministic the logprobs equal the sampled ones bit for bit. `top_logprobs` K > 0 adds the K
+        most likely tokens and their logprobs at every response position (teacher scoring for distillation)."""
+        if top_logprobs < 0:
+            raise RolloutError(f"top_logprobs must be 0 (off) or more, got {top_logprobs}")
         self.memory.check_can_generate()
         empty: list[Score] = []  # nothing to score: no request, handed out in order of arrival
 
@@ -275,10 +278,11 @@ class Engine:
                 if sample.response_token_ids:
                     yield sample
                 else:
-                    empty.append(Score(sample.prompt_index, sample.sample_index, [], dict(sample.passthrough)))
+                    empty.append(Score(sample.prompt_index, sample.sample_index, [], dict(sample.passthrough),
+                                       [] if top_logprobs else None))
 
         try:
-            for score in self._stream(scorable(), lambda sample: self._add_scoring(sample, params), on_step):
+            for score in self._stream(scorable(), lambda sample: self._add_scoring(sample, params, top_logprobs), on_step):
                 yield from _drain(empty)
                 yield score
             yield from _drain(empty)
@@ -348,7 +352,7 @@ class Engine:
     def _complete(self, handle) -> list[Trajectory]:
         """Post-process a launched step (waiting for its results); returns the trajectories it finished."""
         tokens, logprobs = self.runner.collect(handle)
-        finished = self.scheduler.postprocess(handle.out, tokens, logprobs, handle.scores)
+        finished = self.scheduler.postprocess(handle.out, tokens, logprobs, handle.scores, handle.score_tops)
         now = time.perf_counter()
         wall = now - max(handle.launch_time, self._last_step_done)  # the step's share of wall time
         self._last_step_done = now
@@ -367,15 +371,16 @@ class Engine:
                 for request, routed in finished]
 
     def _score(self, request: Request) -> Score:
+        top = None if request.scored_top is None else [list(zip(*pair)) for pair in request.scored_top]
         return Score(request.prompt_index, request.sample_index, list(request.scored_logprobs),
-                     request.payload or {})
+                     request.payload or {}, top)
 
     def _add_prompt(self, prompt: PromptInput, params: SamplingParams, skip) -> None:
         for request in self.requests.samples(prompt, params, skip):
             self.scheduler.add(request)
 
-    def _add_scoring(self, sample: ScoreInput, params: SamplingParams) -> None:
-        self.scheduler.add(self.requests.scoring(sample, params))
+    def _add_scoring(self, sample: ScoreInput, params: SamplingParams, top_logprobs: int) -> None:
+        self.scheduler.add(self.requests.scoring(sample, params, top_logprobs))
 
     def trajectory(self, request: Request, routed_experts=None) -> Trajectory:
         return Trajectory(

@@ -46,6 +46,7 @@ class StepHandle:
     tokens: list[int] | None = None
     logprobs: list[float] | None = None
     scores: list[float] = field(default_factory=list)  # scoring requests' teacher-forced logprobs, entry order
+    score_tops: list | None = None  # with --top-logprobs: (ids, logprobs) of the k most likely tokens, per score
     prefilled: bool = False  # the step ran prompt tokens
     graph_step: bool = False  # replayed a decode graph: its sampled tokens are also on the device
     host: torch.Tensor | None = None
@@ -149,8 +150,8 @@ class ModelRunner:
             return self._launch_graph(out, tokens_on_device=on_device, started=started)
         if pending:
             self._resolve_pending(out, prev)
-        tokens, logprobs, scores = self._run_eager(out)
-        return StepHandle(out, tokens=tokens, logprobs=logprobs, scores=scores, prefilled=prefilled,
+        tokens, logprobs, scores, tops = self._run_eager(out)
+        return StepHandle(out, tokens=tokens, logprobs=logprobs, scores=scores, score_tops=tops, prefilled=prefilled,
                           launch_time=started)
 
     def collect(self, handle: StepHandle) -> tuple[list[int], list[float]]:
@@ -173,17 +174,21 @@ class ModelRunner:
             if e.source_row >= 0:
                 e.token_ids = [tokens[e.source_row]]
 
-    def _run_eager(self, out: ScheduleOutput) -> tuple[list[int], list[float], list[float]]:
-        """(sampled tokens, their logprobs, the scored rows' logprobs) of an eager step."""
+    def _run_eager(self, out: ScheduleOutput) -> tuple[list[int], list[float], list[float], list | None]:
+        """(sampled tokens, their logprobs, the scored rows' logprobs, their top-k (ids, logprobs) or None)."""
         sampled = [e for e in out.entries if e.sample]
         self._write_table(out.entries)
         logits, score_logits = self._forward_logits(out)
-        scores = []
+        scores, tops = [], None
         if score_logits is not None:
-            scores = teacher_logprobs(score_logits, [e for e in out.entries if e.score_targets],
-                                      per_row=self.deterministic).tolist()
+            scored = teacher_logprobs(score_logits, [e for e in out.entries if e.score_targets],
+                                      per_row=self.deterministic)
+            if isinstance(scored, tuple):  # top-k too: one (ids, logprobs) pair of lists per scored row
+                scored, top_ids, top_logprobs = scored
+                tops = list(zip(top_ids.tolist(), top_logprobs.tolist()))
+            scores = scored.tolist()
         if not sampled:
-            return [], [], scores
+            return [], [], scores, tops
         # each row draws the token at start + num_new_tokens: that position keys its random number
         sampling = SamplingRows([e.request for e in sampled], [e.start + e.num_new_tokens for e in sampled])
         tables = sampling.to_device(self.device)
@@ -195,7 +200,7 @@ class ModelRunner:
             tokens, logprobs = sample_rows(logits, *tables, use_triton=self.attention_backend == "triton")
         # one device-to-host copy: float64 holds both the token ids and the float32 logprobs exactly
         token_values, logprob_values = torch.stack((tokens.double(), logprobs.double())).tolist()
-        return [int(t) for t in token_values], logprob_values, scores
+        return [int(t) for t in token_values], logprob_values, scores, tops
 
     def _launch_graph(self, out: ScheduleOutput, tokens_on_device: bool, started: float) -> StepHandle:
         """A decode-only step by graph replay (forward and sampling); every entry samples."""

@@ -55,6 +55,8 @@ class Request:
     # preemption writes the same places again). None for generation requests.
     score_from: int | None = None
     scored_logprobs: list[float | None] | None = None
+    score_top_k: int = 0  # also the k most likely tokens at each scored position (--top-logprobs)
+    scored_top: list | None = None  # per scored position: (token ids [k], logprobs [k]), as scored_logprobs
 
     @property
     def is_scoring(self) -> bool:

@@ -40,7 +40,7 @@ class RequestMaker:
             requests.append(request)
         return requests
 
-    def scoring(self, sample: ScoreInput, params: SamplingParams) -> Request:
+    def scoring(self, sample: ScoreInput, params: SamplingParams, top_logprobs: int = 0) -> Request:
         """A request that runs prompt + response through the model and scores the response tokens."""
         ids = list(sample.prompt_token_ids) + list(sample.response_token_ids)
         self._check(sample.prompt_index, ids, "prompt + response")
@@ -48,7 +48,8 @@ class RequestMaker:
                        sample_index=sample.sample_index, prompt_token_ids=ids, params=params,
                        max_model_len=self.max_model_len, payload=dict(sample.passthrough),
                        score_from=len(sample.prompt_token_ids),
-                       scored_logprobs=[None] * len(sample.response_token_ids))
+                       scored_logprobs=[None] * len(sample.response_token_ids), score_top_k=top_logprobs,
+                       scored_top=[None] * len(sample.response_token_ids) if top_logprobs else None)
 
     def _check(self, prompt_index: int, ids: list[int], what: str = "prompt") -> None:
         vocab = self.vocab_size

@@ -87,11 +87,12 @@ def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor,
     return sample_ref(logits, *settings, keys=keys)
 
 
-def teacher_logprobs(logits: torch.Tensor, entries, per_row: bool) -> torch.Tensor:
+def teacher_logprobs(logits: torch.Tensor, entries, per_row: bool):
     """Scoring (teacher forcing): logits [S, V] of the scored rows of `entries` (engine.schedule_output
     BatchEntry with score_targets, in order) -> [S] float32 logprobs of their targets, reported as the
-    sampler reports a drawn token (the request's temperature and logprobs mode). `per_row`: one row
-    at a time, as the on-policy mode samples, so a row's bits never depend on the others."""
+    sampler reports a drawn token (the request's temperature and logprobs mode); with the requests'
+    score_top_k > 0, (logprobs, top ids [S, K], top logprobs [S, K]). `per_row`: one row at a time, as
+    the on-policy mode samples, so a row's bits never depend on the others."""
     targets, temperature, raw = [], [], []
     for e in entries:
         params = e.request.params
@@ -102,7 +103,9 @@ def teacher_logprobs(logits: torch.Tensor, entries, per_row: bool) -> torch.Tens
     targets = torch.tensor(targets, dtype=torch.int64, device=device)
     temperature = torch.tensor(temperature, dtype=torch.float32, device=device)
     raw = torch.tensor(raw, dtype=torch.bool, device=device)
+    top_k = max(e.request.score_top_k for e in entries)
     if not per_row:
-        return token_logprobs_ref(logits, targets, temperature, raw)
-    return torch.cat([token_logprobs_ref(logits[i : i + 1].clone(), targets[i : i + 1], temperature[i : i + 1],
-                                         raw[i : i + 1]) for i in range(logits.shape[0])])
+        return token_logprobs_ref(logits, targets, temperature, raw, top_k)
+    rows = [token_logprobs_ref(logits[i : i + 1].clone(), targets[i : i + 1], temperature[i : i + 1], raw[i : i + 1],
+                               top_k) for i in range(logits.shape[0])]
+    return torch.cat(rows) if not top_k else tuple(torch.cat(parts) for parts in zip(*rows))

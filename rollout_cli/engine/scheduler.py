@@ -272,12 +272,12 @@ class Scheduler(OverlapScheduling):
     # ---- after the forward -------------------------------------------------
 
     def postprocess(self, out: ScheduleOutput, tokens: list[int], logprobs: list[float],
-                    scores: list[float] = ()) -> list[Request]:
+                    scores: list[float] = (), score_tops: list | None = None) -> list[Request]:
         """Advance each request by its step; `tokens`/`logprobs` hold one entry per sampling request,
-        `scores` the scored rows' logprobs in entry order (scoring requests)."""
+        `scores` the scored rows' logprobs in entry order (scoring requests), `score_tops` their top-k."""
         finished = []
         sampled = iter(zip(tokens, logprobs))
-        scored = iter(scores)
+        scored = iter(zip(scores, score_tops if score_tops is not None else [None] * len(scores)))
         now = time.monotonic()
         for entry in out.entries:
             request = entry.request
@@ -304,7 +304,9 @@ class Scheduler(OverlapScheduling):
             if entry.score_targets:
                 first = entry.start + entry.score_first_row + 1 - request.score_from  # index of the first target
                 for i in range(len(entry.score_targets)):
-                    request.scored_logprobs[first + i] = next(scored)
+                    request.scored_logprobs[first + i], top = next(scored)
+                    if request.scored_top is not None:
+                        request.scored_top[first + i] = top
             if request.is_scoring and request.num_computed_tokens == request.num_tokens:
                 request.finish_reason = "scored"
             if request.finish_reason is not None:

@@ -62,3 +62,5 @@ class Score:
     sample_index: int
     response_logprobs: list[float]
     passthrough: dict[str, Any] = field(default_factory=dict)
+    # with top_logprobs K: per response position, the K most likely (token id, logprob), most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None

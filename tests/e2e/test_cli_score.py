@@ -88,3 +88,17 @@ def test_bad_input_is_one_line(tmp_path, args, message):
     done = _cli("score", *COMMON, "--out", tmp_path / "s", *args)
     assert done.returncode == 2 and message in done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_top_logprobs_columns(run_dir, tmp_path):
+    out = tmp_path / "scores"
+    done = _cli("score", *COMMON, "--data", run_dir, "--out", out, "--deterministic", "--top-logprobs", 3)
+    assert done.returncode == 0, done.stderr
+    table = pq.read_table(out / "scores")
+    assert table.schema.field("top_token_ids").type == pa.list_(pa.list_(pa.int32()))
+    assert table.schema.field("top_logprobs").type == pa.list_(pa.list_(pa.float32()))
+    for row in table.to_pylist():
+        assert len(row["top_token_ids"]) == len(row["top_logprobs"]) == len(row["response_logprobs"])
+        for ids, lps, chosen in zip(row["top_token_ids"], row["top_logprobs"], row["response_logprobs"], strict=True):
+            assert len(ids) == 3 and lps == sorted(lps, reverse=True) and lps[0] >= chosen
+    assert json.loads((out / "manifest.json").read_text())["settings"]["top_logprobs"] == 3

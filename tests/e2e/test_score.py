@@ -97,3 +97,29 @@ def test_empty_responses_score_to_empty_lists(sampling_checkpoint):
     samples = [ScoreInput(0, 0, [5, 6, 7], []), ScoreInput(1, 0, [5, 6], [9, 10])]
     scores = list(engine.score(samples, SamplingParams()))
     assert sorted((s.prompt_index, len(s.response_logprobs)) for s in scores) == [(0, 0), (1, 2)]
+
+
+def test_top_logprobs_are_the_k_most_likely_tokens(sampling_checkpoint, hf_ref):
+    """--top-logprobs K: at each response position the K most likely tokens under the reported
+    distribution (temperature applied), most likely first, with their logprobs: HF's within 1e-4."""
+    import torch
+
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=0.8, seed=5)
+    engine = _engine(sampling_checkpoint)
+    trajectories = _run(engine, params)[:3]
+    samples = [ScoreInput(t.prompt_index, t.sample_index, t.prompt_token_ids, t.response_token_ids)
+               for t in trajectories]
+    scores = {(s.prompt_index, s.sample_index): s for s in engine.score(samples, params, top_logprobs=4)}
+    model = hf_ref.model(sampling_checkpoint)
+    for t in trajectories:
+        score = scores[(t.prompt_index, t.sample_index)]
+        assert len(score.top_logprobs) == len(t.response_token_ids)
+        with torch.no_grad():
+            logits = model(torch.tensor([t.prompt_token_ids + t.response_token_ids])).logits[0].float()
+        logp = torch.log_softmax(logits / 0.8, dim=-1)
+        for i, top in enumerate(score.top_logprobs):
+            want = logp[len(t.prompt_token_ids) - 1 + i].topk(4)
+            assert [token for token, _ in top] == want.indices.tolist()
+            assert [lp for _, lp in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+            assert top[0][1] >= score.response_logprobs[i]
+    assert all(s.top_logprobs is None for s in engine.score(samples[:1], params))  # off by default
