@@ -11,13 +11,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pyarrow.parquet as pq
 import pytest
 
+from daemon_probe import wait_for_daemon
 from hub_cache import COMMIT_MAIN, COMMIT_V2, HUB_ID
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,7 +140,7 @@ def test_serve_a_hub_id_and_reload_another_revision(hub_cache, tmp_path):
     proc = subprocess.Popen(CLI + ["serve", "--model", HUB_ID, "--device", "cpu", "--socket", str(sock)],
                             stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=REPO, env=_env(cache))
     try:
-        _wait_ready(proc, sock, log)
+        wait_for_daemon(proc, sock, log)
         out = tmp_path / "out"
         _ok(_cli(cache, ["run", "--engine", sock, "--data", PROMPTS, "--out", out, "--n", "1", "--limit", "2",
                          "--max-new-tokens", "2", "--quiet"]))
@@ -157,19 +156,6 @@ def test_serve_a_hub_id_and_reload_another_revision(hub_cache, tmp_path):
         proc.wait(timeout=60)
 
 
-def _wait_ready(proc: subprocess.Popen, sock: Path, log: Path, timeout: float = 120) -> None:
-    """Polls /health: a readiness probe, not a timing assumption (the test waits for a state)."""
-    deadline = time.monotonic() + timeout
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://rollout") as http:
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if http.get("/health").status_code == 200:
-                    return
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, FileNotFoundError):
-                pass
-            time.sleep(0.1)
-    raise AssertionError(f"daemon not ready:\n{log.read_text()}")
 
 
 @pytest.mark.parametrize("parallel", [["--dp", "2"], ["--tp", "2"]])

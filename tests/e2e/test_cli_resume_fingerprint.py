@@ -14,12 +14,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pyarrow.parquet as pq
 import pytest
+
+from daemon_probe import wait_for_daemon
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "recipes" / "example_model"
@@ -163,18 +163,7 @@ class _Daemon:
         self.log = log
 
     def wait_ready(self, timeout: float = 120) -> None:
-        """Polls /health: a readiness probe, not a timing assumption (the test waits for a state)."""
-        deadline = time.monotonic() + timeout
-        with httpx.Client(transport=httpx.HTTPTransport(uds=str(self.sock)), base_url="http://rollout") as http:
-            while time.monotonic() < deadline:
-                assert self.proc.poll() is None, self.log.read_text()
-                try:
-                    if http.get("/health").status_code == 200:
-                        return
-                except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, FileNotFoundError):
-                    pass
-                time.sleep(0.1)
-        raise AssertionError(f"daemon not ready:\n{self.log.read_text()}")
+        wait_for_daemon(self.proc, self.sock, self.log, timeout)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
