@@ -34,8 +34,8 @@ Per row, with x = logits / T (T = 1 for greedy rows) and e_i = exp(x_i - max x)
      token whose running kept mass exceeds u * total (the last kept token, the last index with
      probability > 0, if rounding runs past the end, as the reference does).
 Ties at the top-k boundary keep every tied token (the reference keeps exactly k, in
-unspecified order). logprob = log_softmax(x)[token] ("processed") or
-log_softmax(logits)[token] when raw_logprobs.
+unspecified order). logprob = log_softmax(x)[token] renormalised over the kept set ("processed":
+x - max x - log(kept mass of e)) or log_softmax(logits)[token] when raw_logprobs.
 
 The uniform u is either given ([B] float32) or computed in the kernel from int64
 keys (seed, prompt_index, sample_index, position) with the hash of `sampling_rng.py`, equal bit for
@@ -139,6 +139,7 @@ def _sampling_kernel(
     zt = tl.sum(mass_c, axis=0)
 
     token = argmax
+    kept = zt  # mass of the tokens the draw keeps (the whole row unless a filter cuts it)
     if temperature != 0.0:
         top_k = tl.load(top_k_ptr + row)
         top_p = tl.load(top_p_ptr + row)
@@ -163,6 +164,7 @@ def _sampling_kernel(
                 base, V, m, scale, scratch, thresh, tl.full((), HI, tl.int32), count, total,
                 tl.zeros((), tl.int32), tl.zeros((), tl.float32), 0, top_p * total, True, BLOCK_S, NT, CAP)
         thresh_f = thresh.to(tl.float32, bitcast=True)
+        kept = total
         if KEYED:
             u = _uniform_from_keys(tl.load(seed_ptr + row), tl.load(pidx_ptr + row),
                                    tl.load(sidx_ptr + row), tl.load(pos_ptr + row))
@@ -210,7 +212,8 @@ def _sampling_kernel(
     l_tok = tl.load(base + token).to(tl.float32)
     raw = tl.load(raw_ptr + row) != 0
     raw_lp = (l_tok - m) - tl.log(z1)
-    processed_lp = (tl.math.div_rn(l_tok, T) - tl.math.div_rn(m, T)) - tl.log(zt)
+    # processed: over the kept set, the distribution the token was drawn from (= zt when nothing is cut)
+    processed_lp = (tl.math.div_rn(l_tok, T) - tl.math.div_rn(m, T)) - tl.log(kept)
     tl.store(tok_ptr + row, token.to(tl.int64))
     tl.store(logprob_ptr + row, tl.where(raw, raw_lp, processed_lp))
 

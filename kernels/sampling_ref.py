@@ -65,6 +65,27 @@ def filter_probs_ref(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
+def reported_logprobs_ref(logits, temperature, raw_logprobs, top_k=None, top_p=None, min_p=None):
+    """Every token's logprob [B, V] as the sampler reports a drawn one. Raw rows: log_softmax(logits).
+    Processed rows: log_softmax(logits / T) renormalised over the tokens top-k / top-p / min-p keep
+    (the distribution the token was drawn from; -inf outside it), so that truncated sampling stays
+    on-policy for a trainer's importance weights. Greedy rows (T = 0): T = 1, no filter.
+    top_k [B] int64, top_p / min_p [B] float32, or None for no filters."""
+    logits = logits.float()
+    raw = torch.log_softmax(logits, dim=-1)
+    greedy = temperature == 0.0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    processed = torch.log_softmax(logits / t[:, None], dim=-1)
+    if top_k is not None:
+        filtering = ((top_p < 1.0) | (top_k > 0) | (min_p > 0.0)) & ~greedy
+        if bool(filtering.any()):
+            kept = filter_probs_ref(processed.exp(), top_k, top_p, min_p)  # the sampler's kept set, [B, V]
+            renormalised = torch.where(kept > 0, processed - kept.sum(dim=-1, keepdim=True).log(),
+                                       torch.full_like(processed, float("-inf")))
+            processed = torch.where(filtering[:, None], renormalised, processed)
+    return torch.where(raw_logprobs[:, None], raw, processed)
+
+
 def sample_ref(logits, temperature, top_k, top_p, min_p, raw_logprobs, uniform=None, keys=None):
     """`sample` in plain torch, same arguments (uniform [B] float32, or keys: four int64 [B]).
     logits [B, V] -> (token ids [B] int64, logprob of each chosen token [B] float32)."""
@@ -91,26 +112,18 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, raw_logprobs, uniform=N
         last_kept = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1)
         tokens = torch.where(landed_on_zero, last_kept, tokens)
     tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
-    return tokens, _reported(raw, processed, raw_logprobs, tokens)
+    return tokens, token_logprobs_ref(logits, tokens, temperature, raw_logprobs, top_k, top_p, min_p)
 
 
-def _reported(raw, processed, raw_logprobs, tokens):
-    """The logprob each row reports for `tokens` [B]: raw [B, V] where raw_logprobs, else processed."""
-    return torch.where(raw_logprobs[:, None], raw, processed).gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def token_logprobs_ref(logits, tokens, temperature, raw_logprobs, top_k: int = 0):
-    """The logprob `sample_ref` reports when it draws `tokens` [B] from logits [B, V] (temperature [B],
-    0 = greedy; raw_logprobs [B] bool): teacher forcing, the same expressions as the sampler, so a
-    token scored from the same logits row gets the same bits it was sampled with. -> [B] float32;
-    with top_k > 0, also the top_k most likely tokens' ids [B, top_k] int64 and logprobs [B, top_k]
-    reported the same way (the most likely first)."""
-    logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1)
-    t = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)
-    processed = torch.log_softmax(logits / t[:, None], dim=-1)
-    chosen = _reported(raw, processed, raw_logprobs, tokens)
-    if top_k <= 0:
+def token_logprobs_ref(logits, tokens, temperature, raw_logprobs, top_k=None, top_p=None, min_p=None,
+                       num_top: int = 0):
+    """The logprob `sample_ref` reports when it draws `tokens` [B] from logits [B, V] with these settings
+    (see reported_logprobs_ref): teacher forcing through the sampler's own expressions, so a token scored
+    from the same logits row gets the same bits it was sampled with. -> [B] float32; with num_top > 0,
+    also the num_top most likely tokens' ids [B, num_top] int64 and logprobs (the most likely first)."""
+    reported = reported_logprobs_ref(logits, temperature, raw_logprobs, top_k, top_p, min_p)  # [B, V]
+    chosen = reported.gather(-1, tokens[:, None]).squeeze(-1)
+    if num_top <= 0:
         return chosen
-    top = torch.where(raw_logprobs[:, None], raw, processed).topk(min(top_k, logits.shape[-1]), dim=-1)
+    top = reported.topk(min(num_top, logits.shape[-1]), dim=-1)
     return chosen, top.indices, top.values

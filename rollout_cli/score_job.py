@@ -122,7 +122,8 @@ def run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig,
     done = completed_pairs(job.out, SCORES_SUBDIR) if job.resume else set()
     settings = {"model": engine.config.model, "data": job.data, "weight_version": engine.weight_version,
                 "deterministic": engine.config.deterministic,
-                "sampling": {"temperature": params.temperature, "logprobs_mode": params.logprobs_mode},
+                "sampling": {name: getattr(params, name) for name in ("temperature", "logprobs_mode", "top_p", "top_k",
+                                                                      "min_p")},
                 "top_logprobs": job.top_logprobs}
     previous = read_manifest(job.out) if job.resume else None
     if previous and previous.get("settings") != settings:

@@ -90,13 +90,15 @@ class Policy:
         return self.model.parameters()
 
     def response_logprobs(self, prompt_token_ids: list[int], response_token_ids: list[int],
-                          temperature: float = 1.0, logprobs_mode: str = "processed") -> torch.Tensor:
+                          temperature: float = 1.0, logprobs_mode: str = "processed", **filters) -> torch.Tensor:
         """[len(response)] logprobs of the response tokens given the prompt and the tokens before each,
-        reported as the engine reports sampled tokens (temperature, processed or raw), differentiable."""
-        return self.group_logprobs(prompt_token_ids, [response_token_ids], temperature, logprobs_mode)[0]
+        reported as the engine reports sampled tokens (temperature, processed or raw, and the top_k /
+        top_p / min_p the rollout drew with: processed logprobs are over the kept set), differentiable."""
+        return self.group_logprobs(prompt_token_ids, [response_token_ids], temperature, logprobs_mode, **filters)[0]
 
     def group_logprobs(self, prompt_token_ids: list[int], responses: list[list[int]], temperature: float = 1.0,
-                       logprobs_mode: str = "processed") -> list[torch.Tensor]:
+                       logprobs_mode: str = "processed", top_k: int = 0, top_p: float = 1.0,
+                       min_p: float = 0.0) -> list[torch.Tensor]:
         """response_logprobs of several responses to one prompt (a GRPO group): the prompt is computed
         once and its keys shared by every response's forward (the same values: the same bits)."""
         prompt = list(prompt_token_ids)
@@ -105,6 +107,9 @@ class Policy:
             token_forward(self.model, token, position, prefix, self.device, logits=False)
         temperature_row = torch.tensor([temperature], dtype=torch.float32, device=self.device)
         raw_row = torch.tensor([logprobs_mode == "raw"], device=self.device)
+        filters = (torch.tensor([top_k], dtype=torch.int64, device=self.device),
+                   torch.tensor([top_p], dtype=torch.float32, device=self.device),
+                   torch.tensor([min_p], dtype=torch.float32, device=self.device))
         results = []
         for response in responses:
             attn = prefix.fork()
@@ -113,7 +118,7 @@ class Policy:
             for position in range(len(prompt) - 1, len(tokens) - 1):
                 logits = token_forward(self.model, tokens[position], position, attn, self.device)  # [1, vocab]
                 target = torch.tensor([tokens[position + 1]], device=self.device)
-                out.append(token_logprobs_ref(logits, target, temperature_row, raw_row))
+                out.append(token_logprobs_ref(logits, target, temperature_row, raw_row, *filters))
             results.append(torch.cat(out) if out else torch.zeros(0, device=self.device))
         return results
 

@@ -23,6 +23,9 @@ def score_command(
     out: Annotated[str, typer.Option(help="Output directory (scores/part-NNNNN.parquet, manifest.json).", rich_help_panel=DATA)] = ...,
     temperature: Annotated[Optional[float], typer.Option(help="Temperature the logprobs are reported at; default: the run's (its manifest.json), else 1.", rich_help_panel=opt.SAMPLING)] = None,
     logprobs_mode: Annotated[Optional[str], typer.Option(help="processed or raw; default: the run's, else processed.", rich_help_panel=opt.SAMPLING)] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="The run's nucleus mass (processed logprobs are over the kept set); default: the run's, else 1.", rich_help_panel=opt.SAMPLING)] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="The run's top-k; default: the run's, else 0 (off).", rich_help_panel=opt.SAMPLING)] = None,
+    min_p: Annotated[Optional[float], typer.Option(help="The run's min-p; default: the run's, else 0 (off).", rich_help_panel=opt.SAMPLING)] = None,
     top_logprobs: Annotated[int, typer.Option(help="Also write the K most likely tokens and their logprobs at every response position (teacher scoring for distillation); 0 = off.", rich_help_panel=DATA)] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed job in OUT: score only the missing samples.", rich_help_panel=DATA)] = False,
     shard_rows: Annotated[int, typer.Option(help="Rows per output shard.", rich_help_panel=DATA)] = 1024,
@@ -48,8 +51,11 @@ def score_command(
     console = Console(stderr=True, quiet=quiet)
     with user_errors():
         recorded = run_sampling(data)
-        params = SamplingParams(temperature=recorded.get("temperature", 1.0) if temperature is None else temperature,
-                                logprobs_mode=logprobs_mode or recorded.get("logprobs_mode", "processed"))
+        given = {"temperature": temperature, "logprobs_mode": logprobs_mode, "top_p": top_p, "top_k": top_k,
+                 "min_p": min_p}
+        defaults = {"temperature": 1.0, "logprobs_mode": "processed", "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+        params = SamplingParams(**{name: value if value is not None else recorded.get(name, defaults[name])
+                                   for name, value in given.items()})
         job = ScoreJobConfig(data=data, out=out, resume=resume, shard_rows=shard_rows, flush_seconds=flush_seconds,
                              top_logprobs=top_logprobs)
         config = opt.engine_config(model=model, quiet=quiet, **engine_options)

@@ -93,19 +93,19 @@ def teacher_logprobs(logits: torch.Tensor, entries, per_row: bool):
     sampler reports a drawn token (the request's temperature and logprobs mode); with the requests'
     score_top_k > 0, (logprobs, top ids [S, K], top logprobs [S, K]). `per_row`: one row at a time, as
     the on-policy mode samples, so a row's bits never depend on the others."""
-    targets, temperature, raw = [], [], []
-    for e in entries:
-        params = e.request.params
-        targets += e.score_targets
-        temperature += [params.temperature] * len(e.score_targets)
-        raw += [params.logprobs_mode == "raw"] * len(e.score_targets)
-    device = logits.device
-    targets = torch.tensor(targets, dtype=torch.int64, device=device)
-    temperature = torch.tensor(temperature, dtype=torch.float32, device=device)
-    raw = torch.tensor(raw, dtype=torch.bool, device=device)
-    top_k = max(e.request.score_top_k for e in entries)
+    targets = [t for e in entries for t in e.score_targets]
+    rows = SamplingRows([e.request for e in entries for _ in e.score_targets], [0] * len(targets))
+    ints, floats = rows.to_device(logits.device)  # the requests' settings, as the sampler reads them
+    targets = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+    num_top = max(e.request.score_top_k for e in entries)
+
+    def score(rows: slice, row_logits: torch.Tensor):
+        return token_logprobs_ref(row_logits, targets[rows], floats[TEMPERATURE, rows],
+                                  floats[RAW_LOGPROBS, rows] > 0.5, ints[TOP_K, rows], floats[TOP_P, rows],
+                                  floats[MIN_P, rows], num_top)
+
     if not per_row:
-        return token_logprobs_ref(logits, targets, temperature, raw, top_k)
-    rows = [token_logprobs_ref(logits[i : i + 1].clone(), targets[i : i + 1], temperature[i : i + 1], raw[i : i + 1],
-                               top_k) for i in range(logits.shape[0])]
-    return torch.cat(rows) if not top_k else tuple(torch.cat(parts) for parts in zip(*rows))
+        return score(slice(None), logits)
+    # each row alone, in a fresh buffer, as the sampler's rows are (see ModelRunner._run_eager)
+    parts = [score(slice(i, i + 1), logits[i : i + 1].clone()) for i in range(logits.shape[0])]
+    return torch.cat(parts) if not num_top else tuple(torch.cat(column) for column in zip(*parts))

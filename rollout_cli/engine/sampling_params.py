@@ -28,7 +28,8 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep generating past eos tokens until max_new_tokens."""
     logprobs_mode: str = "processed"
-    """processed: log_softmax(logits / temperature); raw: log_softmax(logits)."""
+    """processed: log_softmax(logits / temperature) renormalised over the tokens top_k / top_p / min_p keep
+    (the distribution the token was drawn from); raw: log_softmax(logits)."""
 
     def __post_init__(self) -> None:
         from rollout_cli.errors import RolloutError

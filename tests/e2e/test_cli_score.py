@@ -27,7 +27,7 @@ def _cli(*args) -> subprocess.CompletedProcess:
 def run_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("score") / "traj"
     done = _cli("run", *COMMON, "--data", PROMPTS, "--out", out, "--n", 2, "--max-new-tokens", 12, "--limit", 4,
-                "--temperature", 0.8, "--deterministic", "--shard-rows", 3)
+                "--temperature", 0.8, "--top-p", 0.9, "--deterministic", "--shard-rows", 3)
     assert done.returncode == 0, done.stderr
     return out
 
@@ -38,7 +38,8 @@ def test_deterministic_scores_equal_the_run_and_the_layout_holds(run_dir, tmp_pa
     assert done.returncode == 0, done.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["samples"] == 8 and manifest["tokens"] > 0
-    assert manifest["settings"]["sampling"] == {"temperature": 0.8, "logprobs_mode": "processed"}  # the run's
+    assert manifest["settings"]["sampling"] == {"temperature": 0.8, "logprobs_mode": "processed", "top_p": 0.9,
+                                                "top_k": 0, "min_p": 0.0}  # the run's
     assert manifest["max_abs_diff"] == 0.0 and manifest["bitwise_equal_tokens"] == 1.0
     assert manifest["bitwise_equal_samples"] == 8
     scores = pq.read_table(out / "scores")

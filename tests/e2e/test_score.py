@@ -56,7 +56,8 @@ def test_scores_equal_hf_teacher_forcing(sampling_checkpoint, hf_ref):
     SamplingParams(n=3, max_new_tokens=10, temperature=1.0, seed=8),
     SamplingParams(n=2, max_new_tokens=10, temperature=0.6, logprobs_mode="raw", seed=8),
     SamplingParams(n=1, max_new_tokens=10, temperature=0.0),
-], ids=["t1", "t0.6-raw", "greedy"])
+    SamplingParams(n=2, max_new_tokens=10, temperature=0.9, top_p=0.8, top_k=12, min_p=0.02, seed=8),
+], ids=["t1", "t0.6-raw", "greedy", "filtered"])
 def test_deterministic_scores_equal_the_run_bit_for_bit(sampling_checkpoint, dtype, params):
     run_engine = _engine(sampling_checkpoint, dtype, deterministic=True)
     trajectories = _run(run_engine, params)

@@ -30,13 +30,16 @@ def _rollout(model_dir, dtype, params, **options):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("params", [SamplingParams(n=2, max_new_tokens=8, temperature=1.0, seed=4),
                                     SamplingParams(n=2, max_new_tokens=8, temperature=0.7, logprobs_mode="raw",
-                                                   seed=4)], ids=["t1", "t0.7-raw"])
+                                                   seed=4),
+                                    SamplingParams(n=2, max_new_tokens=8, temperature=0.9, top_p=0.8, top_k=15,
+                                                   min_p=0.01, seed=4)], ids=["t1", "t0.7-raw", "filtered"])
 def test_trainer_logprobs_equal_the_rollout_bit_for_bit(sampling_checkpoint, dtype, params):
     trajectories = _rollout(sampling_checkpoint, dtype, params, max_batch_tokens=6)  # chunked, batched
     policy = Policy(sampling_checkpoint, dtype=dtype)
     for t in trajectories:
         got = policy.response_logprobs(t.prompt_token_ids, t.response_token_ids, params.temperature,
-                                       params.logprobs_mode)
+                                       params.logprobs_mode, top_k=params.top_k, top_p=params.top_p,
+                                       min_p=params.min_p)
         assert got.requires_grad
         assert got.tolist() == t.response_logprobs, t.prompt_index
 

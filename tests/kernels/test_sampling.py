@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rollout_kernels.sampling import chunk_layout, sample, sample_workspace, workspace_columns
-from rollout_kernels.sampling_ref import as_int64_key, filter_probs_ref, sample_ref, sample_uniform_ref
+from rollout_kernels.sampling_ref import (as_int64_key, filter_probs_ref, reported_logprobs_ref, sample_ref,
+                                          sample_uniform_ref)
 from rollout_kernels.sampling_ref import uniform_from_keys as py_uniform
 from rollout_kernels.sampling_rng import sample_uniform
 
@@ -67,9 +68,8 @@ def _check_against_reference(logits, temperature, top_k, top_p, min_p, raw, unif
     assert int(mismatch.sum()) <= max(1, len(tokens) // 100), f"{int(mismatch.sum())} of {len(tokens)} differ"
     same = ~mismatch
     torch.testing.assert_close(logprobs[same], want_logprobs[same], atol=LOGPROB_TOL, rtol=0)
-    # the logprob is of the token actually chosen, whichever it is
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    lp_all = torch.where(raw[:, None], torch.log_softmax(logits, -1), torch.log_softmax(logits / t[:, None], -1))
+    # the logprob is of the token actually chosen, whichever it is (processed: over the kept set)
+    lp_all = reported_logprobs_ref(logits, temperature, raw, top_k, top_p, min_p)
     torch.testing.assert_close(logprobs, lp_all.gather(-1, tokens[:, None]).squeeze(-1), atol=LOGPROB_TOL, rtol=0)
 
 

@@ -190,10 +190,18 @@ def test_processed_vs_raw_logprobs():
         assert torch.allclose(lp_r, want_r, atol=1e-5)
         if temperature != 1.0:
             assert not torch.allclose(lp_p, lp_r, atol=1e-3)
-    # processed logprobs are not renormalised after filtering
+    # processed logprobs are over the kept set: the distribution the token was drawn from (top-k 3 here),
+    # so a trainer's importance weights see the truncation; raw ones are not
     filtered = SamplingParams(temperature=0.5, top_k=3, seed=1)
     tok, lp = sample(logits, build([(filtered, i, 0, 3) for i in range(6)]))
-    assert torch.allclose(lp, torch.log_softmax(logits / 0.5, dim=-1).gather(-1, tok[:, None]).squeeze(-1), atol=1e-5)
+    scaled = torch.log_softmax(logits / 0.5, dim=-1)
+    kept = scaled.topk(3, dim=-1).values.logsumexp(dim=-1)  # log of the top-3 mass
+    assert torch.allclose(lp, scaled.gather(-1, tok[:, None]).squeeze(-1) - kept, atol=1e-5)
+    assert bool((lp > scaled.gather(-1, tok[:, None]).squeeze(-1)).all())  # renormalised: larger
+    raw_filtered = SamplingParams(temperature=0.5, top_k=3, seed=1, logprobs_mode="raw")
+    tok_r, lp_r = sample(logits, build([(raw_filtered, i, 0, 3) for i in range(6)]))
+    assert torch.equal(tok_r, tok)
+    assert torch.allclose(lp_r, torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None]).squeeze(-1), atol=1e-5)
 
 
 def test_greedy_rows_mixed_with_sampled_rows():
