@@ -33,10 +33,11 @@ def score_command(
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary table.")] = False,
     engine_options: Optional[dict] = None,  # filled by with_engine_options
 ) -> None:
-    """Re-score a run's trajectories by teacher forcing (prompt and response in one prefill, the way a
-    trainer computes old logprobs) and report how far the run's logprobs are from them: tokens scored,
-    mean / p99 / max absolute difference, and the share equal bit for bit (all of it under --deterministic,
-    when both commands use it).
+    """Teacher-force a run's trajectories and report how far its logprobs are from them.
+
+    Prompt and response go through the model in one prefill, the way a trainer computes old logprobs;
+    the summary gives the tokens scored, the mean / p99 / max absolute difference and the share equal
+    bit for bit (all of it when both commands use --deterministic).
 
     Example:
 
