@@ -142,5 +142,8 @@ class TensorParallelRanks:
         try:
             if self.group.is_leader:
                 _broadcast(self.group, (STOP,))
+            # every rank reaches this point before any tears its connections down: a rank that left
+            # first could leave another's gloo threads talking to a closed peer (exit -6 seen in CI)
+            dist.barrier(group=self.group.cpu_group)
         finally:
             close_tensor_parallel()
