@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import typer
 from rich.console import Console
 
+from rollout_cli.cli.display import RunProgressBar, run_summary_table
 from rollout_cli.cli.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, user_errors
 from rollout_cli.errors import RolloutError
 
 
 def remote_run(*, model, engine, token_file, quiet, engine_flags, job, sampling) -> None:
-    from rollout_cli.cli.run import _progress_bar, _summary_table
     from rollout_cli.engine.sampling_params import SamplingParams
     from rollout_cli.server.address import ENV_ENGINE
     from rollout_cli.server.client import EngineClient, resolve_address
@@ -37,7 +37,7 @@ def remote_run(*, model, engine, token_file, quiet, engine_flags, job, sampling)
             raise RolloutError(f"no engine at {resolve_address(None)}; start one with rollout serve --model DIR, "
                                "or pass --model DIR to run without one")
         body = dict(job, data=os.path.abspath(job["data"]), out=os.path.abspath(job["out"]), sampling_params=sampling)
-        with EngineClient(resolve_address(engine), token_file) as client, _progress_bar(console) as (_, update):
+        with EngineClient(resolve_address(engine), token_file) as client, RunProgressBar(console) as update:
             try:
                 for event in client.stream("/generate", body):
                     if event["event"] == "progress":
@@ -55,7 +55,7 @@ def remote_run(*, model, engine, token_file, quiet, engine_flags, job, sampling)
         typer.echo(f"error: {outcome['message']}", err=True)
         raise typer.Exit(EXIT_USER_ERROR)
     if not quiet:
-        console.print(_summary_table(outcome["manifest"], job["out"]))
+        console.print(run_summary_table(outcome["manifest"], job["out"]))
     if outcome["event"] == "aborted":
         if outcome.get("reason") == "shutdown":
             typer.echo("interrupted: the engine shut down; finished trajectories are saved; "

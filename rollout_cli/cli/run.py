@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
 from rollout_cli.cli import options as opt
+from rollout_cli.cli.display import RunProgressBar, run_summary_table
 from rollout_cli.cli.errors import user_errors
 
 DATA = "Input and output"
@@ -126,59 +124,11 @@ def run_command(
             engine = Engine(engine_config)
         freeze_long_lived_objects()
         try:
-            with _progress_bar(console) as (progress, update):
+            with RunProgressBar(console) as update:
                 manifest = run_job(engine, params, job, on_progress=update, group=group)
         finally:
             if group is not None:
                 group.close()
         if not quiet and (group is None or group.is_leader):
-            console.print(_summary_table(manifest, out))
+            console.print(run_summary_table(manifest, out))
 
-
-class _progress_bar:
-    """A rich bar: prompts done / total, output tokens/s, ETA.
-
-    Started by the first update (run_job sends one once every row validated), so a
-    bad input ends with the one `error:` line alone, not a bar drawn above it.
-    """
-
-    def __init__(self, console: Console):
-        self.progress = Progress(
-            TextColumn("[bold]prompts"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[tps]:>9.0f} out tok/s"), TimeElapsedColumn(), TimeRemainingColumn(),
-            console=console, transient=False,
-        )
-        self.task = None
-
-    def __enter__(self):
-        return self.progress, self.update
-
-    def update(self, state) -> None:
-        if self.task is None:
-            self.progress.start()
-            self.task = self.progress.add_task("generate", total=None, tps=0.0)
-        self.progress.update(self.task, total=state.prompts_total, completed=state.prompts_done,
-                             tps=state.output_tokens_per_s)
-
-    def __exit__(self, *exc):
-        if self.task is not None:
-            self.progress.stop()
-        return False
-
-
-def _summary_table(manifest: dict, out: str) -> Table:
-    table = Table(title=f"rollout run -> {Path(out)}", show_header=False)
-    rows = [
-        ("status", manifest["status"]),
-        ("prompts", f"{manifest['prompts_done']} / {manifest['prompts']}"),
-        ("trajectories", str(manifest["trajectories"])),
-        ("written this run", str(manifest["trajectories_this_run"])),
-        ("output tokens/s", f"{manifest['output_tokens_per_s']:.1f}"),
-        ("prefix hit rate", f"{manifest['prefix_hit_rate']:.1%}"),
-        ("finish reasons", ", ".join(f"{k}: {v}" for k, v in manifest["finish_reasons_this_run"].items()) or "-"),
-        ("skipped rows", str(len(manifest["skipped_rows"]))),
-        ("wall time", f"{manifest['wall_seconds']:.1f} s"),
-    ]
-    for key, value in rows:
-        table.add_row(key, value)
-    return table

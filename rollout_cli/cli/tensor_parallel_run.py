@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 
 from rollout_cli.cli import options as opt
+from rollout_cli.cli.display import RunProgressBar, run_summary_table
 from rollout_cli.cli.errors import user_errors
 from rollout_cli.process_gc import freeze_long_lived_objects
 
@@ -105,7 +106,6 @@ def tensor_parallel_run(tp: int, dp: int, engine_options: dict, quiet: bool, out
                         sampling: dict, model: str) -> None:
     """`run --tp N [--dp M]`: M engines of N ranks each (ranks r*N .. r*N + N - 1 form engine r); each
     engine's rank 0 runs its share of the job as a data-parallel replica, the other ranks follow it."""
-    from rollout_cli.cli.run import _progress_bar, _summary_table
     from rollout_cli.data_parallel import ReplicaGroup
     from rollout_cli.engine.engine import Engine
     from rollout_cli.engine.sampling_params import SamplingParams
@@ -135,8 +135,8 @@ def tensor_parallel_run(tp: int, dp: int, engine_options: dict, quiet: bool, out
         if engine.tp.num_replicas > 1:
             replicas = ReplicaGroup(engine.tp.replica, engine.tp.num_replicas, int(os.environ.get("LOCAL_RANK", "0")),
                                     process_group=engine.tp.leaders_group)
-        with leading(engine), _progress_bar(console) as (_, update):
+        with leading(engine), RunProgressBar(console) as update:
             manifest = run_job(engine, params, job, on_progress=update, group=replicas)
         if not quiet and rank == 0:
-            console.print(_summary_table(manifest, out))
+            console.print(run_summary_table(manifest, out))
     exit_rank()  # every file is closed and the followers are released
