@@ -29,24 +29,21 @@ def embedded_run(job_fields: dict, params: SamplingParams, quiet: bool, *, model
     with user_errors():
         job = JobConfig(**job_fields)
         group = ReplicaGroup.from_environment()
-        if group is None:  # the command typed: bad input is one line before any replica or model starts (or download)
+        if group.alone:  # the command typed: bad input is one line before any replica or model starts (or download)
             check_job_inputs(job)
         config = opt.engine_config(model=model, quiet=quiet, **engine_options)
-        if group is None:
-            if dp > 1:
-                raise typer.Exit(launch_replicas(dp, pinned_argv(without_option(sys.argv[2:], "--dp"), config)))
-        else:
-            config = dataclasses.replace(config, device=replica_device(config.device, group))
+        if group.alone and dp > 1:
+            raise typer.Exit(launch_replicas(dp, pinned_argv(without_option(sys.argv[2:], "--dp"), config)))
+        config = dataclasses.replace(config, device=replica_device(config.device, group))
         # replicas other than the first draw nothing: replica 0's bar shows its share of the prompts
-        console = Console(stderr=True, quiet=quiet or (group is not None and not group.is_leader))
+        console = Console(stderr=True, quiet=quiet or not group.is_leader)
         engine = load_engine(config, console)
         try:
             with RunProgressBar(console) as update:
                 manifest = run_job(engine, params, job, on_progress=update, group=group)
         finally:
-            if group is not None:
-                group.close()
-        if not quiet and (group is None or group.is_leader):
+            group.close()
+        if not quiet and group.is_leader:
             console.print(run_summary_table(manifest, job.out))
 
 

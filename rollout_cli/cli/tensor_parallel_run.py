@@ -126,10 +126,9 @@ def tensor_parallel_run(job_fields: dict, params: SamplingParams, quiet: bool, *
         # replicas other than the first draw nothing: engine 0's bar shows its share of the prompts
         console = Console(stderr=True, quiet=quiet or rank != 0)
         engine = load_engine(config, console)
-        replicas = None
-        if engine.tp.num_replicas > 1:
-            replicas = ReplicaGroup(engine.tp.replica, engine.tp.num_replicas, int(os.environ.get("LOCAL_RANK", "0")),
-                                    process_group=engine.tp.leaders_group)
+        # the engines' leaders are the replicas (one engine alone, without --dp, is a group of one)
+        replicas = ReplicaGroup(engine.tp.replica, engine.tp.num_replicas, int(os.environ.get("LOCAL_RANK", "0")),
+                                process_group=engine.tp.leaders_group)
         with leading(engine), RunProgressBar(console) as update:
             manifest = run_job(engine, params, job, on_progress=update, group=replicas)
         if not quiet and rank == 0:
