@@ -10,6 +10,8 @@ from rich.console import Console
 from rollout_cli.cli import options as opt
 from rollout_cli.cli.display import score_progress_bar, score_summary_table
 from rollout_cli.cli.errors import user_errors
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.process_gc import freeze_long_lived_objects
 
 DATA = "Input and output"
 
@@ -38,9 +40,8 @@ def score_command(
         rollout run --model recipes/example_model --data recipes/prompts.parquet --out traj/ --n 4 --deterministic
         rollout score --model recipes/example_model --data traj/ --out scores/ --deterministic
     """
+    # heavy: torch and the model code
     from rollout_cli.engine.engine import Engine
-    from rollout_cli.engine.sampling_params import SamplingParams
-    from rollout_cli.process_gc import freeze_long_lived_objects
     from rollout_cli.score_job import ScoreJobConfig, run_sampling, run_score_job
 
     console = Console(stderr=True, quiet=quiet)
