@@ -21,26 +21,35 @@ from dataclasses import dataclass
 from rollout_cli.errors import RolloutError
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReplicaGroup:
-    """This process's place among the replicas, and the collectives run_job needs."""
+    """This process's place among the replicas, and the collectives run_job needs.
 
-    rank: int
-    size: int
-    local_rank: int
+    `ReplicaGroup()` is one process alone (no --dp, no torchrun): it owns every prompt and its
+    collectives return at once, so run_job reads the same with data parallelism and without.
+    """
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
     process_group: object = None  # the collectives' group: None is WORLD (--dp); the engines' leaders (--tp with --dp)
 
     @classmethod
-    def from_environment(cls) -> "ReplicaGroup | None":
-        """The group torchrun set up for this process, or None when it was not started as a replica."""
+    def from_environment(cls) -> ReplicaGroup:
+        """The group torchrun set up for this process, or a group of one when it was not started as a replica."""
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in os.environ:
-            return None
-        import torch.distributed as dist
+            return cls()
+        import torch.distributed as dist  # heavy: torch, only in a replica
 
         if not dist.is_initialized():
             dist.init_process_group("gloo")  # MASTER_ADDR / MASTER_PORT come from torchrun
         return cls(rank=dist.get_rank(), size=dist.get_world_size(),
                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+    @property
+    def alone(self) -> bool:
+        """One process runs the whole job: its counts are the job's, its shards carry no replica number."""
+        return self.size == 1
 
     @property
     def is_leader(self) -> bool:
@@ -50,35 +59,44 @@ class ReplicaGroup:
         return prompt_index % self.size == self.rank
 
     def barrier(self) -> None:
-        import torch.distributed as dist
+        if self.alone:
+            return
+        import torch.distributed as dist  # heavy: torch, only in a replica
 
         dist.barrier(group=self.process_group)
 
     def gather(self, value) -> list:
         """Every replica's `value`, in rank order (on every replica)."""
-        import torch.distributed as dist
+        if self.alone:
+            return [value]
+        import torch.distributed as dist  # heavy: torch, only in a replica
 
         values = [None] * self.size
         dist.all_gather_object(values, value, group=self.process_group)
         return values
 
     def close(self) -> None:
-        import torch.distributed as dist
+        if self.alone:
+            return
+        import torch.distributed as dist  # heavy: torch, only in a replica
 
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def replica_device(device: str, group: ReplicaGroup) -> str:
-    """Each local replica takes its own GPU: "auto"/"cuda" -> cuda:LOCAL_RANK; the CPU is shared."""
-    import torch
+    """Each local replica takes its own GPU: "auto"/"cuda" -> cuda:LOCAL_RANK; the CPU is shared.
+    A process alone keeps the device it was given."""
+    if group.alone:
+        return device
+    import torch  # heavy, and only a replica gets here
 
     if device in ("auto", "cuda") and torch.cuda.is_available():
         if group.local_rank >= torch.cuda.device_count():
             raise RolloutError(f"replica {group.rank} wants GPU {group.local_rank}, but this machine has "
                                f"{torch.cuda.device_count()}; lower --dp / --nproc-per-node")
         return f"cuda:{group.local_rank}"
-    if device.startswith("cuda:") and group.size > 1:
+    if device.startswith("cuda:"):
         raise RolloutError("--device cuda:N pins every replica to one GPU; use --device cuda (one GPU per replica)")
     return device
 
@@ -86,6 +104,7 @@ def replica_device(device: str, group: ReplicaGroup) -> str:
 def launch_replicas(count: int, run_args: list[str], what: str = "data-parallel replica", command: str = "run") -> int:
     """Run `rollout COMMAND RUN_ARGS` as `count` local processes under torch.distributed.run (replicas, or
     tensor-parallel ranks of run, bench and serve); returns the exit code (128 + N after signal N)."""
+    # heavy: torch, only in the command that starts the processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 

@@ -14,8 +14,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from rollout_cli.data_parallel import ReplicaGroup
 from rollout_cli.engine.engine import Engine
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.errors import JobInterrupted, RolloutError
@@ -34,9 +34,6 @@ from rollout_cli.io.trajectories import (
     write_manifest,
 )
 from rollout_cli.models.hub import source_change
-
-if TYPE_CHECKING:
-    from rollout_cli.data_parallel import ReplicaGroup
 
 # Manifest keys that must be equal for --resume to continue a run. The checkpoint, the prompt file and
 # the weights are compared by content (the manifest's "fingerprints"), never by the paths as typed.
@@ -210,17 +207,18 @@ def run_job(
     params: SamplingParams,
     job: JobConfig,
     on_progress: Callable[[JobProgress], None] | None = None,
-    group: "ReplicaGroup | None" = None,
+    group: ReplicaGroup = ReplicaGroup(),
     weights_path: str | None = None,
 ) -> dict:
     """Generate every missing trajectory of the job; return the final manifest.
 
-    With a data-parallel `group` (rollout_cli.data_parallel) this replica generates only the
-    prompts it owns; replica 0 prepares OUT and writes the manifest, with every replica's counts.
+    In a data-parallel `group` (rollout_cli.data_parallel; default: this process alone) this replica
+    generates only the prompts it owns; replica 0 prepares OUT and writes the manifest, with every
+    replica's counts.
     `weights_path`: where the engine's weights were last loaded from when that is not its model
     directory (the daemon after a reload); --resume refuses to mix weights.
     """
-    leader = group is None or group.is_leader
+    leader = group.is_leader
     if leader:
         check_job_inputs(job)
     source = PromptSource(
@@ -234,7 +232,7 @@ def run_job(
     settings = _settings(engine, job, params)
     manifest = dict(settings, status="running", weight_version=engine.weight_version,
                     engine=_engine_settings(engine))
-    if group is not None:
+    if not group.alone:
         manifest["data_parallel"] = group.size
     if routing_dtype:
         manifest["routing"] = {"dtype": routing_dtype, "num_layers": len(engine.model.moe_layers),
@@ -247,11 +245,10 @@ def run_job(
             done = completed_pairs(job.out)
         create_output_dir(job.out, (TRAJECTORIES_SUBDIR, ROUTING_SUBDIR) if routing_dtype else (TRAJECTORIES_SUBDIR,))
         write_manifest(job.out, manifest)
-    if group is not None:
-        group.barrier()
-        if not leader and job.resume:
-            done = completed_pairs(job.out, clean=False)  # replica 0 may be writing already
-    owned = group.owns if group is not None else (lambda prompt_index: True)
+    group.barrier()
+    if not leader and job.resume:
+        done = completed_pairs(job.out, clean=False)  # replica 0 may be writing already
+    owned = group.owns
 
     already_done = sum(owned(p) for p, _ in done)
     progress = JobProgress(prompts_total=sum(map(owned, source.valid_indices())), trajectories=already_done)
@@ -273,7 +270,7 @@ def run_job(
     writer = TrajectoryWriter(job.out, source.passthrough_schema, job.shard_rows, job.flush_seconds,
                               routing_dtype=routing_dtype,
                               routing_shape=(len(engine.model.moe_layers), engine.model.top_k) if routing_dtype else (0, 0),
-                              replica=group.rank if group is not None else None)
+                              replica=None if group.alone else group.rank)
     finish_reasons: Counter[str] = Counter()
     stats_before = dataclasses.replace(engine.scheduler.stats)
     failure: BaseException | None = None
@@ -300,19 +297,15 @@ def run_job(
     summary = _summary(engine, progress, writer, finish_reasons, skipped, stats_before, status)
     if error is not None:
         summary["error"] = error
-    if group is None:
-        manifest.update(summary)
-        _write_final_manifest(job.out, manifest, failure)
-    elif failure is not None and leader:  # the replicas' counts are gathered only when all finish
-        manifest.update(status=status, **({"error": error} if error else {}))
-        _write_final_manifest(job.out, manifest, failure)
     if failure is not None:
+        if leader:  # alone, its counts are the job's; the replicas' counts are gathered only when all finish
+            manifest.update(summary if group.alone else {"status": status, **({"error": error} if error else {})})
+            _write_final_manifest(job.out, manifest, failure)
         raise failure
-    if group is not None:  # a replica that failed above never gets here; torchrun stops the others
-        summaries = group.gather(summary)
-        manifest.update(_merge_summaries(summaries))
-        if leader:
-            write_manifest(job.out, manifest)
+    # a replica that failed above never gets here; torchrun stops the others
+    manifest.update(_merge_summaries(group.gather(summary)))
+    if leader:
+        write_manifest(job.out, manifest)
     return manifest
 
 
@@ -377,6 +370,8 @@ def _write_final_manifest(out: str, manifest: dict, failure: BaseException | Non
 
 def _merge_summaries(summaries: list[dict]) -> dict:
     """One manifest summary from every replica's (each counted its own prompts)."""
+    if len(summaries) == 1:  # one process: its own summary, rates as it measured them
+        return summaries[0]
     merged = dict(summaries[0])
     for key in ("prompts", "prompts_done", "trajectories", "trajectories_this_run", "output_tokens_this_run",
                 "preemptions", "prompt_tokens", "cached_prompt_tokens"):

@@ -11,6 +11,8 @@ from rich.table import Table
 
 from rollout_cli.cli import options as opt
 from rollout_cli.cli.errors import user_errors
+from rollout_cli.cli.tensor_parallel_run import follow_leader, is_rank, launch_ranks, leading, rank_config
+from rollout_cli.errors import RolloutError
 from rollout_cli.process_gc import freeze_long_lived_objects
 
 WORKLOAD = "Workload"
@@ -48,8 +50,8 @@ def bench_command(
 
         rollout bench --model ckpt/ --load-format dummy --num-prompts 256 --tp 2
     """
+    # heavy: torch and the model code
     from rollout_cli.bench import BenchConfig, make_workload, measure_hbm_bandwidth, measure_matmul_flops, run_hf_baseline
-    from rollout_cli.cli.tensor_parallel_run import leading
     from rollout_cli.engine.engine import Engine
     from rollout_cli.models.build import load_model_config, resolve_device, resolve_dtype
 
@@ -86,9 +88,7 @@ def bench_command(
 def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg):
     """--tp N: in the command typed, check and start the ranks (exits); in a rank, its engine config,
     or None on the followers once they followed rank 0's benchmark to its end."""
-    from rollout_cli.cli.tensor_parallel_run import follow_leader, is_rank, launch_ranks, rank_config
-    from rollout_cli.errors import RolloutError
-    from rollout_cli.models.tensor_parallel import check_tensor_parallel
+    from rollout_cli.models.tensor_parallel import check_tensor_parallel  # heavy: torch
 
     if tp < 1:
         raise RolloutError("--tp must be >= 1")
@@ -107,7 +107,7 @@ def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg):
 def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: bool, console,
                   flops: float | None = None) -> None:
     """The timed runs on a loaded engine, then the report (rank 0 of --tp N: the followers run the same steps)."""
-    from rollout_cli.bench import bandwidth_limit, profile_decode, run_engine
+    from rollout_cli.bench import bandwidth_limit, profile_decode, run_engine  # heavy: torch
 
     capture_routing = cfg.capture_routing
     report["engine_settings"] = {"device": str(engine.device), "dtype": str(engine.dtype),
@@ -142,7 +142,7 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
 def _compare_capture(engine, workload, cfg, console) -> dict:
     """Four runs on one engine, capture off, on, on, off (ABBA: a drift over the runs, such as
     kernels compiled by the first, weighs on both sides alike); overhead from the sums of times."""
-    from rollout_cli.bench import run_engine
+    from rollout_cli.bench import run_engine  # heavy: torch
 
     runs = []
     for capture in (False, True, True, False):
@@ -160,6 +160,7 @@ def _compare_capture(engine, workload, cfg, console) -> dict:
 
 
 def _read_prompts(path: str, prompt_key: str, model: str) -> list[list[int]]:
+    # heavy: transformers, pyarrow
     from transformers import AutoTokenizer
 
     from rollout_cli.io.prompts import PromptSource
@@ -172,6 +173,7 @@ def _read_prompts(path: str, prompt_key: str, model: str) -> list[list[int]]:
 
 
 def _versions(device) -> dict:
+    # heavy: torch, transformers (triton below: optional)
     import torch
     import transformers
 

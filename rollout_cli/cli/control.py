@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Annotated, Optional
 
 import typer
 
 from rollout_cli.cli import options as opt
 from rollout_cli.cli.errors import user_errors
+from rollout_cli.models.hub import resolve_model
+from rollout_cli.server.address import is_tcp
 
 
 def _client(engine: str | None, token_file: str | None):
-    from rollout_cli.server.client import EngineClient, resolve_address
+    from rollout_cli.server.client import EngineClient, resolve_address  # httpx: only a call to a daemon needs it
 
     return EngineClient(resolve_address(engine), token_file)
 
@@ -38,8 +41,6 @@ def reload_weights_command(
 
         rollout reload-weights ckpt_1/ --version 1
     """
-    from rollout_cli.models.hub import resolve_model
-
     with user_errors():
         # a hub id is fetched on this machine; the daemon reads its snapshot directory, whose name is the
         # commit (status and the manifests' weights source show it)
@@ -196,14 +197,11 @@ def shutdown_command(engine: opt.EngineAddress = None, token_file: opt.TokenFile
 
         rollout shutdown
     """
-    from rollout_cli.server.address import is_tcp
-    from rollout_cli.server.client import resolve_address
+    from rollout_cli.server.client import resolve_address  # httpx: only a call to a daemon needs it
 
     _call(engine, token_file, "POST", "/shutdown")
     address = resolve_address(engine)
     if not is_tcp(address):  # return once the engine is gone: it removes its socket last
-        import time
-
         deadline = time.monotonic() + 60
         while os.path.exists(address) and time.monotonic() < deadline:
             time.sleep(0.1)

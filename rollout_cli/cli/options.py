@@ -14,6 +14,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from rollout_cli.config import EngineConfig
+from rollout_cli.models.hub import resolve_engine_config
+
 ENGINE = "Engine"
 SAMPLING = "Sampling"
 
@@ -95,9 +98,6 @@ def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_
                   revision=None, quiet=False):
     """The EngineConfig of the flags, a hub id already resolved to its snapshot directory (fetched
     here, before any spinner or replica starts; `quiet` silences the download bars)."""
-    from rollout_cli.config import EngineConfig
-    from rollout_cli.models.hub import resolve_engine_config
-
     return resolve_engine_config(EngineConfig(
         model=model, revision=revision, device=device, dtype=dtype, max_model_len=max_model_len,
         max_batch_tokens=max_batch_tokens, max_running=max_running, kv_memory_fraction=kv_memory_fraction,

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import functools
+import os
+from collections.abc import Callable
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
 from rollout_cli.cli import options as opt
+from rollout_cli.cli.embedded_run import embedded_run
 from rollout_cli.cli.errors import user_errors
+from rollout_cli.cli.remote_run import check_daemon_flags, remote_run
+from rollout_cli.cli.tensor_parallel_run import tensor_parallel_run
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.errors import RolloutError
+from rollout_cli.server.address import ENV_ENGINE
 
 DATA = "Input and output"
+
+# launch(JobConfig's fields, sampling settings, quiet): runs the job where the flags put it
+Launcher = Callable[[dict, SamplingParams, bool], None]
 
 
 @opt.with_engine_options()
@@ -54,131 +62,33 @@ def run_command(
 
         rollout run --engine /tmp/rollout-$USER.sock --data recipes/prompts.parquet --out traj/ --n 4
     """
-    import os
-
-    from rollout_cli.server.address import ENV_ENGINE
-
-    remote = model is None or engine is not None or os.environ.get(ENV_ENGINE)
-    if dp != 1 and (remote or dp < 1):
-        with user_errors():
-            from rollout_cli.errors import RolloutError
-
-            raise RolloutError("--dp must be >= 1" if dp < 1 else
-                               "--dp starts embedded replicas: give --model (a daemon serves one engine)")
-    if tp != 1 and (remote or tp < 1):
-        with user_errors():
-            from rollout_cli.errors import RolloutError
-
-            raise RolloutError("--tp must be >= 1" if tp < 1 else
-                               "--tp starts an embedded engine: give --model (a daemon serves one engine)")
-    if tp > 1 and not remote:
-        from rollout_cli.cli.tensor_parallel_run import tensor_parallel_run
-
-        tensor_parallel_run(tp, dp, engine_options, quiet, out, job_args=dict(
-            data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume, skip_invalid=skip_invalid,
-            shard_rows=shard_rows, flush_seconds=flush_seconds, capture_routing=capture_routing), sampling=dict(
-            n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            min_p=min_p, seed=seed, ignore_eos=ignore_eos, logprobs_mode=logprobs_mode), model=model)
-        return
-    if remote:
-        from rollout_cli.cli.remote_run import remote_run
-
-        remote_run(
-            model=model, engine=engine, token_file=token_file, quiet=quiet,
-            engine_flags=[name for name, value in engine_options.items() if value != opt.ENGINE_DEFAULTS[name]],
-            job=dict(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume,
-                     skip_invalid=skip_invalid, shard_rows=shard_rows, flush_seconds=flush_seconds,
-                     capture_routing=capture_routing),
-            sampling=dict(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                          min_p=min_p, seed=seed, ignore_eos=ignore_eos, logprobs_mode=logprobs_mode),
-        )
-        return
-    import dataclasses
-    import sys
-
-    from rollout_cli.process_gc import freeze_long_lived_objects
-    from rollout_cli.data_parallel import ReplicaGroup, launch_replicas, replica_device, without_option
-    from rollout_cli.engine.engine import Engine
-    from rollout_cli.engine.sampling_params import SamplingParams
-    from rollout_cli.job import JobConfig, check_job_inputs, run_job
-    from rollout_cli.models.hub import pinned_argv
-
     with user_errors():
-        params = SamplingParams(
-            n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            min_p=min_p, seed=seed, ignore_eos=ignore_eos, logprobs_mode=logprobs_mode,
-        )
-        job = JobConfig(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume,
-                        skip_invalid=skip_invalid, shard_rows=shard_rows, flush_seconds=flush_seconds,
-                        capture_routing=capture_routing)
-        group = ReplicaGroup.from_environment()
-        if group is None:
-            check_job_inputs(job)  # bad input: one line before any replica or model starts (or download)
-        engine_config = opt.engine_config(model=model, quiet=quiet, **engine_options)
-        if group is None:
-            if dp > 1:
-                raise typer.Exit(launch_replicas(dp, pinned_argv(without_option(sys.argv[2:], "--dp"), engine_config)))
-        else:
-            engine_config = dataclasses.replace(engine_config, device=replica_device(engine_config.device, group))
-        # replicas other than the first draw nothing: replica 0's bar shows its share of the prompts
-        console = Console(stderr=True, quiet=quiet or (group is not None and not group.is_leader))
-        with console.status("loading model"):
-            engine = Engine(engine_config)
-        freeze_long_lived_objects()
-        try:
-            with _progress_bar(console) as (progress, update):
-                manifest = run_job(engine, params, job, on_progress=update, group=group)
-        finally:
-            if group is not None:
-                group.close()
-        if not quiet and (group is None or group.is_leader):
-            console.print(_summary_table(manifest, out))
+        launch = _pick_launcher(model, engine, token_file, dp, tp, engine_options)
+        # one set of sampling settings for every launcher: a bad value is one line before a model loads or
+        # a daemon is called
+        params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                top_k=top_k, min_p=min_p, seed=seed, ignore_eos=ignore_eos,
+                                logprobs_mode=logprobs_mode)
+    job_fields = dict(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume, skip_invalid=skip_invalid,
+                      shard_rows=shard_rows, flush_seconds=flush_seconds, capture_routing=capture_routing)
+    launch(job_fields, params, quiet)
 
 
-class _progress_bar:
-    """A rich bar: prompts done / total, output tokens/s, ETA.
-
-    Started by the first update (run_job sends one once every row validated), so a
-    bad input ends with the one `error:` line alone, not a bar drawn above it.
-    """
-
-    def __init__(self, console: Console):
-        self.progress = Progress(
-            TextColumn("[bold]prompts"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[tps]:>9.0f} out tok/s"), TimeElapsedColumn(), TimeRemainingColumn(),
-            console=console, transient=False,
-        )
-        self.task = None
-
-    def __enter__(self):
-        return self.progress, self.update
-
-    def update(self, state) -> None:
-        if self.task is None:
-            self.progress.start()
-            self.task = self.progress.add_task("generate", total=None, tps=0.0)
-        self.progress.update(self.task, total=state.prompts_total, completed=state.prompts_done,
-                             tps=state.output_tokens_per_s)
-
-    def __exit__(self, *exc):
-        if self.task is not None:
-            self.progress.stop()
-        return False
-
-
-def _summary_table(manifest: dict, out: str) -> Table:
-    table = Table(title=f"rollout run -> {Path(out)}", show_header=False)
-    rows = [
-        ("status", manifest["status"]),
-        ("prompts", f"{manifest['prompts_done']} / {manifest['prompts']}"),
-        ("trajectories", str(manifest["trajectories"])),
-        ("written this run", str(manifest["trajectories_this_run"])),
-        ("output tokens/s", f"{manifest['output_tokens_per_s']:.1f}"),
-        ("prefix hit rate", f"{manifest['prefix_hit_rate']:.1%}"),
-        ("finish reasons", ", ".join(f"{k}: {v}" for k, v in manifest["finish_reasons_this_run"].items()) or "-"),
-        ("skipped rows", str(len(manifest["skipped_rows"]))),
-        ("wall time", f"{manifest['wall_seconds']:.1f} s"),
-    ]
-    for key, value in rows:
-        table.add_row(key, value)
-    return table
+def _pick_launcher(model: str | None, engine: str | None, token_file: str | None, dp: int, tp: int,
+                   engine_options: dict) -> Launcher:
+    """Where the job runs, decided once from the flags: on a daemon (no --model, or --engine / $ROLLOUT_ENGINE),
+    over tensor-parallel ranks (--tp N; with --dp M, M such engines), or on an engine in this process (with
+    --dp N, in N data-parallel replicas of it)."""
+    on_daemon = model is None or engine is not None or bool(os.environ.get(ENV_ENGINE))
+    if dp != 1 and (on_daemon or dp < 1):
+        raise RolloutError("--dp must be >= 1" if dp < 1 else
+                           "--dp starts embedded replicas: give --model (a daemon serves one engine)")
+    if tp != 1 and (on_daemon or tp < 1):
+        raise RolloutError("--tp must be >= 1" if tp < 1 else
+                           "--tp starts an embedded engine: give --model (a daemon serves one engine)")
+    if on_daemon:
+        check_daemon_flags(model, engine, engine_options)
+        return functools.partial(remote_run, engine=engine, token_file=token_file)
+    if tp > 1:
+        return functools.partial(tensor_parallel_run, model=model, engine_options=engine_options, tp=tp, dp=dp)
+    return functools.partial(embedded_run, model=model, engine_options=engine_options, dp=dp)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from rollout_cli.cli import options as opt
+from rollout_cli.cli.display import score_progress_bar, score_summary_table
 from rollout_cli.cli.errors import user_errors
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.process_gc import freeze_long_lived_objects
 
 DATA = "Input and output"
 
@@ -44,9 +44,8 @@ def score_command(
         rollout run --model recipes/example_model --data recipes/prompts.parquet --out traj/ --n 4 --deterministic
         rollout score --model recipes/example_model --data traj/ --out scores/ --deterministic
     """
+    # heavy: torch and the model code
     from rollout_cli.engine.engine import Engine
-    from rollout_cli.engine.sampling_params import SamplingParams
-    from rollout_cli.process_gc import freeze_long_lived_objects
     from rollout_cli.score_job import ScoreJobConfig, run_sampling, run_score_job
 
     console = Console(stderr=True, quiet=quiet)
@@ -63,28 +62,8 @@ def score_command(
         with console.status("loading model"):
             engine = Engine(config)
         freeze_long_lived_objects()
-        progress = Progress(TextColumn("[bold]samples"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[tps]:>9.0f} tok/s"), TimeElapsedColumn(), console=console)
-        with progress:
-            task = progress.add_task("score", total=None, tps=0.0)
-            manifest = run_score_job(engine, params, job, on_progress=lambda p: progress.update(
-                task, total=p.samples_total, completed=p.samples_done, tps=p.tokens_per_s))
+        with score_progress_bar(console) as update:
+            manifest = run_score_job(engine, params, job, on_progress=update)
     if not quiet:
-        console.print(_summary_table(manifest, out))
+        console.print(score_summary_table(manifest, out))
 
-
-def _summary_table(manifest: dict, out: str) -> Table:
-    table = Table(title=f"rollout score -> {Path(out)}", show_header=False)
-    rows = [("status", manifest["status"]), ("samples", str(manifest["samples"])),
-            ("tokens scored", str(manifest["tokens"]))]
-    if manifest["tokens"]:
-        rows += [
-            ("|run - score| mean / p99 / max",
-             f"{manifest['mean_abs_diff']:.3g} / {manifest['p99_abs_diff']:.3g} / {manifest['max_abs_diff']:.3g}"),
-            ("bit-for-bit equal", f"{manifest['bitwise_equal_tokens']:.1%} of tokens, "
-                                  f"{manifest['bitwise_equal_samples']} of {manifest['samples']} samples"),
-        ]
-    rows.append(("wall time", f"{manifest['wall_seconds']:.1f} s"))
-    for key, value in rows:
-        table.add_row(key, value)
-    return table

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Optional
 
 import typer
 
 from rollout_cli.cli import options as opt
 from rollout_cli.cli.errors import fail
-from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES
+from rollout_cli.cli.tensor_parallel_run import follow_leader, is_rank, launch_ranks, rank_config
+from rollout_cli.errors import RolloutError
+from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES, default_socket_path, socket_is_live
+from rollout_cli.server.daemon import serve
 
 LISTEN = "Listen"
 
@@ -36,17 +40,11 @@ def serve_command(
 
     One model over 2 GPUs: rollout serve --model ckpt/ --tp 2 &
     """
-    from rollout_cli.errors import RolloutError
-    from rollout_cli.server.address import default_socket_path
-    from rollout_cli.server.daemon import serve
+    from rollout_cli.models.build import load_model_config  # heavy: torch
 
     try:
-        import dataclasses
-
         engine_config = dataclasses.replace(opt.engine_config(model=model, **engine_options),
                                             weights_cpu_backup=weights_cpu_backup)
-        from rollout_cli.models.build import load_model_config
-
         hf_config = load_model_config(engine_config.model)  # a bad --model fails here, before the socket is claimed
         if host is None and port is None and socket is None:
             socket = default_socket_path()
@@ -63,10 +61,7 @@ def serve_command(
 def _tensor_parallel_rank(engine_config, hf_config, tp: int, socket: str | None):
     """--tp N: in the command typed, check and start the ranks (exits: 0 after a shutdown, SIGINT or
     SIGTERM); in a rank, rank 0's engine config, or None on a follower once rank 0 stopped it."""
-    from rollout_cli.cli.tensor_parallel_run import follow_leader, is_rank, launch_ranks, rank_config
-    from rollout_cli.errors import RolloutError
-    from rollout_cli.models.tensor_parallel import check_tensor_parallel
-    from rollout_cli.server.address import socket_is_live
+    from rollout_cli.models.tensor_parallel import check_tensor_parallel  # heavy: torch
 
     if tp < 1:
         raise RolloutError("--tp must be >= 1")

@@ -18,7 +18,13 @@ import typer
 from rich.console import Console
 
 from rollout_cli.cli import options as opt
+from rollout_cli.cli.display import RunProgressBar, run_summary_table
+from rollout_cli.cli.embedded_run import load_engine
 from rollout_cli.cli.errors import user_errors
+from rollout_cli.data_parallel import ReplicaGroup, launch_replicas, replica_device
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.errors import RolloutError
+from rollout_cli.models.hub import pinned_argv
 from rollout_cli.process_gc import freeze_long_lived_objects
 
 
@@ -31,9 +37,6 @@ def launch_ranks(tp: int, command: str, config, signal_exit_code: int | None = N
     """The command the user typed, its inputs checked: run it again as `tp` ranks; exits with their code
     (`signal_exit_code`, if given, after SIGINT / SIGTERM: a daemon's normal way out). A hub id in
     `config` (the engine config resolved here) is pinned to its commit in every rank."""
-    from rollout_cli.data_parallel import launch_replicas
-    from rollout_cli.models.hub import pinned_argv
-
     code = launch_replicas(tp, pinned_argv(sys.argv[2:], config), what="tensor-parallel rank", command=command)
     if signal_exit_code is not None and code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
         code = signal_exit_code
@@ -43,9 +46,6 @@ def launch_ranks(tp: int, command: str, config, signal_exit_code: int | None = N
 def rank_config(config, tp: int, command: str | None = None):
     """(this rank's engine config: --tp and its device, rank) inside a process torch.distributed.run started.
     `command` (bench, serve) runs one engine: a world of more than `tp` processes is refused."""
-    from rollout_cli.data_parallel import ReplicaGroup, replica_device
-    from rollout_cli.errors import RolloutError
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if command is not None and world != tp:
         raise RolloutError(f"{command} --tp {tp} runs one engine: start {tp} processes, not {world} "
@@ -60,6 +60,7 @@ def follow_leader(config, daemon: bool = False) -> None:
 
     Under a daemon (serve) SIGINT and SIGTERM are left to rank 0, which ends the job, answers its
     clients and then stops the followers; a follower dies on its own only if rank 0 disappears."""
+    # heavy: torch and the model code
     from rollout_cli.engine.engine import Engine
     from rollout_cli.engine.tensor_parallel import follow
     from rollout_cli.models.tensor_parallel import close_tensor_parallel
@@ -101,21 +102,17 @@ def leading(engine):
         engine.control.close()
 
 
-def tensor_parallel_run(tp: int, dp: int, engine_options: dict, quiet: bool, out: str, job_args: dict,
-                        sampling: dict, model: str) -> None:
+def tensor_parallel_run(job_fields: dict, params: SamplingParams, quiet: bool, *, model: str, engine_options: dict,
+                        tp: int, dp: int) -> None:
     """`run --tp N [--dp M]`: M engines of N ranks each (ranks r*N .. r*N + N - 1 form engine r); each
-    engine's rank 0 runs its share of the job as a data-parallel replica, the other ranks follow it."""
-    from rollout_cli.cli.run import _progress_bar, _summary_table
-    from rollout_cli.data_parallel import ReplicaGroup
-    from rollout_cli.engine.engine import Engine
-    from rollout_cli.engine.sampling_params import SamplingParams
-    from rollout_cli.job import JobConfig, check_job_inputs, run_job
-    from rollout_cli.models.build import load_model_config
-    from rollout_cli.models.tensor_parallel import check_tensor_parallel
+    engine's rank 0 runs its share of the job (JobConfig's fields) as a data-parallel replica, the other
+    ranks follow it. In the command typed: check the inputs and start the ranks (exits)."""
+    from rollout_cli.job import JobConfig, check_job_inputs, run_job  # heavy: loads the engine (torch)
+    from rollout_cli.models.build import load_model_config  # heavy: torch
+    from rollout_cli.models.tensor_parallel import check_tensor_parallel  # heavy: torch
 
     with user_errors():
-        params = SamplingParams(**sampling)
-        job = JobConfig(**job_args)
+        job = JobConfig(**job_fields)
         if not is_rank():
             check_job_inputs(job)  # before a hub id is downloaded
         config = opt.engine_config(model=model, quiet=quiet, **engine_options)
@@ -128,15 +125,12 @@ def tensor_parallel_run(tp: int, dp: int, engine_options: dict, quiet: bool, out
             return
         # replicas other than the first draw nothing: engine 0's bar shows its share of the prompts
         console = Console(stderr=True, quiet=quiet or rank != 0)
-        with console.status("loading model"):
-            engine = Engine(config)
-        freeze_long_lived_objects()
-        replicas = None
-        if engine.tp.num_replicas > 1:
-            replicas = ReplicaGroup(engine.tp.replica, engine.tp.num_replicas, int(os.environ.get("LOCAL_RANK", "0")),
-                                    process_group=engine.tp.leaders_group)
-        with leading(engine), _progress_bar(console) as (_, update):
+        engine = load_engine(config, console)
+        # the engines' leaders are the replicas (one engine alone, without --dp, is a group of one)
+        replicas = ReplicaGroup(engine.tp.replica, engine.tp.num_replicas, int(os.environ.get("LOCAL_RANK", "0")),
+                                process_group=engine.tp.leaders_group)
+        with leading(engine), RunProgressBar(console) as update:
             manifest = run_job(engine, params, job, on_progress=update, group=replicas)
         if not quiet and rank == 0:
-            console.print(_summary_table(manifest, out))
+            console.print(run_summary_table(manifest, job.out))
     exit_rank()  # every file is closed and the followers are released
