@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 
 from rollout_cli.engine.engine import Engine
 from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.trajectory import PromptInput
 from rollout_cli.errors import JobInterrupted, RolloutError
 from rollout_cli.io.fingerprints import checkpoint_change, checkpoint_fingerprint, data_change, data_fingerprint
-from rollout_cli.io.prompts import PromptRow, PromptSource, SkippedRow
+from rollout_cli.io.prompts import PromptSource, SkippedRow
 from rollout_cli.io.trajectories import (
     ROUTING_SUBDIR,
     TRAJECTORIES_SUBDIR,
@@ -259,7 +260,7 @@ def run_job(
         on_progress(progress)  # every row is valid: the bar may start
     remaining: dict[int, int] = {}  # prompt_index -> samples still to finish
 
-    def pending_prompts() -> Iterator[PromptRow]:
+    def pending_prompts() -> Iterator[PromptInput]:
         for row in source:
             if not owned(row.prompt_index):
                 continue

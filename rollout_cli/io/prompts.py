@@ -29,22 +29,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rollout_cli.engine.trajectory import PromptInput
 from rollout_cli.errors import RolloutError
 
 # How many column names an error message lists before it elides the rest.
 _MAX_LISTED_COLUMNS = 20
-
-
-@dataclass(frozen=True)
-class PromptRow:
-    """One valid prompt, ready to become `n` requests."""
-
-    prompt_index: int
-    """0-based row number in the input file; it keys the output rows and resume."""
-    prompt_token_ids: list[int]
-    """The tokenized prompt, exactly what the model sees."""
-    passthrough: dict[str, Any]
-    """Every column except the prompt column, as Python values, copied to the output."""
 
 
 @dataclass(frozen=True)
@@ -343,7 +332,7 @@ class PromptSource:
         """Row numbers that iteration yields (after validate())."""
         return (i for i in range(self.num_rows) if i not in self._skipped_index)
 
-    def __iter__(self) -> Iterator[PromptRow]:
+    def __iter__(self) -> Iterator[PromptInput]:
         """Valid rows in file order, one batch of all columns in memory at a time."""
         if self._skipped_rows is None:
             self.validate()
@@ -357,7 +346,7 @@ class PromptSource:
                 if isinstance(ids, InvalidPrompt):
                     # validate() saw this row pass; only a non-deterministic tokenizer gets here.
                     raise RuntimeError(f"row {start + offset} passed validation but now fails: {ids}")
-                yield PromptRow(start + offset, ids, passthrough[offset])
+                yield PromptInput(start + offset, ids, passthrough[offset])
 
     def _passthrough(self, batch: pa.RecordBatch, start: int, keep: list[int]) -> dict[int, dict[str, Any]]:
         """{offset in batch: {column: value}} of the kept rows.

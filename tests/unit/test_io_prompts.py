@@ -7,8 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rollout_cli.engine.trajectory import PromptInput
 from rollout_cli.errors import RolloutError
-from rollout_cli.io.prompts import InvalidPrompt, PromptRow, PromptSource, SkippedRow, encode_prompt
+from rollout_cli.io.prompts import InvalidPrompt, PromptSource, SkippedRow, encode_prompt
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -174,8 +175,8 @@ def test_string_prompts_with_passthrough(tmp_path, tokenizer):
     assert src.passthrough_schema.names == ["data_source", "id"]
     rows = list(src)
     assert rows == [
-        PromptRow(0, tokenizer.encode("hello world"), {"data_source": "a", "id": 10}),
-        PromptRow(1, tokenizer.encode("the sky is blue"), {"data_source": "b", "id": 11}),
+        PromptInput(0, tokenizer.encode("hello world"), {"data_source": "a", "id": 10}),
+        PromptInput(1, tokenizer.encode("the sky is blue"), {"data_source": "b", "id": 11}),
     ]
     assert src.num_rows == 2 and src.num_valid == 2
 
