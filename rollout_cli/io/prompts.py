@@ -40,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rollout_cli.engine.request_maker import token_id_problem
 from rollout_cli.engine.trajectory import PromptInput
 from rollout_cli.errors import RolloutError
 
@@ -114,12 +115,12 @@ def _encode_non_string(tokenizer: Any, value: Any) -> list[int]:
             f"prompt is {_a(type(value).__name__)}; expected a string, a list of chat messages "
             "or a list of token ids"
         )
-    if not value:
-        raise InvalidPrompt("empty prompt")
-    if all(_is_int(v) for v in value):
+    if all(_is_int(v) for v in value):  # an empty list too
         ids = [int(v) for v in value]
-        if min(ids) < 0:
-            raise InvalidPrompt(f"prompt holds the negative token id {min(ids)}")
+        problem = token_id_problem(ids)  # no model here: only the rules that hold for every model
+        if problem is not None:
+            rule, low = problem
+            raise InvalidPrompt("empty prompt" if rule == "empty" else f"prompt holds the negative token id {low}")
         return ids
     if all(isinstance(v, Mapping) for v in value):
         _require_tokenizer(tokenizer)
@@ -388,17 +389,20 @@ class PromptSource:
         """(reason, fix) when a row cannot be used, else None."""
         if isinstance(result, InvalidPrompt):
             return str(result), "fix or drop that row"
-        if self.vocab_size is not None and max(result) >= self.vocab_size:
-            return (f"prompt holds token id {max(result)}, outside the model's vocabulary of {self.vocab_size}",
-                    "fix the token ids")
-        limit = self.max_prompt_len
-        if limit is not None and len(result) > limit:
+        problem = token_id_problem(result, self.vocab_size, self.max_prompt_len)
+        if problem is None:
+            return None
+        rule, number = problem
+        if rule == "length":
+            limit = self.max_prompt_len
             return (
-                f"prompt of {len(result)} tokens exceeds the limit of {limit} "
+                f"prompt of {number} tokens exceeds the limit of {limit} "
                 f"(--max-model-len {limit + 1} minus one generated token)",
                 "raise --max-model-len",
             )
-        return None
+        # encode_prompt already refused empty ids and negative ones: a rule past the vocabulary is left
+        return (f"prompt holds token id {number}, outside the model's vocabulary of {self.vocab_size}",
+                "fix the token ids")
 
     def valid_indices(self) -> Iterator[int]:
         """Row numbers that iteration yields (after validate())."""
