@@ -255,13 +255,16 @@ class _TokenIdCache:
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         tokens = int(offsets[-1])
-        if self.nbytes + offsets.nbytes + 4 * tokens > self.budget:
+        if self.nbytes + offsets.nbytes + 4 * tokens > self.budget:  # cheap early out: int32 at best
             self.full = True
             return
         ids = np.fromiter(itertools.chain.from_iterable(r for r in rows if r is not None), dtype=np.int64,
                           count=tokens)
         if tokens and int(ids.max()) < 2**31:  # token ids of any real vocabulary
             ids = ids.astype(np.int32)
+        if self.nbytes + offsets.nbytes + ids.nbytes > self.budget:  # ids past int32 take 8 bytes
+            self.full = True
+            return
         self._batches.append((start, offsets, ids))
         self.nbytes += offsets.nbytes + ids.nbytes
 
