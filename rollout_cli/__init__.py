@@ -9,10 +9,14 @@ __all__ = ["Engine", "PromptInput", "SamplingParams", "Trajectory"]
 
 
 def __getattr__(name: str):
-    if name in ("Engine", "PromptInput", "Trajectory"):
-        from rollout_cli.engine import engine
+    if name == "Engine":
+        from rollout_cli.engine.engine import Engine
 
-        return getattr(engine, name)
+        return Engine
+    if name in ("PromptInput", "Trajectory"):  # plain dataclasses: no torch to wait for
+        from rollout_cli.engine import trajectory
+
+        return getattr(trajectory, name)
     if name == "SamplingParams":
         from rollout_cli.engine.sampling_params import SamplingParams
 

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from rollout_cli.data_parallel import ReplicaGroup
 from rollout_cli.engine.engine import Engine
 from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.trajectory import PromptInput
 from rollout_cli.errors import JobInterrupted, RolloutError
 from rollout_cli.io.fingerprints import checkpoint_change, checkpoint_fingerprint, data_change, data_fingerprint
-from rollout_cli.io.prompts import PromptRow, PromptSource, SkippedRow
+from rollout_cli.io.prompts import PromptSource, SkippedRow
 from rollout_cli.io.trajectories import (
     ROUTING_SUBDIR,
     TRAJECTORIES_SUBDIR,
@@ -93,11 +94,26 @@ class JobProgress:
         return self.output_tokens / max(time.monotonic() - self.started, 1e-9)
 
 
-def check_job_inputs(job: JobConfig) -> None:
-    """Cheap checks before the model loads: OUT may be used, the prompt file opens, its columns fit the output."""
+def check_job_inputs(job: JobConfig, engine: Engine | None = None) -> PromptSource:
+    """The checks before anything is written: OUT may be used, the prompt file opens, its columns fit the output.
+
+    Cheap without an engine (the CLI calls it before the model loads); run_job calls it again with its
+    engine, since OUT may have changed meanwhile (and the daemon never called it), and reads the rows
+    from the source it returns: the prompt file is opened and checked once per call.
+    """
     prepare_output_dir(job.out, job.resume)
-    source = PromptSource(job.data, tokenizer=None, prompt_key=job.prompt_key, limit=job.limit)
+    source = _prompt_source(job, engine)
     trajectory_schema(source.passthrough_schema)
+    return source
+
+
+def _prompt_source(job: JobConfig, engine: Engine | None) -> PromptSource:
+    """The job's prompts; with an engine, rows are tokenized and held to what its RequestMaker admits."""
+    if engine is None:
+        return PromptSource(job.data, tokenizer=None, prompt_key=job.prompt_key, limit=job.limit)
+    return PromptSource(job.data, engine.tokenizer, prompt_key=job.prompt_key, limit=job.limit,
+                        max_prompt_len=engine.requests.max_prompt_len, skip_invalid=job.skip_invalid,
+                        vocab_size=engine.requests.vocab_size)
 
 
 def _settings(engine: Engine, job: JobConfig, params: SamplingParams) -> dict:
@@ -219,13 +235,7 @@ def run_job(
     directory (the daemon after a reload); --resume refuses to mix weights.
     """
     leader = group.is_leader
-    if leader:
-        check_job_inputs(job)
-    source = PromptSource(
-        job.data, engine.tokenizer, prompt_key=job.prompt_key, limit=job.limit,
-        max_prompt_len=engine.max_model_len - 1, skip_invalid=job.skip_invalid,
-        vocab_size=engine.hf_config.vocab_size,
-    )
+    source = check_job_inputs(job, engine) if leader else _prompt_source(job, engine)
     skipped = source.validate()
     # before OUT is created: a dense model is refused with nothing written
     routing_dtype = engine.enable_routing_capture() if job.capture_routing else None
@@ -256,7 +266,7 @@ def run_job(
         on_progress(progress)  # every row is valid: the bar may start
     remaining: dict[int, int] = {}  # prompt_index -> samples still to finish
 
-    def pending_prompts() -> Iterator[PromptRow]:
+    def pending_prompts() -> Iterator[PromptInput]:
         for row in source:
             if not owned(row.prompt_index):
                 continue

@@ -3,11 +3,36 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 from rollout_cli.engine.request import Request
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.trajectory import PromptInput, ScoreInput
 from rollout_cli.errors import RolloutError
+
+
+def token_id_problem(ids: Sequence[int], vocab_size: int | None = None,
+                     max_len: int | None = None) -> tuple[str, int] | None:
+    """The first rule that token ids break, as (rule, the number that breaks it), or None.
+
+    The one home of the checks a prompt's ids pass before the model sees them; each caller words a
+    failure for its reader: RequestMaker for every prompt the engine admits (Python API callers included),
+    io.PromptSource for a row of the prompt file before a job writes anything (or skips it), and
+    io.encode_prompt for a token-id cell with no model at hand. The rules, in the order they are checked:
+      "empty"  (0): no ids;
+      "vocab"  (the id): an id < 0, or >= vocab_size (None: not checked);
+      "length" (the id count): more than max_len ids (None: not checked).
+    """
+    if not ids:
+        return "empty", 0
+    low, high = min(ids), max(ids)
+    if low < 0:
+        return "vocab", low
+    if vocab_size is not None and high >= vocab_size:
+        return "vocab", high
+    if max_len is not None and len(ids) > max_len:
+        return "length", len(ids)
+    return None
 
 
 class RequestMaker:
@@ -22,6 +47,11 @@ class RequestMaker:
         self.max_model_len = max_model_len
         self.model_positions = model_positions  # how far --max-model-len may go (None: unknown)
         self._ids = itertools.count()
+
+    @property
+    def max_prompt_len(self) -> int:
+        """The longest prompt admitted: one position under --max-model-len is kept for a generated token."""
+        return self.max_model_len - 1
 
     def samples(self, prompt: PromptInput, params: SamplingParams, skip) -> list[Request]:
         """The n samples of a prompt (its own params if it carries them), but those in `skip`; the first
@@ -52,16 +82,20 @@ class RequestMaker:
                        scored_top=[None] * len(sample.response_token_ids) if top_logprobs else None)
 
     def _check(self, prompt_index: int, ids: list[int], what: str = "prompt") -> None:
-        vocab = self.vocab_size
-        if not ids or min(ids) < 0 or max(ids) >= vocab:
-            problem = "is empty" if not ids else f"holds token ids outside [0, {vocab})"
-            raise RolloutError(f"{what} {prompt_index} {problem}; pass 1-d token ids of this model's tokenizer")
-        if what == "prompt" and len(ids) >= self.max_model_len:
-            raise RolloutError(f"prompt {prompt_index} has {len(ids)} tokens, leaving no room to generate under "
+        # a prompt needs room for a generated token; a scored prompt + response only for itself
+        max_len = self.max_prompt_len if what == "prompt" else self.max_model_len
+        problem = token_id_problem(ids, self.vocab_size, max_len)
+        if problem is None:
+            return
+        rule, count = problem
+        if rule != "length":
+            detail = "is empty" if rule == "empty" else f"holds token ids outside [0, {self.vocab_size})"
+            raise RolloutError(f"{what} {prompt_index} {detail}; pass 1-d token ids of this model's tokenizer")
+        if what == "prompt":
+            raise RolloutError(f"prompt {prompt_index} has {count} tokens, leaving no room to generate under "
                                f"--max-model-len {self.max_model_len}; {self._fix()}")
-        if len(ids) > self.max_model_len:
-            raise RolloutError(f"{what} {prompt_index} has {len(ids)} tokens, more than --max-model-len "
-                               f"{self.max_model_len}; {self._fix()}")
+        raise RolloutError(f"{what} {prompt_index} has {count} tokens, more than --max-model-len "
+                           f"{self.max_model_len}; {self._fix()}")
 
     def _fix(self) -> str:
         if self.model_positions is not None and self.max_model_len >= self.model_positions:

@@ -34,12 +34,17 @@ class Trajectory:
 
 @dataclass(frozen=True)
 class PromptInput:
-    """A tokenized prompt with its row number and passthrough columns."""
+    """One tokenized prompt, ready to become `n` requests: what io.PromptSource yields for a row of the
+    prompt file and what the Python API's callers build. It lives in the engine so the engine needs no io."""
 
     prompt_index: int
+    """0-based row number in the input file (or the caller's numbering); it keys the output rows and resume."""
     prompt_token_ids: list[int]
+    """The tokenized prompt, exactly what the model sees."""
     passthrough: dict[str, Any] = field(default_factory=dict)
-    params: SamplingParams | None = None  # overrides the job's settings for this prompt (bench: mixed lengths)
+    """Every input column except the prompt column, as Python values, copied to the output rows."""
+    params: SamplingParams | None = None
+    """Overrides the job's sampling settings for this prompt (bench: mixed lengths); None: the job's."""
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,19 @@ The prompt file may hold a million rows, so nothing here loads it whole: a
 `PromptSource` walks it with `ParquetFile.iter_batches`, one batch of
 `batch_rows` rows in memory at a time. `validate()` is a pre-pass over the
 prompt column alone, so a bad row fails the run before any GPU work or output;
-iteration then reads all columns and tokenizes again, batch by batch. Keeping
-the ids from the pre-pass instead would cost memory that grows with the file
-(1M prompts x 1k tokens is gigabytes of Python ints), and tokenizing is cheap
-next to generating.
+iteration then reads all columns, batch by batch.
+
+Each row is tokenized once: validate() keeps the ids it computed in a
+`_TokenIdCache` and iteration hands them out. Keeping them all would cost
+memory that grows with the file (1M prompts x 1k tokens is 4 GB even as int32,
+and some 36 GB as Python ints), so the cache holds them compactly (int32, 4
+bytes a token) up to a budget (`cache_bytes`, 256 MiB by default: 100k prompts
+of 600 tokens) and iteration frees them as it passes; the rows past the budget
+are tokenized again by iteration, as every row was before. The other designs
+weighed: spilling the ids to a temporary file (tokenized once at any size, but
+gigabytes of disk to manage and clean up), or checking rows during the run with
+the output held back until the last row was seen (the writer would hold every
+trajectory of the run: not streaming).
 
 A prompt cell may be
   - a string                     -> `tokenizer.encode(s)` (special tokens on),
@@ -19,6 +28,8 @@ A prompt cell may be
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,22 +40,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rollout_cli.engine.request_maker import token_id_problem
+from rollout_cli.engine.trajectory import PromptInput
 from rollout_cli.errors import RolloutError
 
 # How many column names an error message lists before it elides the rest.
 _MAX_LISTED_COLUMNS = 20
-
-
-@dataclass(frozen=True)
-class PromptRow:
-    """One valid prompt, ready to become `n` requests."""
-
-    prompt_index: int
-    """0-based row number in the input file; it keys the output rows and resume."""
-    prompt_token_ids: list[int]
-    """The tokenized prompt, exactly what the model sees."""
-    passthrough: dict[str, Any]
-    """Every column except the prompt column, as Python values, copied to the output."""
+# How many bytes of token ids validate() keeps for iteration (see _TokenIdCache).
+DEFAULT_CACHE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -112,12 +115,12 @@ def _encode_non_string(tokenizer: Any, value: Any) -> list[int]:
             f"prompt is {_a(type(value).__name__)}; expected a string, a list of chat messages "
             "or a list of token ids"
         )
-    if not value:
-        raise InvalidPrompt("empty prompt")
-    if all(_is_int(v) for v in value):
+    if all(_is_int(v) for v in value):  # an empty list too
         ids = [int(v) for v in value]
-        if min(ids) < 0:
-            raise InvalidPrompt(f"prompt holds the negative token id {min(ids)}")
+        problem = token_id_problem(ids)  # no model here: only the rules that hold for every model
+        if problem is not None:
+            rule, low = problem
+            raise InvalidPrompt("empty prompt" if rule == "empty" else f"prompt holds the negative token id {low}")
         return ids
     if all(isinstance(v, Mapping) for v in value):
         _require_tokenizer(tokenizer)
@@ -228,6 +231,59 @@ def _cells(column: pa.Array | pa.ChunkedArray) -> list[Any]:
     return values
 
 
+class _TokenIdCache:
+    """The token ids validate() computed, kept for iteration so that no row is tokenized twice.
+
+    One entry per batch of validate(): its first row, row offsets [rows + 1] (int64) and the ids of all
+    its rows end to end [tokens] (int32; int64 for a token-id column past 2**31): 4 bytes a token and 8 a
+    row, where Python lists of ints cost ~36 bytes a token. Once a batch would go past `budget` bytes
+    nothing more is kept, so memory stays bounded on a file of any size; iteration tokenizes those later
+    rows again. Iteration asks for rows in file order and frees every batch it has passed.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.nbytes = 0
+        self.full = False  # a batch did not fit: this batch and every later one are not kept
+        self._batches: deque[tuple[int, np.ndarray, np.ndarray]] = deque()
+
+    def add(self, start: int, rows: list[list[int] | None]) -> None:
+        """Keep the ids of the batch whose first row is `start` (None: a row that is not valid)."""
+        if self.full:
+            return
+        lengths = np.fromiter((0 if r is None else len(r) for r in rows), dtype=np.int64, count=len(rows))
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = int(offsets[-1])
+        if self.nbytes + offsets.nbytes + 4 * tokens > self.budget:  # cheap early out: int32 at best
+            self.full = True
+            return
+        ids = np.fromiter(itertools.chain.from_iterable(r for r in rows if r is not None), dtype=np.int64,
+                          count=tokens)
+        if tokens and int(ids.max()) < 2**31:  # token ids of any real vocabulary
+            ids = ids.astype(np.int32)
+        if self.nbytes + offsets.nbytes + ids.nbytes > self.budget:  # ids past int32 take 8 bytes
+            self.full = True
+            return
+        self._batches.append((start, offsets, ids))
+        self.nbytes += offsets.nbytes + ids.nbytes
+
+    def pop(self, index: int) -> list[int] | None:
+        """The ids of row `index`, or None when they were not kept; the rows up to `index` are freed."""
+        while self._batches:
+            start, offsets, ids = self._batches[0]
+            if index < start:
+                return None
+            row = index - start
+            end = len(offsets) - 1  # rows in the batch
+            if row >= end - 1:  # the batch's last row, or past it: the batch is done with
+                self._batches.popleft()
+                self.nbytes -= offsets.nbytes + ids.nbytes
+            if row < end:
+                return ids[offsets[row]:offsets[row + 1]].tolist()
+        return None
+
+
 def _one_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
@@ -241,6 +297,9 @@ class PromptSource:
         num_valid: rows that iteration yields; None until validate() ran.
         passthrough_schema: the input schema minus the prompt column (no metadata),
             what the trajectory writer appends to its fixed columns.
+
+    `cache_bytes` bounds the token ids validate() keeps so that iteration need not
+    tokenize again (module docstring); rows past it are tokenized twice.
     """
 
     def __init__(
@@ -253,6 +312,7 @@ class PromptSource:
         skip_invalid: bool = False,
         batch_rows: int = 1024,
         vocab_size: int | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         if limit is not None and limit < 1:
             raise RolloutError(f"--limit must be at least 1, got {limit}; pass a positive row count")
@@ -294,19 +354,22 @@ class PromptSource:
         self.num_valid: int | None = None
         self._skipped_rows: list[SkippedRow] | None = None
         self._skipped_index: set[int] = set()
+        self._cache = _TokenIdCache(cache_bytes)
 
     def validate(self) -> list[SkippedRow]:
-        """Tokenize every considered row once; fail on the first bad row unless skip_invalid.
+        """Tokenize every considered row; fail on the first bad row unless skip_invalid.
 
         Returns the skipped rows (empty without skip_invalid). Reads only the
-        prompt column. Idempotent: a second call returns the first result.
+        prompt column. Keeps the ids for iteration (up to cache_bytes). Idempotent:
+        a second call returns the first result.
         """
         if self._skipped_rows is not None:
             return list(self._skipped_rows)
         skipped: list[SkippedRow] = []
         for start, batch in self._batches(columns=[self.prompt_key]):
             values = _cells(batch.column(0))
-            for offset, result in enumerate(_encode_batch(self.tokenizer, values)):
+            encoded = _encode_batch(self.tokenizer, values)
+            for offset, result in enumerate(encoded):
                 index = start + offset
                 problem = self._problem(result)
                 if problem is None:
@@ -318,6 +381,8 @@ class PromptSource:
                         "to leave invalid rows out"
                     )
                 skipped.append(SkippedRow(index, reason))
+                encoded[offset] = None
+            self._cache.add(start, encoded)  # type: ignore[arg-type] # bad rows are None by now
         self._skipped_rows = skipped
         self._skipped_index = {s.prompt_index for s in skipped}
         self.num_valid = self.num_rows - len(skipped)
@@ -327,37 +392,54 @@ class PromptSource:
         """(reason, fix) when a row cannot be used, else None."""
         if isinstance(result, InvalidPrompt):
             return str(result), "fix or drop that row"
-        if self.vocab_size is not None and max(result) >= self.vocab_size:
-            return (f"prompt holds token id {max(result)}, outside the model's vocabulary of {self.vocab_size}",
-                    "fix the token ids")
-        limit = self.max_prompt_len
-        if limit is not None and len(result) > limit:
+        problem = token_id_problem(result, self.vocab_size, self.max_prompt_len)
+        if problem is None:
+            return None
+        rule, number = problem
+        if rule == "length":
+            limit = self.max_prompt_len
             return (
-                f"prompt of {len(result)} tokens exceeds the limit of {limit} "
+                f"prompt of {number} tokens exceeds the limit of {limit} "
                 f"(--max-model-len {limit + 1} minus one generated token)",
                 "raise --max-model-len",
             )
-        return None
+        # encode_prompt already refused empty ids and negative ones: a rule past the vocabulary is left
+        return (f"prompt holds token id {number}, outside the model's vocabulary of {self.vocab_size}",
+                "fix the token ids")
 
     def valid_indices(self) -> Iterator[int]:
         """Row numbers that iteration yields (after validate())."""
         return (i for i in range(self.num_rows) if i not in self._skipped_index)
 
-    def __iter__(self) -> Iterator[PromptRow]:
-        """Valid rows in file order, one batch of all columns in memory at a time."""
+    def __iter__(self) -> Iterator[PromptInput]:
+        """Valid rows in file order, one batch of all columns in memory at a time.
+
+        The ids come from validate()'s cache; only rows past its budget (or a second
+        iteration, the cache being spent) are tokenized here.
+        """
         if self._skipped_rows is None:
             self.validate()
         names = self.passthrough_schema.names
         for start, batch in self._batches(columns=None):
-            prompts = _cells(batch.column(self.prompt_key))
-            keep = [o for o in range(len(prompts)) if start + o not in self._skipped_index]
-            encoded = _encode_batch(self.tokenizer, [prompts[o] for o in keep])
+            keep = [o for o in range(batch.num_rows) if start + o not in self._skipped_index]
+            ids = [self._cache.pop(start + o) for o in keep]
+            self._encode_uncached(batch, start, keep, ids)
             passthrough = self._passthrough(batch.select(names), start, keep)
-            for offset, ids in zip(keep, encoded):
-                if isinstance(ids, InvalidPrompt):
-                    # validate() saw this row pass; only a non-deterministic tokenizer gets here.
-                    raise RuntimeError(f"row {start + offset} passed validation but now fails: {ids}")
-                yield PromptRow(start + offset, ids, passthrough[offset])
+            for offset, row_ids in zip(keep, ids):
+                yield PromptInput(start + offset, row_ids, passthrough[offset])  # type: ignore[arg-type]
+
+    def _encode_uncached(self, batch: pa.RecordBatch, start: int, keep: list[int],
+                         ids: list[list[int] | None]) -> None:
+        """Fill in the ids of the kept rows that the cache did not hold, tokenizing them again."""
+        missing = [k for k, row_ids in enumerate(ids) if row_ids is None]
+        if not missing:
+            return
+        prompts = _cells(batch.column(self.prompt_key))
+        for k, result in zip(missing, _encode_batch(self.tokenizer, [prompts[keep[k]] for k in missing])):
+            if isinstance(result, InvalidPrompt):
+                # validate() saw this row pass; only a non-deterministic tokenizer gets here.
+                raise RuntimeError(f"row {start + keep[k]} passed validation but now fails: {result}")
+            ids[k] = result
 
     def _passthrough(self, batch: pa.RecordBatch, start: int, keep: list[int]) -> dict[int, dict[str, Any]]:
         """{offset in batch: {column: value}} of the kept rows.

@@ -43,3 +43,27 @@ def test_bad_ids_are_refused():
     for ids, problem in (([], "is empty"), ([3, 10], "outside [0, 10)"), ([-1], "outside")):
         with pytest.raises(RolloutError, match=problem.replace("[", r"\[").replace(")", r"\)")):
             maker.samples(PromptInput(0, ids), SamplingParams(), skip=set())
+
+
+def test_a_job_refuses_before_writing_exactly_what_the_engine_refuses(tmp_path):
+    """run_job's PromptSource checks rows with the RequestMaker's limits (token_id_problem is the one rule):
+    a row it lets through is never refused later, mid-run, with output already written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rollout_cli.io.prompts import PromptSource
+
+    maker = RequestMaker(vocab_size=10, eos_token_ids=frozenset(), max_model_len=4)
+    prompts = [[1, 2, 3], [1, 2, 3, 4], [9], [1, 10], [0, 0, 0, 0, 0]]
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": pa.array(prompts, pa.list_(pa.int64()))}), path)
+    source = PromptSource(path, None, max_prompt_len=maker.max_prompt_len, vocab_size=maker.vocab_size,
+                          skip_invalid=True)
+    skipped = {s.prompt_index for s in source.validate()}
+    refused = set()
+    for index, ids in enumerate(prompts):
+        try:
+            maker.samples(PromptInput(index, ids), SamplingParams(), skip=set())
+        except RolloutError:
+            refused.add(index)
+    assert skipped == refused == {1, 3, 4}
