@@ -37,7 +37,7 @@ def run_command(
     min_p: Annotated[float, typer.Option(help="Drop tokens under min_p x the top probability; 0 disables.", rich_help_panel=opt.SAMPLING)] = 0.0,
     seed: opt.Seed = 0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Generate past eos tokens until --max-new-tokens.", rich_help_panel=opt.SAMPLING)] = False,
-    logprobs_mode: Annotated[str, typer.Option(help="processed: log_softmax(logits / temperature); raw: before temperature.", rich_help_panel=opt.SAMPLING)] = "processed",
+    logprobs_mode: Annotated[str, typer.Option(help="processed: log_softmax(logits / temperature) over the tokens top-k / top-p / min-p keep; raw: before temperature and filters.", rich_help_panel=opt.SAMPLING)] = "processed",
     prompt_key: Annotated[str, typer.Option(help="Column with the prompt: text, chat messages, or token ids.", rich_help_panel=DATA)] = "prompt",
     limit: Annotated[Optional[int], typer.Option(help="Use only the first N rows.", rich_help_panel=DATA)] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run in OUT: generate only missing samples.", rich_help_panel=DATA)] = False,

@@ -19,7 +19,6 @@ Both are cheap on purpose: a resume of a 60 GB checkpoint reads a few MB, not th
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
 from pathlib import Path
 from typing import Any

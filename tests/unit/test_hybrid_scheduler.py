@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from rollout_cli.engine.request import Request, RequestStatus
+from rollout_cli.engine.request import Request
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduler import Scheduler
 from rollout_cli.engine.state_slots import LinearStateSlots
