@@ -71,9 +71,27 @@ def test_samples_differ_and_match_hf_logprobs(baseline, model_dir, hf_ref):
         for s in range(params.n):
             traj = results[i, s]
             assert len(traj.response_token_ids) == params.max_new_tokens
-            # temperature 1: processed logprobs are log_softmax of the logits, filters or not
-            ref = hf_ref.logprobs(model_dir, prompt, traj.response_token_ids)
+            # temperature 1: processed logprobs are log_softmax of the logits, renormalised over the
+            # tokens the filters keep (the distribution each token was drawn from)
+            ref = _hf_reported_logprobs(hf_ref, model_dir, prompt, traj.response_token_ids, params)
             assert traj.response_logprobs == pytest.approx(ref, abs=1e-4)
+
+
+def _hf_reported_logprobs(hf_ref, model_dir, prompt, response, params) -> list[float]:
+    """HF's logits for each response token, reported as the sampler reports them (sampling_ref)."""
+    import torch
+
+    from rollout_kernels.sampling_ref import reported_logprobs_ref
+
+    with torch.no_grad():
+        logits = hf_ref.model(model_dir)(torch.tensor([prompt + response])).logits[0].float()
+    rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(response)]  # [R, V]
+    n = rows.shape[0]
+    reported = reported_logprobs_ref(
+        rows, torch.full((n,), params.temperature), torch.zeros(n, dtype=torch.bool),
+        torch.full((n,), params.top_k, dtype=torch.int64), torch.full((n,), params.top_p),
+        torch.full((n,), params.min_p))
+    return reported.gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
 
 
 def test_filters_restrict_choices(model_dir, hf_ref):
