@@ -65,44 +65,57 @@ def filter_probs_ref(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
+def _distributions(logits, temperature, top_k, top_p, min_p):
+    """What the sampler draws from and reports with, computed once for both:
+    (raw log_softmax(logits) [B, V], processed log_softmax(logits / T) [B, V] (T = 1 for greedy rows),
+    the probabilities the filters keep [B, V] (None when no row filters), which rows report over the
+    kept set [B] bool (filtering and not greedy; None likewise))."""
+    logits = logits.float()
+    raw = torch.log_softmax(logits, dim=-1)
+    greedy = temperature == 0.0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    processed = torch.log_softmax(logits / t[:, None], dim=-1)
+    if top_k is None:
+        return raw, processed, None, None
+    filters = (top_p < 1.0) | (top_k > 0) | (min_p > 0.0)
+    if not bool(filters.any()):
+        return raw, processed, None, None
+    return raw, processed, filter_probs_ref(processed.exp(), top_k, top_p, min_p), filters & ~greedy
+
+
+def _reported(raw, processed, kept, renormalise, raw_logprobs):
+    """Every token's reported logprob [B, V]: raw rows raw; processed rows processed, renormalised over
+    the kept set where `renormalise` (-inf outside it)."""
+    if kept is not None and bool(renormalise.any()):
+        renormalised = torch.where(kept > 0, processed - kept.sum(dim=-1, keepdim=True).log(),
+                                   torch.full_like(processed, float("-inf")))
+        processed = torch.where(renormalise[:, None], renormalised, processed)
+    return torch.where(raw_logprobs[:, None], raw, processed)
+
+
 def reported_logprobs_ref(logits, temperature, raw_logprobs, top_k=None, top_p=None, min_p=None):
     """Every token's logprob [B, V] as the sampler reports a drawn one. Raw rows: log_softmax(logits).
     Processed rows: log_softmax(logits / T) renormalised over the tokens top-k / top-p / min-p keep
     (the distribution the token was drawn from; -inf outside it), so that truncated sampling stays
     on-policy for a trainer's importance weights. Greedy rows (T = 0): T = 1, no filter.
     top_k [B] int64, top_p / min_p [B] float32, or None for no filters."""
-    logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1)
-    greedy = temperature == 0.0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    processed = torch.log_softmax(logits / t[:, None], dim=-1)
-    if top_k is not None:
-        filtering = ((top_p < 1.0) | (top_k > 0) | (min_p > 0.0)) & ~greedy
-        if bool(filtering.any()):
-            kept = filter_probs_ref(processed.exp(), top_k, top_p, min_p)  # the sampler's kept set, [B, V]
-            renormalised = torch.where(kept > 0, processed - kept.sum(dim=-1, keepdim=True).log(),
-                                       torch.full_like(processed, float("-inf")))
-            processed = torch.where(filtering[:, None], renormalised, processed)
-    return torch.where(raw_logprobs[:, None], raw, processed)
+    return _reported(*_distributions(logits, temperature, top_k, top_p, min_p), raw_logprobs)
 
 
 def sample_ref(logits, temperature, top_k, top_p, min_p, raw_logprobs, uniform=None, keys=None):
     """`sample` in plain torch, same arguments (uniform [B] float32, or keys: four int64 [B]).
     logits [B, V] -> (token ids [B] int64, logprob of each chosen token [B] float32)."""
     assert (uniform is None) != (keys is None), "pass exactly one of uniform= or keys="
-    logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1)
     greedy_rows = temperature == 0.0
     if bool(greedy_rows.all()):
+        logits = logits.float()
         tokens = logits.argmax(dim=-1)
-        return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     if uniform is None:
         uniform = sample_uniform_ref(*keys)
-    t = torch.where(greedy_rows, torch.ones_like(temperature), temperature)
-    processed = torch.log_softmax(logits / t[:, None], dim=-1)
-    probs = processed.exp()
-    if bool(((top_p < 1.0) | (top_k > 0) | (min_p > 0.0)).any()):
-        probs = filter_probs_ref(probs, top_k, top_p, min_p)
+    distributions = _distributions(logits, temperature, top_k, top_p, min_p)
+    raw, processed, kept, _ = distributions
+    probs = processed.exp() if kept is None else kept
     cdf = probs.cumsum(dim=-1)  # [B, V]
     target = uniform[:, None] * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
@@ -111,8 +124,9 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, raw_logprobs, uniform=N
     if bool(landed_on_zero.any()):
         last_kept = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1)
         tokens = torch.where(landed_on_zero, last_kept, tokens)
-    tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
-    return tokens, token_logprobs_ref(logits, tokens, temperature, raw_logprobs, top_k, top_p, min_p)
+    tokens = torch.where(greedy_rows, logits.float().argmax(dim=-1), tokens)
+    # the reported logprob from the same tensors the draw used (token_logprobs_ref computes the same)
+    return tokens, _reported(*distributions, raw_logprobs).gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def token_logprobs_ref(logits, tokens, temperature, raw_logprobs, top_k=None, top_p=None, min_p=None,

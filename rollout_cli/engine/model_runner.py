@@ -191,13 +191,8 @@ class ModelRunner:
             return [], [], scores, tops
         # each row draws the token at start + num_new_tokens: that position keys its random number
         sampling = SamplingRows([e.request for e in sampled], [e.start + e.num_new_tokens for e in sampled])
-        tables = sampling.to_device(self.device)
-        if self.deterministic:  # one row at a time: the sampler's reductions never see a batch shape
-            rows = [sample_rows(logits[i : i + 1].clone(), tables[0][:, i : i + 1].clone(),
-                                tables[1][:, i : i + 1].clone(), use_triton=False) for i in range(len(sampled))]
-            tokens, logprobs = torch.cat([t for t, _ in rows]), torch.cat([lp for _, lp in rows])
-        else:
-            tokens, logprobs = sample_rows(logits, *tables, use_triton=self.attention_backend == "triton")
+        tokens, logprobs = sample_rows(logits, *sampling.to_device(self.device),
+                                       use_triton=self.attention_backend == "triton", per_row=self.deterministic)
         # one device-to-host copy: float64 holds both the token ids and the float32 logprobs exactly
         token_values, logprob_values = torch.stack((tokens.double(), logprobs.double())).tolist()
         return [int(t) for t in token_values], logprob_values, scores, tops

@@ -71,11 +71,17 @@ class SamplingRows:
                 torch.tensor(self.float_rows(), dtype=torch.float32, device=device))
 
 
-def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor,
-                use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, use_triton: bool,
+                per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample B rows of logits [B, V] with the settings of the tables ints [NUM_INT_ROWS, >= B] and
     floats [NUM_FLOAT_ROWS, >= B] (columns past B are ignored) -> (token ids [B] int64, logprobs [B]
-    float32). `use_triton`: the fused kernel (CUDA, or its interpreter); else the torch reference."""
+    float32). `use_triton`: the fused kernel (CUDA, or its interpreter); else the torch reference.
+    `per_row` (the on-policy mode, torch reference): one row at a time in fresh buffers, so no
+    reduction of a row ever sees the batch's shape (as teacher_logprobs scores)."""
+    if per_row:
+        rows = [sample_rows(logits[i : i + 1].clone(), ints[:, i : i + 1].clone(), floats[:, i : i + 1].clone(),
+                            use_triton=False) for i in range(logits.shape[0])]
+        return torch.cat([t for t, _ in rows]), torch.cat([lp for _, lp in rows])
     batch = logits.shape[0]
     keys = tuple(ints[i, :batch] for i in (SEED, PROMPT_INDEX, SAMPLE_INDEX, POSITION))
     settings = (floats[TEMPERATURE, :batch], ints[TOP_K, :batch], floats[TOP_P, :batch], floats[MIN_P, :batch],
@@ -106,6 +112,6 @@ def teacher_logprobs(logits: torch.Tensor, entries, per_row: bool):
 
     if not per_row:
         return score(slice(None), logits)
-    # each row alone, in a fresh buffer, as the sampler's rows are (see ModelRunner._run_eager)
+    # each row alone, in a fresh buffer, as the sampler's rows are (sample_rows with per_row)
     parts = [score(slice(i, i + 1), logits[i : i + 1].clone()) for i in range(logits.shape[0])]
     return torch.cat(parts) if not num_top else tuple(torch.cat(column) for column in zip(*parts))
