@@ -8,12 +8,9 @@ caller's iterator, so a million-row prompt file never sits in memory.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
-
-import torch
 
 from rollout_cli.config import EngineConfig
 from rollout_cli.engine.attention import KVCache
@@ -32,28 +29,11 @@ from rollout_cli.engine.tensor_parallel import TensorParallelRanks, TensorParall
 from rollout_cli.engine.tokenizer import checkpoint_eos_token_ids, load_tokenizer
 from rollout_cli.engine.trajectory import PromptInput, Score, ScoreInput, Trajectory
 from rollout_cli.errors import RolloutError
-from rollout_cli.models.build import (build_model, load_model_config, model_positions, resolve_device, resolve_dtype,
-                                      resolve_max_model_len)
+from rollout_cli.models.build import (build_model, load_model_config, model_positions, resolve_attention_backend,
+                                      resolve_device, resolve_dtype, resolve_max_model_len)
 from rollout_cli.models.hub import resolve_engine_config
 from rollout_cli.models.layers import enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
-
-
-def _attention_backend(name: str, device: torch.device, deterministic: bool = False) -> str:
-    if deterministic:  # the torch path runs one token per forward: batch-invariant by construction
-        if name == "triton":
-            raise RolloutError("--deterministic runs on the torch path for now (--attention-backend torch or auto); "
-                               "the batch-invariant Triton kernels are issue 19's next slice")
-        return "torch"
-    # auto: the Triton kernels and CUDA graphs on a GPU (tests/e2e/test_gpu_engine.py passed on the
-    # H200: graph replay equals eager, greedy tokens equal the torch path; hybrid models: tests/e2e/
-    # test_gpu_hybrid.py), the torch path on the CPU.
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    # Under Triton's interpreter (TRITON_INTERPRET=1) the kernels run on the CPU: slow, but how CI tests them.
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RolloutError("--attention-backend triton needs a CUDA device; use torch on the CPU")
-    return name
 
 
 class Engine:
@@ -72,7 +52,7 @@ class Engine:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.max_model_len = resolve_max_model_len(self.hf_config, cfg.max_model_len)
-        self.attention_backend = _attention_backend(cfg.attention_backend, self.device, cfg.deterministic)
+        self.attention_backend = resolve_attention_backend(cfg.attention_backend, self.device, cfg.deterministic)
         self.tokenizer = load_tokenizer(cfg.model)
         self.tp = None  # models.tensor_parallel.TensorParallelGroup under --tp N > 1
         if cfg.tensor_parallel_size > 1:

@@ -97,6 +97,24 @@ def resolve_max_model_len(hf_config, requested: int | None) -> int:
     )
 
 
+def resolve_attention_backend(name: str, device: torch.device, deterministic: bool = False) -> str:
+    """--attention-backend (auto, torch, triton) for this device and mode."""
+    if deterministic:  # the torch path runs one token per forward: batch-invariant by construction
+        if name == "triton":
+            raise RolloutError("--deterministic runs on the torch path for now (--attention-backend torch or auto); "
+                               "the batch-invariant Triton kernels are issue 19's next slice")
+        return "torch"
+    # auto: the Triton kernels and CUDA graphs on a GPU (tests/e2e/test_gpu_engine.py passed on the
+    # H200: graph replay equals eager, greedy tokens equal the torch path; hybrid models: tests/e2e/
+    # test_gpu_hybrid.py), the torch path on the CPU.
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    # Under Triton's interpreter (TRITON_INTERPRET=1) the kernels run on the CPU: slow, but how CI tests them.
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RolloutError("--attention-backend triton needs a CUDA device; use torch on the CPU")
+    return name
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
