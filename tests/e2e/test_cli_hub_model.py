@@ -16,8 +16,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from daemon_probe import wait_for_daemon
 from hub_cache import COMMIT_MAIN, COMMIT_V2, HUB_ID
+from weight_trainers import wait_for_daemon
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = REPO / "recipes" / "prompts.parquet"
@@ -140,7 +140,7 @@ def test_serve_a_hub_id_and_reload_another_revision(hub_cache, tmp_path):
     proc = subprocess.Popen(CLI + ["serve", "--model", HUB_ID, "--device", "cpu", "--socket", str(sock)],
                             stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=REPO, env=_env(cache))
     try:
-        wait_for_daemon(proc, sock, log)
+        wait_for_daemon(proc, sock, log).close()
         out = tmp_path / "out"
         _ok(_cli(cache, ["run", "--engine", sock, "--data", PROMPTS, "--out", out, "--n", "1", "--limit", "2",
                          "--max-new-tokens", "2", "--quiet"]))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from daemon_probe import wait_for_daemon
+from weight_trainers import wait_for_daemon
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "recipes" / "example_model"
@@ -163,7 +163,7 @@ class _Daemon:
         self.log = log
 
     def wait_ready(self, timeout: float = 120) -> None:
-        wait_for_daemon(self.proc, self.sock, self.log, timeout)
+        wait_for_daemon(self.proc, self.sock, self.log, timeout).close()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
