@@ -25,7 +25,7 @@ import torch
 
 from rollout_cli.engine.linear_state import HybridBatch, LinearBatch
 from rollout_cli.engine.sampler import FLOAT_PADDING, NUM_FLOAT_ROWS, NUM_INT_ROWS, SamplingRows, sample_rows
-from rollout_cli.engine.triton_attention import TritonAttentionBatch, warm_decode_splits
+from rollout_cli.engine.triton_attention import TritonAttentionBatch, invariant_decode_attention, warm_decode_splits
 from rollout_cli.models.moe import GraphRoutingBuffer, SparseMoeBlock
 
 
@@ -56,13 +56,14 @@ class DecodeGraphs:
     and the host-to-device copies that would otherwise sit between the forward and the read."""
 
     def __init__(self, model, kv, req_to_token: torch.Tensor, pad_row: int, scale: float, max_batch: int,
-                 linear_states=None):
+                 linear_states=None, deterministic: bool = False):
         self.model = model
         self.kv = kv
         self.linear_states = linear_states  # hybrid models: engine.linear_state.LinearStatePool
         self.req_to_token = req_to_token
         self.pad_row = pad_row
         self.scale = scale
+        self.deterministic = deterministic  # the on-policy mode: the batch-invariant attention
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         device = req_to_token.device
@@ -92,7 +93,11 @@ class DecodeGraphs:
         source = self.ints[_SOURCE, :batch]
         ids = torch.where(source >= 0, self.last_tokens[source.clamp(min=0)], given)  # [batch]
         self.req_to_token[rows, positions] = slots.to(torch.int32)  # this step's slots, inside the graph
-        attn = TritonAttentionBatch(self.kv, self.req_to_token, slots, rows, self.seq_lens[:batch], None, self.scale)
+        if self.deterministic:  # the same kernel as eager steps, so a replayed token equals an eager one
+            attn = invariant_decode_attention(self.kv, self.req_to_token, slots, rows, positions, self.scale)
+        else:
+            attn = TritonAttentionBatch(self.kv, self.req_to_token, slots, rows, self.seq_lens[:batch], None,
+                                        self.scale)
         if self.linear_states is not None:  # hybrid: state slots from the static buffer, filled before each replay
             linear = LinearBatch(self.linear_states, self.ints[_STATE_SLOT, :batch], triton_kernels=True)
             attn = HybridBatch(attn, linear)

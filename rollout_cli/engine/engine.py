@@ -32,7 +32,7 @@ from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import (build_model, load_model_config, model_positions, resolve_attention_backend,
                                       resolve_device, resolve_dtype, resolve_max_model_len)
 from rollout_cli.models.hub import resolve_engine_config
-from rollout_cli.models.layers import enable_triton_kernels
+from rollout_cli.models.layers import enable_batch_invariant_kernels, enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
 
 
@@ -52,7 +52,8 @@ class Engine:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.max_model_len = resolve_max_model_len(self.hf_config, cfg.max_model_len)
-        self.attention_backend = resolve_attention_backend(cfg.attention_backend, self.device, cfg.deterministic)
+        self.attention_backend = resolve_attention_backend(cfg.attention_backend, self.device, cfg.deterministic,
+                                                           self.hf_config, cfg.tensor_parallel_size)
         self.tokenizer = load_tokenizer(cfg.model)
         self.tp = None  # models.tensor_parallel.TensorParallelGroup under --tp N > 1
         if cfg.tensor_parallel_size > 1:
@@ -67,6 +68,8 @@ class Engine:
         self.memory.keep_only_parameters(self.model)
         if self.attention_backend == "triton":
             enable_triton_kernels(self.model)
+            if cfg.deterministic:
+                enable_batch_invariant_kernels(self.model)
         self.weight_version = cfg.weight_version
         self._build_cache()
         eos = checkpoint_eos_token_ids(cfg.model, self.hf_config, self.tokenizer)

@@ -68,9 +68,9 @@ class ModelRunner:
         self.scale = (head_dim or model.model.layers[0].self_attn.head_dim) ** -0.5
         self.attention_backend = attention_backend
         if attention_backend == "triton":
-            from rollout_cli.engine.triton_attention import prepare_triton_attention
+            from rollout_cli.engine.triton_attention import prepare_invariant_attention, prepare_triton_attention
 
-            self._prepare = prepare_triton_attention
+            self._prepare = prepare_invariant_attention if deterministic else prepare_triton_attention
         else:
             self._prepare = prepare_attention
         self.graphs = None
@@ -78,9 +78,12 @@ class ModelRunner:
         self.traffic = DecodeTraffic()
         self.time_decode_steps = False  # `rollout bench` turns this on to measure GPU idle time
         self.routing_pool = None  # a models.moe.RoutingPool while routing capture is on (Engine sets it)
-        # On-policy mode: every token runs in a forward of its own and every row samples alone, so no
-        # reduction ever sees another token's row or a batch-dependent shape (see _forward_logits)
+        # On-policy mode: no row's bits may depend on its batch. The Triton backend gets there with
+        # batch-invariant kernels (the model's, enable_batch_invariant_kernels; attention,
+        # prepare_invariant_attention; the sampler's rows are already independent). The torch path runs
+        # every token in a forward of its own and samples every row alone (see _forward_logits).
         self.deterministic = deterministic
+        self.per_token = deterministic and attention_backend != "triton"
 
     def capture_cuda_graphs(self, max_batch: int, warm_up: bool = True) -> float:
         """Capture decode graphs for batches up to max_batch; returns the capture time in seconds."""
@@ -88,7 +91,7 @@ class ModelRunner:
 
         assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
         self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.pad_row, self.scale, max_batch,
-                                   self.linear_states)
+                                   self.linear_states, deterministic=self.deterministic)
         self.graphs.capture(warm_up)
         self._graph_max_batch = max_batch
         self.graphs_dropped = False
@@ -182,7 +185,7 @@ class ModelRunner:
         scores, tops = [], None
         if score_logits is not None:
             scored = teacher_logprobs(score_logits, [e for e in out.entries if e.score_targets],
-                                      per_row=self.deterministic)
+                                      per_row=self.per_token)
             if isinstance(scored, tuple):  # top-k too: one (ids, logprobs) pair of lists per scored row
                 scored, top_ids, top_logprobs = scored
                 tops = list(zip(top_ids.tolist(), top_logprobs.tolist()))
@@ -192,7 +195,7 @@ class ModelRunner:
         # each row draws the token at start + num_new_tokens: that position keys its random number
         sampling = SamplingRows([e.request for e in sampled], [e.start + e.num_new_tokens for e in sampled])
         tokens, logprobs = sample_rows(logits, *sampling.to_device(self.device),
-                                       use_triton=self.attention_backend == "triton", per_row=self.deterministic)
+                                       use_triton=self.attention_backend == "triton", per_row=self.per_token)
         # one device-to-host copy: float64 holds both the token ids and the float32 logprobs exactly
         token_values, logprob_values = torch.stack((tokens.double(), logprobs.double())).tolist()
         return [int(t) for t in token_values], logprob_values, scores, tops
@@ -224,7 +227,7 @@ class ModelRunner:
     def _forward_logits(self, out: ScheduleOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The step's forward: logits [B, V] of its sampling entries' last rows and [S, V] of its scored
         rows, in entry order (each None when there are none)."""
-        if not self.deterministic:
+        if not self.per_token:
             return self._eager_logits(out)
         # One token per forward, in order: each token's every reduction (matmul, attention over its
         # exact context, norms, softmax) has the same shape and inputs whether it came in a prefill

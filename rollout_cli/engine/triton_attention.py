@@ -4,6 +4,9 @@ The runner orders a step's entries decodes first, so the flat batch is
 [decode tokens | prefill-chunk tokens]: decodes go to the split-KV decode
 kernel, prefill chunks to the extend kernel; both read keys from the pool
 through req_to_token, after this step's k/v were stored.
+
+The on-policy mode (--deterministic) sends every token, decode or prefill, through one
+batch-invariant kernel instead (InvariantAttentionBatch).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout_cli.engine.attention import KVCache
+from rollout_kernels.batch_invariant_attention import batch_invariant_attention, block_rows, query_blocks
 from rollout_kernels.decode_attention import decode_attention
 from rollout_kernels.extend_attention import extend_attention
 from rollout_kernels.kv_store import store_kv
@@ -58,24 +62,18 @@ class ExtendMetadata:
     max_q_len: int
 
 
-class TritonAttentionBatch:
-    """Passed through the model as `attn`; also what CUDA graphs capture (decode only)."""
-
-    def __init__(self, kv: KVCache, req_to_token: torch.Tensor, store_slots: torch.Tensor,
-                 decode_rows: torch.Tensor, decode_seq_lens: torch.Tensor, extend: ExtendMetadata | None,
-                 scale: float):
-        self.kv = kv
-        self.req_to_token = req_to_token
-        self.store_slots = store_slots  # [T] int64
-        self.decode_rows = decode_rows  # [Bd] int64
-        self.decode_seq_lens = decode_seq_lens  # [Bd] int32
-        self.num_decode = decode_rows.shape[0]
-        self.num_kv_splits = decode_kv_splits(self.num_decode, kv.k.shape[2])
-        self.extend = extend
-        self.scale = scale
+class _PoolAttention:
+    """Passed through the model as `attn`: stores each layer's new k/v in the pool, then attends
+    (`_attend`, the subclass's kernels) over it."""
 
     # DecoderAttention hands this batch its pre-norm, pre-RoPE q/k (forward_prologue_fused)
     fuses_qk_norm_rope_store = True
+
+    def __init__(self, kv: KVCache, req_to_token: torch.Tensor, store_slots: torch.Tensor, scale: float):
+        self.kv = kv
+        self.req_to_token = req_to_token
+        self.store_slots = store_slots  # [T] int64
+        self.scale = scale
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]."""
@@ -95,6 +93,24 @@ class TritonAttentionBatch:
         return self._attend(layer_idx, q)
 
     def _attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TritonAttentionBatch(_PoolAttention):
+    """The default kernels: split-KV decode for the decode tokens, extend for the prefill chunks.
+    Also what CUDA graphs capture (decode only)."""
+
+    def __init__(self, kv: KVCache, req_to_token: torch.Tensor, store_slots: torch.Tensor,
+                 decode_rows: torch.Tensor, decode_seq_lens: torch.Tensor, extend: ExtendMetadata | None,
+                 scale: float):
+        super().__init__(kv, req_to_token, store_slots, scale)
+        self.decode_rows = decode_rows  # [Bd] int64
+        self.decode_seq_lens = decode_seq_lens  # [Bd] int32
+        self.num_decode = decode_rows.shape[0]
+        self.num_kv_splits = decode_kv_splits(self.num_decode, kv.k.shape[2])
+        self.extend = extend
+
+    def _attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, heads, d] over the pool, this step's k/v already in it -> [T, heads, d]."""
         k_pool, v_pool = self.kv.k[layer_idx], self.kv.v[layer_idx]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -107,6 +123,28 @@ class TritonAttentionBatch:
             extend_attention(q[nd:], k_pool, v_pool, self.req_to_token, e.rows, e.q_starts, e.prefix_lens,
                              e.seq_lens, self.scale, e.max_q_len, out=out[nd:])
         return out
+
+
+class InvariantAttentionBatch(_PoolAttention):
+    """The on-policy mode (--deterministic): every query token, decode or prefill, through the
+    batch-invariant kernel (kernels/batch_invariant_attention.py), so its bits do not depend on the
+    step, the chunk or the batch it runs in. Either `blocks` [NB, 4] int32 (its query blocks, on the
+    device) or `spans` (table row, first q row, first position, token count) per request, cut into
+    blocks at the first layer, when q's head count gives the block size."""
+
+    def __init__(self, kv: KVCache, req_to_token: torch.Tensor, store_slots: torch.Tensor, scale: float,
+                 blocks: torch.Tensor | None = None, spans: list | None = None):
+        super().__init__(kv, req_to_token, store_slots, scale)
+        self.blocks = blocks
+        self.spans = spans
+
+    def _attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            _, tokens = block_rows(q.shape[1], self.kv.k.shape[2])
+            blocks = torch.tensor(query_blocks(self.spans, tokens), dtype=torch.int32).reshape(-1, 4)
+            self.blocks = blocks.to(q.device)
+        return batch_invariant_attention(q, self.kv.k[layer_idx], self.kv.v[layer_idx], self.req_to_token,
+                                         self.blocks, self.scale)
 
 
 def prepare_triton_attention(entries, req_to_token: torch.Tensor, kv: KVCache, scale: float,
@@ -139,3 +177,23 @@ def prepare_triton_attention(entries, req_to_token: torch.Tensor, kv: KVCache, s
         decode_seq_lens=ints([e.start + 1 for e in decodes], torch.int32),
         extend=extend, scale=scale,
     )
+
+
+def prepare_invariant_attention(entries, req_to_token: torch.Tensor, kv: KVCache, scale: float,
+                                store_slots: torch.Tensor) -> InvariantAttentionBatch:
+    """The on-policy mode's batch: entries in any order, store_slots [T] int64 as above."""
+    spans, offset = [], 0
+    for e in entries:
+        spans.append((e.table_row, offset, e.start, e.num_new_tokens))
+        offset += e.num_new_tokens
+    return InvariantAttentionBatch(kv, req_to_token, store_slots, scale, spans=spans)
+
+
+def invariant_decode_attention(kv: KVCache, req_to_token: torch.Tensor, store_slots: torch.Tensor,
+                               rows: torch.Tensor, positions: torch.Tensor, scale: float) -> InvariantAttentionBatch:
+    """The on-policy mode's decode batch from device tensors (CUDA graphs): one block per request,
+    its one token at `positions` [B] in table row `rows` [B]."""
+    batch = rows.shape[0]
+    first_rows = torch.arange(batch, dtype=torch.int32, device=rows.device)
+    blocks = torch.stack((rows.int(), first_rows, positions.int(), torch.ones_like(first_rows)), dim=1)
+    return InvariantAttentionBatch(kv, req_to_token, store_slots, scale, blocks=blocks.contiguous())

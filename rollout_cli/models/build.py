@@ -97,13 +97,27 @@ def resolve_max_model_len(hf_config, requested: int | None) -> int:
     )
 
 
-def resolve_attention_backend(name: str, device: torch.device, deterministic: bool = False) -> str:
-    """--attention-backend (auto, torch, triton) for this device and mode."""
-    if deterministic:  # the torch path runs one token per forward: batch-invariant by construction
-        if name == "triton":
-            raise RolloutError("--deterministic runs on the torch path for now (--attention-backend torch or auto); "
-                               "the batch-invariant Triton kernels are issue 19's next slice")
-        return "torch"
+def is_hybrid(config) -> bool:
+    """The model has linear-attention (Gated DeltaNet) layers beside full attention."""
+    return "linear_attention" in (getattr(config, "layer_types", None) or ())
+
+
+def resolve_attention_backend(name: str, device: torch.device, deterministic: bool = False,
+                              config=None, tensor_parallel_size: int = 1) -> str:
+    """--attention-backend (auto, torch, triton) for this device, mode and model (config: its HF config)."""
+    if deterministic:
+        # The on-policy mode has two exact paths: the batch-invariant Triton kernels (dense and MoE
+        # models, one GPU), and the torch path's one token per forward (every model; slow).
+        triton_refusal = None
+        if config is not None and is_hybrid(config):
+            triton_refusal = ("hybrid (Gated DeltaNet) models run --deterministic on the torch path for now: their "
+                              "chunked prefill and recurrent decode kernels reduce in different orders")
+        elif tensor_parallel_size > 1:
+            triton_refusal = "--deterministic runs on one GPU for now (--tp 1): the all-reduce's order depends on the batch"
+        if name == "triton" and triton_refusal:
+            raise RolloutError(f"{triton_refusal}; pass --attention-backend torch")
+        if name == "auto" and triton_refusal:
+            return "torch"
     # auto: the Triton kernels and CUDA graphs on a GPU (tests/e2e/test_gpu_engine.py passed on the
     # H200: graph replay equals eager, greedy tokens equal the torch path; hybrid models: tests/e2e/
     # test_gpu_hybrid.py), the torch path on the CPU.

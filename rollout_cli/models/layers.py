@@ -27,8 +27,23 @@ def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id=No
     _copy_checked(param.data, tensor, getattr(param, "checkpoint_name", "weight"))
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           batch_invariant: bool = False) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T (+ bias [out]) -> [..., out]. `batch_invariant` (the on-policy
+    mode's GPU path): the Triton matmul whose rows have the same bits in any batch, where cuBLAS
+    picks its algorithm, and so its rounding, from the number of rows."""
+    if not batch_invariant:
+        return F.linear(x, weight, bias)
+    from rollout_kernels.batch_invariant_matmul import batch_invariant_matmul
+
+    y = batch_invariant_matmul(x.reshape(-1, x.shape[-1]), weight, bias)  # [rows, out]
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b); W is [out_features, in_features] as in checkpoints."""
+
+    batch_invariant = False  # set by enable_batch_invariant_kernels
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -41,7 +56,7 @@ class Linear(nn.Module):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.batch_invariant)
 
 
 class FusedLinear(Linear):
@@ -230,3 +245,12 @@ def enable_triton_kernels(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "use_triton"):
             module.use_triton = True
+
+
+def enable_batch_invariant_kernels(model: nn.Module) -> None:
+    """The on-policy mode on the Triton backend: every module with a `batch_invariant` switch (the
+    linear layers, the MoE router and experts, the model's LM head) computes each row with the
+    same bits whatever batch it runs in. Call after enable_triton_kernels."""
+    for module in model.modules():
+        if hasattr(module, "batch_invariant"):
+            module.batch_invariant = True

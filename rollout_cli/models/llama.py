@@ -20,6 +20,7 @@ from rollout_cli.models.layers import (
     RotaryEmbedding,
     SiluAndMul,
     VocabEmbedding,
+    linear,
 )
 from rollout_cli.models.tensor_parallel import (
     HeadSplit,
@@ -172,6 +173,7 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    batch_invariant = False  # the LM head's matmul (layers.enable_batch_invariant_kernels)
     """Also serves Qwen2 (qkv bias) through `flags`; Qwen3 subclasses it."""
 
     # checkpoint tensor name part -> (our fused parameter part, shard id)
@@ -219,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         upcast=False (the Triton sampler reads those and upcasts in registers)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if tp_size() == 1:
-            logits = torch.nn.functional.linear(hidden, weight)
+            logits = linear(hidden, weight, batch_invariant=self.batch_invariant)
         else:  # every rank computes its vocabulary rows and gathers the rest
             logits = vocab_parallel_logits(hidden, weight, self.config.vocab_size)
         return logits.float() if upcast else logits

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout_cli.errors import RolloutError
-from rollout_cli.models.layers import Linear, _copy_checked, default_weight_loader
+from rollout_cli.models.layers import Linear, _copy_checked, default_weight_loader, linear
 from rollout_cli.models.tensor_parallel import all_reduce, split_experts, tp_rank, tp_size
 
 
@@ -100,6 +100,7 @@ class TopKRouter(nn.Module):
     """
 
     use_triton = False
+    batch_invariant = False  # the logits' matmul (layers.enable_batch_invariant_kernels)
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
                  weights_in_float32: bool = False):
@@ -111,7 +112,7 @@ class TopKRouter(nn.Module):
         self.weights_in_float32 = weights_in_float32
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(hidden, self.weight)  # [T, E]
+        logits = linear(hidden, self.weight, batch_invariant=self.batch_invariant)  # [T, E]
         if self.use_triton:
             from rollout_kernels.moe_routing import topk_softmax
 
@@ -168,6 +169,10 @@ class FusedExperts(nn.Module):
     """
 
     use_triton = False  # kernels/fused_moe.py (needs the Triton router's float32 weights, int32 ids)
+    batch_invariant = False  # one launch config for every batch (layers.enable_batch_invariant_kernels)
+    # the token count whose tuned launch config the batch-invariant mode uses at every batch size: a
+    # decode batch of 256, where on-policy rollouts spend their time
+    BATCH_INVARIANT_TOKENS = 256
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  part_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
@@ -210,7 +215,15 @@ class FusedExperts(nn.Module):
         if self.use_triton:
             from rollout_kernels.fused_moe import fused_experts
 
-            return fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids)
+            # batch-invariant: one launch config for every batch size (tile shapes are part of the
+            # arithmetic; the tuned files pick them by token count)
+            configs = None
+            if self.batch_invariant:
+                from rollout_kernels.fused_moe_config import get_config
+
+                configs = get_config(self.BATCH_INVARIANT_TOKENS, self.num_experts, topk_ids.shape[1],
+                                     self.intermediate_size, hidden.shape[1], hidden.dtype)
+            return fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids, configs=configs)
         return fused_moe_ref(hidden, self.w13, self.w2, topk_weights, topk_ids)
 
 

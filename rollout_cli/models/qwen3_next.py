@@ -154,6 +154,7 @@ class Qwen3NextForCausalLM(MoeMixin, nn.Module):
         """input_ids, positions [T] -> hidden [T, hidden_size]."""
         return self.model(input_ids, positions, attn)
 
+    batch_invariant = False  # the LM head's matmul (layers.enable_batch_invariant_kernels)
     compute_logits = LlamaForCausalLM.compute_logits  # same head: float32, or model dtype with upcast=False
 
 

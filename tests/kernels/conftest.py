@@ -6,7 +6,16 @@ it is set here, before the test modules import the kernels.
 
 import os
 
+import pytest
 import torch
+
+from interpreter_dot import patch_row_invariant_dot
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def row_invariant_dot(monkeypatch):
+    """patch_row_invariant_dot for one test."""
+    patch_row_invariant_dot(monkeypatch)

@@ -31,7 +31,7 @@ def test_matches_the_reference(dtype, m, n, k, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_row_has_the_same_bits_in_any_batch(dtype):
+def test_a_row_has_the_same_bits_in_any_batch(dtype, row_invariant_dot):
     """Alone, in a full tile, in a partial tile, at another position, after a shuffle: bit for bit."""
     m, n, k = 2 * BLOCK_M + 5, 200, 150
     gen = torch.Generator().manual_seed(0)
