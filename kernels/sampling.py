@@ -37,6 +37,10 @@ Ties at the top-k boundary keep every tied token (the reference keeps exactly k,
 unspecified order). logprob = log_softmax(x)[token] renormalised over the kept set ("processed":
 x - max x - log(kept mass of e)) or log_softmax(logits)[token] when raw_logprobs.
 
+Teacher forcing (`sampling_score.score_tokens`) runs the same two launches with launch 2's FORCED
+flag: steps 1 and 2 as above, no step 3, the given token's logprob by the same expressions (a
+processed logprob of a token outside the kept set is -inf), so its bits equal the sampler's.
+
 The uniform u is either given ([B] float32) or computed in the kernel from int64
 keys (seed, prompt_index, sample_index, position) with the hash of `sampling_rng.py`, equal bit for
 bit to the host's `uniform_from_keys`.
@@ -106,21 +110,72 @@ def _chunk_partials_kernel(
 
 
 @triton.jit
+def _draw(base, V, m, scale, thresh_f, total, mass_c, s_idx, s_mask, filtered,
+          u_ptr, seed_ptr, pidx_ptr, sidx_ptr, pos_ptr, row, CHUNK, S, KEYED: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Launch 2's draw (step 3 of the module docstring) of a non-greedy row -> the token (int32 scalar):
+    the first token in vocab order whose running kept mass (e >= thresh_f) exceeds u * total.
+    mass_c [S_BLOCK]: the chunk masses of e (s_idx, s_mask their indices and validity)."""
+    cols = tl.arange(0, BLOCK_V)
+    if KEYED:
+        u = _uniform_from_keys(tl.load(seed_ptr + row), tl.load(pidx_ptr + row),
+                               tl.load(sidx_ptr + row), tl.load(pos_ptr + row))
+    else:
+        u = tl.load(u_ptr + row)
+    target = u * total
+    # ---- where the inverse-CDF scan starts: unfiltered rows (the kept mass of a chunk is its
+    # partial) skip to the first chunk whose running mass exceeds u * total, or, if rounding
+    # leaves u * total past the end, the last chunk with mass; filtered rows scan from 0 ----
+    cum = tl.cumsum(mass_c, axis=0)
+    c_hit = tl.min(tl.where(s_mask & (cum > target), s_idx, S), axis=0)
+    c_last = tl.max(tl.where(mass_c > 0.0, s_idx, 0), axis=0)
+    c_first = tl.where(filtered, 0, tl.where(c_hit < S, c_hit, c_last))
+    running = tl.sum(tl.where(s_idx < c_first, mass_c, 0.0), axis=0)  # mass before chunk c_first
+    first = c_first * CHUNK
+    # ---- inverse CDF in vocab order over the kept (unnormalised) probabilities ----
+    # (from chunk c_first on; a rounding miss in that chunk runs on into the next ones)
+    found = tl.zeros((), tl.int32) + V
+    last = tl.zeros((), tl.int32) - 1
+    start = first
+    while (start < V) & (found == V):
+        idx = start + cols
+        mask = idx < V
+        lg = tl.load(base + idx, mask=mask, other=float("-inf")).to(tl.float32)
+        e = tl.minimum(tl.math.exp2((lg - m) * scale), 1.0)
+        w = tl.where(mask & (e >= thresh_f), e, 0.0)
+        cdf = running + tl.cumsum(w, axis=0)
+        found = tl.min(tl.where(cdf > target, idx, V), axis=0)
+        last = tl.maximum(last, tl.max(tl.where(w > 0.0, idx, -1), axis=0))
+        running += tl.sum(w, axis=0)
+        start += BLOCK_V
+    if (found == V) & (last < 0) & (first > 0):
+        # past the end with no kept token at or after chunk c_first: the last kept token before it
+        for start2 in range(0, first, BLOCK_V):
+            idx = start2 + cols
+            lg = tl.load(base + idx, mask=idx < first, other=float("-inf")).to(tl.float32)
+            e = tl.minimum(tl.math.exp2((lg - m) * scale), 1.0)
+            last = tl.maximum(last, tl.max(tl.where((idx < first) & (e >= thresh_f) & (e > 0.0), idx, -1),
+                                           axis=0))
+    # rounding can leave u * total past the end: the last kept token, as the reference does
+    return tl.where(found < V, found, tl.maximum(last, 0))
+
+
+@triton.jit
 def _sampling_kernel(
     logits_ptr, stride_row, V,
     temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, raw_ptr,
     u_ptr, seed_ptr, pidx_ptr, sidx_ptr, pos_ptr,
     tok_ptr, logprob_ptr, ws_ptr, ws_int_ptr, ws_stride, CHUNK, S,
     KEYED: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
-    NT: tl.constexpr, CAP: tl.constexpr,
+    NT: tl.constexpr, CAP: tl.constexpr, FORCED: tl.constexpr,
 ):
-    """Launch 2, grid (B,): merge the row's S chunk partials, filter, draw, logprob."""
+    """Launch 2, grid (B,): merge the row's S chunk partials, filter, draw, logprob.
+    FORCED (`sampling_score.score_tokens`): no draw; the token is tok_ptr[row] (int64, read, not
+    written) and the logprob is reported by the very expressions below that report a drawn one."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
     temperature = tl.load(temp_ptr + row)
     T = tl.where(temperature == 0.0, 1.0, temperature)
     scale = tl.math.div_rn(1.4426950408889634, T)  # log2(e) / T
-    cols = tl.arange(0, BLOCK_V)
     NEG_INF: tl.constexpr = float("-inf")
 
     # ---- merge the chunk partials: max, first argmax (lowest index on ties), rescaled sums ----
@@ -140,6 +195,11 @@ def _sampling_kernel(
 
     token = argmax
     kept = zt  # mass of the tokens the draw keeps (the whole row unless a filter cuts it)
+    dropped = tl.zeros((), tl.int1)  # FORCED: the given token is outside the kept set
+    if FORCED:
+        forced = tl.load(tok_ptr + row)
+        in_vocab = (forced >= 0) & (forced < V)  # out of range reads as a -inf logit: no stray load
+        token = tl.where(in_vocab, forced, 0).to(tl.int32)
     if temperature != 0.0:
         top_k = tl.load(top_k_ptr + row)
         top_p = tl.load(top_p_ptr + row)
@@ -165,56 +225,31 @@ def _sampling_kernel(
                 tl.zeros((), tl.int32), tl.zeros((), tl.float32), 0, top_p * total, True, BLOCK_S, NT, CAP)
         thresh_f = thresh.to(tl.float32, bitcast=True)
         kept = total
-        if KEYED:
-            u = _uniform_from_keys(tl.load(seed_ptr + row), tl.load(pidx_ptr + row),
-                                   tl.load(sidx_ptr + row), tl.load(pos_ptr + row))
-        else:
-            u = tl.load(u_ptr + row)
-        target = u * total
-        # ---- where the inverse-CDF scan starts: unfiltered rows (the kept mass of a chunk is its
-        # partial) skip to the first chunk whose running mass exceeds u * total, or, if rounding
-        # leaves u * total past the end, the last chunk with mass; filtered rows scan from 0 ----
-        filtered = use_k | (min_p > 0.0) | (top_p < 1.0)
-        cum = tl.cumsum(mass_c, axis=0)
-        c_hit = tl.min(tl.where(s_mask & (cum > target), s_idx, S), axis=0)
-        c_last = tl.max(tl.where(mass_c > 0.0, s_idx, 0), axis=0)
-        c_first = tl.where(filtered, 0, tl.where(c_hit < S, c_hit, c_last))
-        running = tl.sum(tl.where(s_idx < c_first, mass_c, 0.0), axis=0)  # mass before chunk c_first
-        first = c_first * CHUNK
-        # ---- inverse CDF in vocab order over the kept (unnormalised) probabilities ----
-        # (from chunk c_first on; a rounding miss in that chunk runs on into the next ones)
-        found = tl.zeros((), tl.int32) + V
-        last = tl.zeros((), tl.int32) - 1
-        start = first
-        while (start < V) & (found == V):
-            idx = start + cols
-            mask = idx < V
-            lg = tl.load(base + idx, mask=mask, other=float("-inf")).to(tl.float32)
+        if FORCED:
+            # kept iff e >= t, e as the draw's pass computes it, and e > 0 (such a token is never drawn;
+            # the reference's kept probability is 0); which rows report over a kept set is the
+            # reference's rule (top_k >= V counts: only e > 0 is kept there)
+            lg = tl.load(base + token, mask=in_vocab, other=NEG_INF).to(tl.float32)
             e = tl.minimum(tl.math.exp2((lg - m) * scale), 1.0)
-            w = tl.where(mask & (e >= thresh_f), e, 0.0)
-            cdf = running + tl.cumsum(w, axis=0)
-            found = tl.min(tl.where(cdf > target, idx, V), axis=0)
-            last = tl.maximum(last, tl.max(tl.where(w > 0.0, idx, -1), axis=0))
-            running += tl.sum(w, axis=0)
-            start += BLOCK_V
-        if (found == V) & (last < 0) & (first > 0):
-            # past the end with no kept token at or after chunk c_first: the last kept token before it
-            for start2 in range(0, first, BLOCK_V):
-                idx = start2 + cols
-                lg = tl.load(base + idx, mask=idx < first, other=float("-inf")).to(tl.float32)
-                e = tl.minimum(tl.math.exp2((lg - m) * scale), 1.0)
-                last = tl.maximum(last, tl.max(tl.where((idx < first) & (e >= thresh_f) & (e > 0.0), idx, -1),
-                                               axis=0))
-        # rounding can leave u * total past the end: the last kept token, as the reference does
-        token = tl.where(found < V, found, tl.maximum(last, 0))
+            dropped = ((top_k > 0) | (min_p > 0.0) | (top_p < 1.0)) & ~((e >= thresh_f) & (e > 0.0))
+        else:
+            filtered = use_k | (min_p > 0.0) | (top_p < 1.0)
+            token = _draw(base, V, m, scale, thresh_f, total, mass_c, s_idx, s_mask, filtered,
+                          u_ptr, seed_ptr, pidx_ptr, sidx_ptr, pos_ptr, row, CHUNK, S, KEYED, BLOCK_V)
 
-    # ---- logprob of the chosen token, computed as torch's log_softmax does ----------------
-    l_tok = tl.load(base + token).to(tl.float32)
+    # ---- logprob of the chosen (FORCED: the given) token, computed as torch's log_softmax does ----
+    if FORCED:
+        l_tok = tl.load(base + token, mask=in_vocab, other=NEG_INF).to(tl.float32)
+    else:
+        l_tok = tl.load(base + token).to(tl.float32)
     raw = tl.load(raw_ptr + row) != 0
     raw_lp = (l_tok - m) - tl.log(z1)
     # processed: over the kept set, the distribution the token was drawn from (= zt when nothing is cut)
     processed_lp = (tl.math.div_rn(l_tok, T) - tl.math.div_rn(m, T)) - tl.log(kept)
-    tl.store(tok_ptr + row, token.to(tl.int64))
+    if FORCED:
+        processed_lp = tl.where(dropped, NEG_INF, processed_lp)  # a token the filters cut is never drawn
+    else:
+        tl.store(tok_ptr + row, token.to(tl.int64))
     tl.store(logprob_ptr + row, tl.where(raw, raw_lp, processed_lp))
 
 
@@ -249,6 +284,58 @@ def sample_workspace(batch: int, vocab: int, device, block_v: int = BLOCK_V, chu
     return torch.empty((batch, workspace_columns(vocab, block_v, chunk, cap)), dtype=torch.float32, device=device)
 
 
+def _check_settings(logits, temperature, top_k, top_p, min_p, raw_logprobs) -> tuple[int, int]:
+    """Launcher checks of logits [B, V] and the per-row settings (`sample`'s docstring) -> (B, V)."""
+    # bf16/fp16 logits are read and upcast in the kernel: the same numbers as a float32 copy, without
+    # a cast kernel writing [B, V] float32 first (at B 256 x V 151936: 112 us of a 7.3 ms step)
+    assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16), \
+        "logits must be [B, V] float32, bfloat16 or float16"
+    assert logits.stride(1) == 1 or logits.shape[1] == 1, "logits must be contiguous in V"
+    batch, vocab = logits.shape
+    assert 1 <= vocab < 2**31 - 2**16
+    dev = logits.device
+    check_row_param("temperature", temperature, batch, torch.float32, dev)
+    check_row_param("top_k", top_k, batch, torch.int64, dev)
+    check_row_param("top_p", top_p, batch, torch.float32, dev)
+    check_row_param("min_p", min_p, batch, torch.float32, dev)
+    check_row_param("raw_logprobs", raw_logprobs, batch, torch.bool, dev)
+    return batch, vocab
+
+
+def _launch(logits, settings, u_arg, key_args, tokens, logprobs, workspace, keyed: bool, forced: bool,
+            block_v, block_s, num_thresholds, cap, num_warps, chunk, num_warps_partials) -> None:
+    """The two launches of `sample` (forced False) and `sampling_score.score_tokens` (forced True:
+    `tokens` [B] int64 is read, the given tokens), with the same knobs so that both run the same
+    chunking and the same arithmetic. settings: (temperature, top_k, top_p, min_p, raw_logprobs),
+    checked; logprobs [B] float32 is written; workspace None or `sample_workspace`'s shape."""
+    batch, vocab = logits.shape
+    for name, n in (("block_v", block_v), ("block_s", block_s), ("num_thresholds", num_thresholds), ("cap", cap)):
+        assert n >= 2 and n & (n - 1) == 0, f"{name} must be a power of two >= 2"
+    assert chunk >= 1, "chunk must be positive"
+    block, chunk_len, num_chunks = chunk_layout(vocab, block_v, chunk)
+    cols = 4 * num_chunks + cap
+    dev = logits.device
+    if workspace is None:
+        workspace = torch.empty((batch, cols), dtype=torch.float32, device=dev)
+    assert workspace.dtype == torch.float32 and workspace.is_contiguous() and workspace.device == dev
+    assert workspace.dim() == 2 and workspace.shape[0] >= batch and workspace.shape[1] == cols, \
+        f"workspace must be [>= {batch}, {cols}] (workspace_columns(V, block_v, chunk, cap))"
+    if batch == 0:
+        return
+    ws_int = workspace.view(torch.int32)  # the same memory: the argmax columns are stored as int32
+    _chunk_partials_kernel[(batch, num_chunks)](
+        logits, logits.stride(0), vocab, settings[0], workspace, ws_int, cols, chunk_len, num_chunks,
+        BLOCK_V=block, num_warps=num_warps_partials,
+    )
+    _sampling_kernel[(batch,)](
+        logits, logits.stride(0), vocab, *settings, u_arg, *key_args,
+        tokens, logprobs, workspace, ws_int, cols, chunk_len, num_chunks,
+        KEYED=keyed, S_BLOCK=max(2, triton.next_power_of_2(num_chunks)), BLOCK_V=block,
+        BLOCK_S=min(block_s, triton.next_power_of_2(vocab)), NT=num_thresholds, CAP=cap, FORCED=forced,
+        num_warps=num_warps,
+    )
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -280,20 +367,11 @@ def sample(
     The tuning knobs (block_v, block_s, num_thresholds, cap, num_warps, chunk, num_warps_partials)
     change speed, not results beyond float rounding; `chunk` is the target chunk length of launch 1
     (see `chunk_layout`), num_warps_partials its warps, num_warps launch 2's.
+    `sampling_score.score_tokens` with the same knobs reports the same logprob bits for these tokens.
     """
-    # bf16/fp16 logits are read and upcast in the kernel: the same numbers as a float32 copy, without
-    # a cast kernel writing [B, V] float32 first (at B 256 x V 151936: 112 us of a 7.3 ms step)
-    assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16), \
-        "logits must be [B, V] float32, bfloat16 or float16"
-    assert logits.stride(1) == 1 or logits.shape[1] == 1, "logits must be contiguous in V"
-    batch, vocab = logits.shape
-    assert 1 <= vocab < 2**31 - 2**16
+    settings = (temperature, top_k, top_p, min_p, raw_logprobs)
+    batch, _ = _check_settings(logits, *settings)
     dev = logits.device
-    check_row_param("temperature", temperature, batch, torch.float32, dev)
-    check_row_param("top_k", top_k, batch, torch.int64, dev)
-    check_row_param("top_p", top_p, batch, torch.float32, dev)
-    check_row_param("min_p", min_p, batch, torch.float32, dev)
-    check_row_param("raw_logprobs", raw_logprobs, batch, torch.bool, dev)
     assert (uniform is None) != (keys is None), "pass exactly one of uniform= or keys="
     if keys is not None:
         assert len(keys) == 4
@@ -310,30 +388,6 @@ def sample(
         tokens, logprobs = out
         check_row_param("out tokens", tokens, batch, torch.int64, dev)
         check_row_param("out logprobs", logprobs, batch, torch.float32, dev)
-    for name, n in (("block_v", block_v), ("block_s", block_s), ("num_thresholds", num_thresholds), ("cap", cap)):
-        assert n >= 2 and n & (n - 1) == 0, f"{name} must be a power of two >= 2"
-    assert chunk >= 1, "chunk must be positive"
-    block, chunk_len, num_chunks = chunk_layout(vocab, block_v, chunk)
-    cols = 4 * num_chunks + cap
-    if workspace is None:
-        workspace = torch.empty((batch, cols), dtype=torch.float32, device=dev)
-    assert workspace.dtype == torch.float32 and workspace.is_contiguous() and workspace.device == dev
-    assert workspace.dim() == 2 and workspace.shape[0] >= batch and workspace.shape[1] == cols, \
-        f"workspace must be [>= {batch}, {cols}] (workspace_columns(V, block_v, chunk, cap))"
-    if batch == 0:
-        return tokens, logprobs
-    ws_int = workspace.view(torch.int32)  # the same memory: the argmax columns are stored as int32
-    _chunk_partials_kernel[(batch, num_chunks)](
-        logits, logits.stride(0), vocab, temperature, workspace, ws_int, cols, chunk_len, num_chunks,
-        BLOCK_V=block, num_warps=num_warps_partials,
-    )
-    _sampling_kernel[(batch,)](
-        logits, logits.stride(0), vocab,
-        temperature, top_k, top_p, min_p, raw_logprobs,
-        u_arg, *key_args,
-        tokens, logprobs, workspace, ws_int, cols, chunk_len, num_chunks,
-        KEYED=keys is not None, S_BLOCK=max(2, triton.next_power_of_2(num_chunks)), BLOCK_V=block,
-        BLOCK_S=min(block_s, triton.next_power_of_2(vocab)), NT=num_thresholds, CAP=cap,
-        num_warps=num_warps,
-    )
+    _launch(logits, settings, u_arg, key_args, tokens, logprobs, workspace, keys is not None, False,
+            block_v, block_s, num_thresholds, cap, num_warps, chunk, num_warps_partials)
     return tokens, logprobs

@@ -93,17 +93,30 @@ def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, 
     return sample_ref(logits, *settings, keys=keys)
 
 
-def teacher_logprobs(logits: torch.Tensor, entries, per_row: bool):
+def teacher_logprobs(logits: torch.Tensor, entries, per_row: bool, use_triton: bool = False):
     """Scoring (teacher forcing): logits [S, V] of the scored rows of `entries` (engine.schedule_output
     BatchEntry with score_targets, in order) -> [S] float32 logprobs of their targets, reported as the
     sampler reports a drawn token (the request's temperature and logprobs mode); with the requests'
     score_top_k > 0, (logprobs, top ids [S, K], top logprobs [S, K]). `per_row`: one row at a time, as
-    the on-policy mode samples, so a row's bits never depend on the others."""
+    the on-policy mode samples, so a row's bits never depend on the others. `use_triton`: the targets'
+    logprobs from the fused sampler's forced-token mode (`sampling_score.score_tokens`), bit for bit
+    what `sample_rows(use_triton=True)` reported when it drew them; the top list (if asked) stays the
+    torch reference's."""
     targets = [t for e in entries for t in e.score_targets]
     rows = SamplingRows([e.request for e in entries for _ in e.score_targets], [0] * len(targets))
     ints, floats = rows.to_device(logits.device)  # the requests' settings, as the sampler reads them
     targets = torch.tensor(targets, dtype=torch.int64, device=logits.device)
     num_top = max(e.request.score_top_k for e in entries)
+    chosen = None
+    if use_triton:
+        from rollout_kernels.sampling_score import score_tokens  # triton is optional on the CPU's torch path
+
+        # one launch, per_row or not: the kernel's rows never depend on the batch (one program per row,
+        # chunks fixed by V alone), as sample_rows' kernel rows do not
+        chosen = score_tokens(logits, targets, floats[TEMPERATURE], ints[TOP_K], floats[TOP_P], floats[MIN_P],
+                              floats[RAW_LOGPROBS] > 0.5)
+        if not num_top:
+            return chosen
 
     def score(rows: slice, row_logits: torch.Tensor):
         return token_logprobs_ref(row_logits, targets[rows], floats[TEMPERATURE, rows],
@@ -111,7 +124,11 @@ def teacher_logprobs(logits: torch.Tensor, entries, per_row: bool):
                                   floats[MIN_P, rows], num_top)
 
     if not per_row:
-        return score(slice(None), logits)
-    # each row alone, in a fresh buffer, as the sampler's rows are (sample_rows with per_row)
-    parts = [score(slice(i, i + 1), logits[i : i + 1].clone()) for i in range(logits.shape[0])]
-    return torch.cat(parts) if not num_top else tuple(torch.cat(column) for column in zip(*parts))
+        scored = score(slice(None), logits)
+    else:
+        # each row alone, in a fresh buffer, as the sampler's rows are (sample_rows with per_row)
+        parts = [score(slice(i, i + 1), logits[i : i + 1].clone()) for i in range(logits.shape[0])]
+        scored = torch.cat(parts) if not num_top else tuple(torch.cat(column) for column in zip(*parts))
+    if chosen is not None:  # the top list from the reference, the targets' logprobs from the kernel
+        return (chosen, *scored[1:])
+    return scored
