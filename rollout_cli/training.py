@@ -8,10 +8,16 @@ response logprobs equal a `--deterministic` rollout's bit for bit (same checkpoi
     loss = -(advantage * logprobs).sum(); loss.backward(); optimizer.step()      # policy.parameters()
     policy.save_pretrained("ckpt_1")          # HF names and layout: rollout reload-weights takes it
 
-The forward is the engine's on-policy forward (engine/on_policy.py): one token at a time, every
-token attending to its whole context through the same call, logits and logprobs through the same
-functions as the engine's sampler. Only the keys and values live elsewhere: in lists that autograd
-follows instead of the KV pool. The backward is torch's; gradients need not be bitwise anything.
+The forward is the one the `--deterministic` engine runs on the same device (`kernels`, picked by
+the engine's rule, models/build.resolve_attention_backend):
+  - torch (the CPU): the engine's on-policy forward (engine/on_policy.py), one token at a time, every
+    token attending to its whole context through the same call, logits and logprobs through the same
+    functions as the engine's sampler. Only the keys and values live elsewhere: in lists that
+    autograd follows instead of the KV pool. The backward is torch's.
+  - triton (a GPU): the engine's batch-invariant kernels (matmul, attention, norms, the sampler's
+    scoring kernel) give the values, bit for bit the engine's; Triton kernels have no backward, so
+    a plain torch forward of the same sequence gives the gradient (straight through: values from
+    the kernels, d/dparams from torch). Gradients need not be bitwise anything.
 Dense and MoE models; hybrid linear-attention models are not covered yet (their recurrent state
 lives in the engine's state pool, updated in place).
 """
@@ -22,12 +28,15 @@ import os
 import shutil
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from rollout_cli.engine.attention import KVCache
 from rollout_cli.engine.on_policy import attend_token, token_forward
 from rollout_cli.errors import RolloutError
-from rollout_cli.models.build import build_model, load_model_config, resolve_device, resolve_dtype
+from rollout_cli.models.build import (build_model, is_hybrid, load_model_config, resolve_attention_backend,
+                                      resolve_device, resolve_dtype)
 from rollout_cli.models.llama import head_dim_of
 from rollout_cli.models.loader import plan_checkpoint
 from rollout_cli.models.moe import SparseMoeBlock
@@ -65,17 +74,44 @@ class SequenceKV:
         return other
 
 
+class CausalSequenceAttention:
+    """The `attn` of a differentiable forward over one whole sequence in plain torch: T tokens attend
+    causally to their own keys (the gradient path of the Triton kernels' forward)."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]."""
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+            scale=self.scale, enable_gqa=True)  # [1, heads, T, d]
+        return attended[0].transpose(0, 1)
+
+
+def _switch_kernels(model, on: bool) -> None:
+    """The Triton and batch-invariant paths of every module on (the exact forward) or off (torch: autograd)."""
+    for module in model.modules():
+        for switch in ("use_triton", "batch_invariant"):
+            if hasattr(module, switch):
+                setattr(module, switch, on)
+
+
 class Policy:
     """Rollout's model of a checkpoint with trainable parameters."""
 
-    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32"):
+    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32", kernels: str = "auto"):
+        """kernels: auto (the deterministic engine's choice on this device), torch, or triton."""
         self.model_dir = model_dir
         hf_config = load_model_config(model_dir)
-        if getattr(hf_config, "layer_types", None) and "linear_attention" in hf_config.layer_types:
+        if is_hybrid(hf_config):
             raise RolloutError("rollout_cli.training covers dense and MoE models; hybrid linear-attention models "
                                "are not supported yet")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kernels = resolve_attention_backend(kernels, self.device, deterministic=True, config=hf_config)
+        # the private KV pool of the Triton forward: [layers, slots, kv_heads, head_dim]
+        self.kv_shape = (hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim_of(hf_config))
         self.model = build_model(model_dir, hf_config, self.device, self.dtype,
                                  max_positions=getattr(hf_config, "max_position_embeddings", None) or 4096)
         self.model.train()
@@ -102,14 +138,13 @@ class Policy:
         """response_logprobs of several responses to one prompt (a GRPO group): the prompt is computed
         once and its keys shared by every response's forward (the same values: the same bits)."""
         prompt = list(prompt_token_ids)
+        settings = dict(temperature=temperature, raw=logprobs_mode == "raw", top_k=top_k, top_p=top_p, min_p=min_p)
+        if self.kernels == "triton":
+            return [self._kernel_logprobs(prompt + list(response), len(prompt), settings) for response in responses]
         prefix = SequenceKV(self.scale, self.dtype)
         for position, token in enumerate(prompt[:-1]):
             token_forward(self.model, token, position, prefix, self.device, logits=False)
-        temperature_row = torch.tensor([temperature], dtype=torch.float32, device=self.device)
-        raw_row = torch.tensor([logprobs_mode == "raw"], device=self.device)
-        filters = (torch.tensor([top_k], dtype=torch.int64, device=self.device),
-                   torch.tensor([top_p], dtype=torch.float32, device=self.device),
-                   torch.tensor([min_p], dtype=torch.float32, device=self.device))
+        row_settings = self._settings(1, settings)  # temperature, raw, top_k, top_p, min_p: [1] each
         results = []
         for response in responses:
             attn = prefix.fork()
@@ -118,9 +153,55 @@ class Policy:
             for position in range(len(prompt) - 1, len(tokens) - 1):
                 logits = token_forward(self.model, tokens[position], position, attn, self.device)  # [1, vocab]
                 target = torch.tensor([tokens[position + 1]], device=self.device)
-                out.append(token_logprobs_ref(logits, target, temperature_row, raw_row, *filters))
+                out.append(token_logprobs_ref(logits, target, *row_settings))
             results.append(torch.cat(out) if out else torch.zeros(0, device=self.device))
         return results
+
+    def _settings(self, rows: int, settings: dict) -> tuple[torch.Tensor, ...]:
+        """The sampler's per-row settings for `rows` rows: temperature, raw flag, top_k, top_p, min_p."""
+        def full(value, dtype):
+            return torch.full((rows,), value, dtype=dtype, device=self.device)
+
+        return (full(settings["temperature"], torch.float32), full(settings["raw"], torch.bool),
+                full(settings["top_k"], torch.int64), full(settings["top_p"], torch.float32),
+                full(settings["min_p"], torch.float32))
+
+    def _kernel_logprobs(self, tokens: list[int], prompt_len: int, settings: dict) -> torch.Tensor:
+        """The response's logprobs [len(tokens) - prompt_len]: values from the engine's batch-invariant
+        kernels, gradient from a torch forward of the same sequence (straight through)."""
+        n = len(tokens) - 1  # the last token is only a target
+        ids = torch.tensor(tokens[:n], device=self.device)
+        positions = torch.arange(n, device=self.device)
+        rows = torch.arange(prompt_len - 1, n, device=self.device)  # the positions that predict the response
+        targets = torch.tensor(tokens[prompt_len:], device=self.device)
+        temperature, raw, top_k, top_p, min_p = self._settings(len(targets), settings)
+        with torch.no_grad():
+            exact = self._invariant_forward(ids, positions, rows)  # [R, V] logits, the engine's bits
+            from rollout_kernels.sampling_score import score_tokens
+
+            values = score_tokens(exact, targets, temperature, top_k, top_p, min_p, raw)
+        hidden = self.model(ids, positions, CausalSequenceAttention(self.scale))  # [n, hidden]
+        logits = self.model.compute_logits(hidden[rows])  # [R, V] float32
+        approx = token_logprobs_ref(logits, targets, temperature, raw, top_k, top_p, min_p)
+        # forward: the kernels' values (approx - approx.detach() is 0); backward: torch's gradient
+        return values + torch.where(approx.isfinite(), approx - approx.detach(), 0.0)
+
+    def _invariant_forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One prefill of the sequence on the engine's batch-invariant kernels over a private KV pool
+        -> logits [len(rows), V] in the model dtype, as the engine hands them to its sampler."""
+        from rollout_cli.engine.triton_attention import InvariantAttentionBatch
+
+        n = ids.shape[0]
+        num_layers, num_kv_heads, head_dim = self.kv_shape
+        kv = KVCache(num_layers, n, num_kv_heads, head_dim, self.dtype, self.device)
+        req_to_token = torch.arange(n, dtype=torch.int32, device=self.device)[None]  # one row: slot = position
+        attn = InvariantAttentionBatch(kv, req_to_token, positions, self.scale, spans=[(0, 0, 0, n)])
+        _switch_kernels(self.model, True)
+        try:
+            hidden = self.model(ids, positions, attn)
+            return self.model.compute_logits(hidden[rows], upcast=False)
+        finally:
+            _switch_kernels(self.model, False)
 
     @torch.no_grad()
     def state_dict_hf(self) -> dict[str, torch.Tensor]:

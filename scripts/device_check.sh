@@ -14,8 +14,11 @@
 # hybridtests (the hybrid engine's GPU tests), longout (the slice with dense MLPs against dense12 at
 # 2048 and 8192 output tokens: linear against full attention at equal weights per step), fla (our
 # Gated DeltaNet kernels against flash-linear-attention's in one run; carry .whl_fla holding the
-# fla-core wheel, installed apart so that HF's baseline keeps its torch fallback). Logs and JSON go
-# to $OUT.
+# fla-core wheel, installed apart so that HF's baseline keeps its torch fallback), det (issue 19's GPU
+# tests: the batch-invariant kernels, the scorer, the deterministic engine and trainer), det06 / det8 /
+# detmixed / detgrpo / detmoe30 (`rollout bench --deterministic`: the default and the on-policy mode
+# in one run, ABBA, on the b06 / b8 / mixed / grpo / moe30 workloads), fidelity (issue 19's table, both
+# modes, HF bf16 teacher forcing). Logs and JSON go to $OUT.
 # torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -62,6 +65,17 @@ for part in $PARTS; do
     grpo) bench b06_grpo 70 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 ;;
     moe30) bench b30_capture 150 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --capture-routing compare ;;
     moe30hf) bench b30_hf 580 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --baseline-time-limit 400 ;;
+    det) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_batch_invariant_matmul.py \
+               tests/kernels/test_batch_invariant_attention.py tests/kernels/test_sampling_score.py \
+               tests/e2e/test_gpu_deterministic.py 2>&1 | tee "$OUT/gpu_det_tests.log" | grep -E "^FAILED|passed|failed" | tail -12 ;;
+    det06) bench b06_det 300 --model $Q06 --num-prompts 256 --input-len 256 --output-len 512 --deterministic ;;
+    det8) bench b8_det 400 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512 --deterministic ;;
+    detmixed) bench b06_mixed_det 200 --model $Q06 --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 \
+               --temperature 0.6 --deterministic ;;
+    detgrpo) bench b06_grpo_det 250 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 --deterministic ;;
+    detmoe30) bench b30_det 500 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --deterministic ;;
+    fidelity) timeout 500 python3 scripts/fidelity_check.py --model $Q06 --random-weights /tmp/q06_random \
+               --num-prompts 64 --n 4 --min-len 64 --max-len 512 --output-len 256 --modes default,deterministic --hf 2>&1 | tee "$OUT/fidelity.log" | tail -20 ;;
     control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;
     *) echo "unknown part $part" ;;
     esac

@@ -1,8 +1,8 @@
 """Issue 19's fidelity table, re-measured: does a sample depend on what runs beside it?
 
     python scripts/fidelity_check.py --model recipes/example_model --dtype bfloat16 --modes default,deterministic
-    python scripts/fidelity_check.py --model recipes/configs/qwen3-0.6b --load-format dummy --num-prompts 64 \
-        --n 4 --output-len 256 --modes default --hf      # the H200 measurement of issue 19
+    python scripts/fidelity_check.py --model recipes/configs/qwen3-0.6b --random-weights /tmp/q06 --num-prompts 64 \
+        --n 4 --output-len 256 --max-len 512 --min-len 64 --hf      # the H200 measurement of issue 19
 
 For each mode (default kernels, or --deterministic), one engine:
   alone vs batch   prompt 0's samples run alone, then inside the whole batch
@@ -10,6 +10,9 @@ For each mode (default kernels, or --deterministic), one engine:
   rerun, cache off the same on an engine without prefix cache
   score vs run     Engine.score (teacher forcing) against the run's logprobs
   HF vs run        (--hf) HF transformers' teacher forcing in the same dtype against the run's logprobs
+--random-weights DIR saves a random checkpoint of --model's config.json there first (HF's init, the
+final norm's weight scaled by --final-norm-scale so logits have a realistic spread instead of a
+near-uniform one) and measures on it: HF can then load the same weights.
 Prints one row per comparison: samples with identical tokens, and the max (or mean / p99 / max)
 absolute logprob difference; differences after two samples' tokens diverge are not comparable, so
 "max |dlogprob|" counts the common prefix of the two token sequences only.
@@ -54,8 +57,10 @@ def measure(args, deterministic: bool) -> list[tuple[str, str, str]]:
     from rollout_cli import Engine, PromptInput, SamplingParams
     from rollout_cli.engine.trajectory import ScoreInput
 
+    max_model_len = args.max_len + args.output_len + 1
+    # three engines live at once (one per comparison): each pool holds the workload, not a share of the GPU
     options = dict(device=args.device, dtype=args.dtype, load_format=args.load_format, deterministic=deterministic,
-                   max_model_len=args.max_len + args.output_len + 1)
+                   max_model_len=max_model_len, kv_cache_tokens=args.num_prompts * args.n * max_model_len + 1)
     params = SamplingParams(n=args.n, max_new_tokens=args.output_len, temperature=1.0, seed=args.seed,
                             ignore_eos=True)
     engine = Engine(model=args.model, **options)
@@ -109,6 +114,20 @@ def _hf_diffs(args, trajectories: dict) -> list:
     return diffs
 
 
+def _random_checkpoint(config_dir: str, out_dir: str, norm_scale: float, seed: int) -> str:
+    """A random bf16 checkpoint of config_dir's config.json in out_dir (save_pretrained); its final
+    norm's weight scaled by norm_scale."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(norm_scale)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -123,7 +142,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="default,deterministic")
     parser.add_argument("--hf", action="store_true", help="also HF teacher forcing vs the run (real checkpoints)")
+    parser.add_argument("--random-weights", metavar="DIR", help="save a random checkpoint of --model's config here and use it")
+    parser.add_argument("--final-norm-scale", type=float, default=8.0, help="--random-weights: final norm weight scale")
     args = parser.parse_args()
+    if args.random_weights:
+        args.model = _random_checkpoint(args.model, args.random_weights, args.final_norm_scale, args.seed)
+        args.load_format = "auto"
     table = [(mode, *row) for mode in args.modes.split(",") for row in measure(args, mode == "deterministic")]
     print(f"{'mode':<14} {'comparison':<17} {'identical tokens':>16}  logprob difference")
     for mode, name, same, diff in table:

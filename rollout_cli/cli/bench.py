@@ -119,8 +119,12 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
         engine.enable_routing_capture()  # a dense model is refused here, before any timing
     elif capture_routing == "compare" and not getattr(engine.model, "moe_layers", None):
         engine.enable_routing_capture()  # refuses with the one-line reason
+    if capture_routing == "compare" and engine.config.deterministic:
+        raise RolloutError("--capture-routing compare and --deterministic each time two settings; run them one at a time")
     if capture_routing == "compare":
         report.update(_compare_capture(engine, workload, cfg, console))
+    elif engine.config.deterministic and engine.tp is None:
+        report.update(_compare_modes(engine, workload, cfg, console))
     else:
         with console.status("engine"):
             report["rollout"] = run_engine(engine, workload, cfg)
@@ -139,24 +143,43 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
         console.print(profile_decode(engine, workload, cfg), soft_wrap=True)
 
 
-def _compare_capture(engine, workload, cfg, console) -> dict:
-    """Four runs on one engine, capture off, on, on, off (ABBA: a drift over the runs, such as
-    kernels compiled by the first, weighs on both sides alike); overhead from the sums of times."""
+def _abba(engine, workload, cfg, console, switch, label: str) -> tuple[list[dict], float, float]:
+    """Four runs on one engine with a setting off, on, on, off (ABBA: a drift over the runs, such as
+    kernels compiled by the first, weighs on both sides alike); switch(on) sets it.
+    -> (the four runs, seconds with it off, seconds with it on), from the sums of times."""
     from rollout_cli.bench import run_engine  # heavy: torch
 
     runs = []
-    for capture in (False, True, True, False):
-        if capture:
-            engine.enable_routing_capture()
-        else:
-            engine.disable_routing_capture()
-        with console.status(f"engine, routing capture {'on' if capture else 'off'}"):
+    for on in (False, True, True, False):
+        switch(on)
+        with console.status(f"engine, {label} {'on' if on else 'off'}"):
             runs.append(run_engine(engine, workload, cfg))
-    off_seconds, on_seconds = runs[0]["seconds"] + runs[3]["seconds"], runs[1]["seconds"] + runs[2]["seconds"]
+    return runs, runs[0]["seconds"] + runs[3]["seconds"], runs[1]["seconds"] + runs[2]["seconds"]
+
+
+def _compare_capture(engine, workload, cfg, console) -> dict:
+    """Routing capture off, on, on, off; its overhead as a share of the time."""
+    def switch(on: bool) -> None:
+        engine.enable_routing_capture() if on else engine.disable_routing_capture()
+
+    runs, off_seconds, on_seconds = _abba(engine, workload, cfg, console, switch, "routing capture")
     return {"rollout": runs[3], "rollout_capture": runs[2],
             "capture_runs": [{"capture": capture, "seconds": r["seconds"], "output_tokens_per_s": r["output_tokens_per_s"]}
                              for capture, r in zip(("off", "on", "on", "off"), runs)],
             "capture_overhead": 1 - off_seconds / on_seconds}
+
+
+def _compare_modes(engine, workload, cfg, console) -> dict:
+    """--deterministic: the default mode and the on-policy mode on one engine, off, on, on, off (the
+    cost the issue bounds: the share of output tok/s the on-policy mode gives up); the engine ends in
+    the on-policy mode and `rollout` reports its run."""
+    runs, default_seconds, on_policy_seconds = _abba(engine, workload, cfg, console, engine.set_deterministic,
+                                                     "--deterministic")
+    engine.set_deterministic(True)
+    return {"rollout": runs[2], "rollout_default": runs[3],
+            "mode_runs": [{"deterministic": mode, "seconds": r["seconds"], "output_tokens_per_s": r["output_tokens_per_s"]}
+                          for mode, r in zip((False, True, True, False), runs)],
+            "deterministic_cost": 1 - default_seconds / on_policy_seconds}
 
 
 def _read_prompts(path: str, prompt_key: str, model: str) -> list[list[int]]:
@@ -228,5 +251,10 @@ def _table(report: dict) -> Table:
         runs = " / ".join(f"{r['output_tokens_per_s']:,.0f}" for r in report["capture_runs"])
         table.add_row("capture off, on, on, off", f"{runs} tok/s")
         table.add_row("capture overhead", f"{report['capture_overhead']:.1%} of the time (ABBA)")
+    if "rollout_default" in report:
+        table.add_row("default mode", f"{report['rollout_default']['output_tokens_per_s']:,.1f} tok/s")
+        runs = " / ".join(f"{r['output_tokens_per_s']:,.0f}" for r in report["mode_runs"])
+        table.add_row("default, on-policy, on-policy, default", f"{runs} tok/s")
+        table.add_row("on-policy cost", f"{report['deterministic_cost']:.1%} fewer output tok/s (ABBA)")
     table.add_row("wall time", f"{r['seconds']:.1f} s")
     return table

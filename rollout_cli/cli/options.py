@@ -35,7 +35,7 @@ NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="Disable 
 AttentionBackend = Annotated[str, typer.Option(help="torch, or triton (kernels + CUDA graphs; CUDA only); auto = triton on CUDA, torch on the CPU.", rich_help_panel=ENGINE)]
 NoOverlapSchedule = Annotated[bool, typer.Option("--no-overlap-schedule", help="Plan each step after the previous one finished, instead of while it runs on the GPU.", rich_help_panel=ENGINE)]
 NoCudaGraphs = Annotated[bool, typer.Option("--no-cuda-graphs", help="Run decode steps eagerly instead of replaying CUDA graphs.", rich_help_panel=ENGINE)]
-Deterministic = Annotated[bool, typer.Option("--deterministic", help="On-policy mode: tokens and logprobs bit for bit the same whatever the batch, chunking or cache hits (torch path, slow; see README).", rich_help_panel=ENGINE)]
+Deterministic = Annotated[bool, typer.Option("--deterministic", help="On-policy mode: tokens and logprobs bit for bit the same whatever the batch, chunking or cache hits (batch-invariant Triton kernels on a GPU; on the CPU's torch path one forward per token, slow; see README).", rich_help_panel=ENGINE)]
 WeightVersion = Annotated[str, typer.Option(help="Weight version recorded on every trajectory.", rich_help_panel=ENGINE)]
 
 N = Annotated[int, typer.Option(help="Samples per prompt.", rich_help_panel=SAMPLING)]

@@ -8,6 +8,7 @@ caller's iterator, so a million-row prompt file never sits in memory.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -174,6 +175,18 @@ class Engine:
     def reload_weights(self, path: str, version: str | None = None) -> str:
         """Load the checkpoint in `path` into the live weights (checked first); returns the new weight version."""
         return self.control.reload_weights(path, version)
+
+    def set_deterministic(self, deterministic: bool) -> None:
+        """Switch the on-policy mode of this loaded engine (`rollout bench --deterministic` times both
+        modes in one run): the model's batch-invariant kernels, the attention, the decode graphs. The
+        prefix cache is emptied, since its entries were computed in the other mode. One process only."""
+        if self.tp is not None:
+            raise RolloutError("switching --deterministic on a loaded engine runs with --tp 1")
+        self.control.flush_cache()
+        if self.attention_backend == "triton":
+            enable_batch_invariant_kernels(self.model, deterministic)
+        self.runner.set_deterministic(deterministic)
+        self.config = dataclasses.replace(self.config, deterministic=deterministic)
 
     def flush_cache(self) -> None:
         """Drop every cached prefix."""

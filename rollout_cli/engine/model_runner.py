@@ -67,23 +67,34 @@ class ModelRunner:
         head_dim = getattr(model, "attention_head_dim", None)  # hybrid models: layer 0 may be linear attention
         self.scale = (head_dim or model.model.layers[0].self_attn.head_dim) ** -0.5
         self.attention_backend = attention_backend
-        if attention_backend == "triton":
-            from rollout_cli.engine.triton_attention import prepare_invariant_attention, prepare_triton_attention
-
-            self._prepare = prepare_invariant_attention if deterministic else prepare_triton_attention
-        else:
-            self._prepare = prepare_attention
         self.graphs = None
         self.graphs_dropped = False  # dropped by a memory release, to be re-captured on resume
         self.traffic = DecodeTraffic()
         self.time_decode_steps = False  # `rollout bench` turns this on to measure GPU idle time
         self.routing_pool = None  # a models.moe.RoutingPool while routing capture is on (Engine sets it)
-        # On-policy mode: no row's bits may depend on its batch. The Triton backend gets there with
-        # batch-invariant kernels (the model's, enable_batch_invariant_kernels; attention,
-        # prepare_invariant_attention; the sampler's rows are already independent). The torch path runs
-        # every token in a forward of its own and samples every row alone (see _forward_logits).
+        self._set_mode(deterministic)
+
+    def _set_mode(self, deterministic: bool) -> None:
+        """On-policy mode or not. In it no row's bits may depend on its batch: the Triton backend gets
+        there with batch-invariant kernels (the model's, enable_batch_invariant_kernels; attention,
+        prepare_invariant_attention; the sampler's rows are already independent), the torch path by
+        running every token in a forward of its own and sampling every row alone (_forward_logits)."""
         self.deterministic = deterministic
-        self.per_token = deterministic and attention_backend != "triton"
+        self.per_token = deterministic and self.attention_backend != "triton"
+        if self.attention_backend == "triton":
+            from rollout_cli.engine.triton_attention import prepare_invariant_attention, prepare_triton_attention
+
+            self._prepare = prepare_invariant_attention if deterministic else prepare_triton_attention
+        else:
+            self._prepare = prepare_attention
+
+    def set_deterministic(self, deterministic: bool) -> None:
+        """Switch the mode on a loaded runner (Engine.set_deterministic): the decode graphs are captured
+        again, since they baked in the other mode's attention kernel."""
+        self._set_mode(deterministic)
+        if self.graphs is not None:
+            self.graphs = None
+            self.capture_cuda_graphs(self._graph_max_batch)
 
     def capture_cuda_graphs(self, max_batch: int, warm_up: bool = True) -> float:
         """Capture decode graphs for batches up to max_batch; returns the capture time in seconds."""
@@ -184,8 +195,10 @@ class ModelRunner:
         logits, score_logits = self._forward_logits(out)
         scores, tops = [], None
         if score_logits is not None:
+            # the Triton backend scores on the sampler's kernel (kernels/sampling_score.py): a scored
+            # token's logprob has the bits the sampler reported when it drew it
             scored = teacher_logprobs(score_logits, [e for e in out.entries if e.score_targets],
-                                      per_row=self.per_token)
+                                      per_row=self.per_token, use_triton=self.attention_backend == "triton")
             if isinstance(scored, tuple):  # top-k too: one (ids, logprobs) pair of lists per scored row
                 scored, top_ids, top_logprobs = scored
                 tops = list(zip(top_ids.tolist(), top_logprobs.tolist()))

@@ -6,8 +6,9 @@ of K chosen by the number of rows, attention padded to a batch's longest context
 loop whose tail falls elsewhere). When every token runs in a forward of its own, every reduction of
 that token has the same shape and the same inputs whether the token came in a prefill chunk, a
 decode step, a batch of one or of 256, from the prefix cache or recomputed, in the engine or in
-the trainer: its bits cannot depend on them. The price is one forward per token (the CPU torch
-path; batch-invariant GPU kernels are issue 19's next slice).
+the trainer: its bits cannot depend on them. The price is one forward per token: this is the torch
+path's way (the CPU, hybrid models); the Triton backend keeps the batch and gets the same property
+from batch-invariant kernels (engine/triton_attention.InvariantAttentionBatch).
 """
 
 from __future__ import annotations

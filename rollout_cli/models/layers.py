@@ -247,10 +247,11 @@ def enable_triton_kernels(model: nn.Module) -> None:
             module.use_triton = True
 
 
-def enable_batch_invariant_kernels(model: nn.Module) -> None:
+def enable_batch_invariant_kernels(model: nn.Module, on: bool = True) -> None:
     """The on-policy mode on the Triton backend: every module with a `batch_invariant` switch (the
     linear layers, the MoE router and experts, the model's LM head) computes each row with the
-    same bits whatever batch it runs in. Call after enable_triton_kernels."""
+    same bits whatever batch it runs in (on=False: back to cuBLAS and the tuned MoE configs).
+    Call after enable_triton_kernels."""
     for module in model.modules():
         if hasattr(module, "batch_invariant"):
-            module.batch_invariant = True
+            module.batch_invariant = on

@@ -59,6 +59,21 @@ def test_routing_capture_compare_on_a_moe_model(tiny_moe_checkpoints, tmp_path):
     assert "capture overhead" in result.stdout
 
 
+def test_deterministic_times_both_modes_in_one_run(tmp_path):
+    report_path = tmp_path / "bench.json"
+    result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 3, "--input-len", 6, "--output-len", 4,
+                    "--deterministic", "--json", report_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    assert report["engine_settings"]["deterministic"] is True
+    runs = report["mode_runs"]
+    assert [r["deterministic"] for r in runs] == [False, True, True, False]
+    assert report["rollout"]["output_tokens"] == report["rollout_default"]["output_tokens"] == 12
+    default, on_policy = runs[0]["seconds"] + runs[3]["seconds"], runs[1]["seconds"] + runs[2]["seconds"]
+    assert report["deterministic_cost"] == pytest.approx(1 - default / on_policy)
+    assert "on-policy cost" in result.stdout
+
+
 def test_bad_flags_are_one_line(tmp_path):
     dense = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 2, "--capture-routing", "compare")
     assert dense.returncode == 2 and len(dense.stderr.strip().splitlines()) == 1

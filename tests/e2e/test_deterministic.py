@@ -123,6 +123,17 @@ def test_hybrid_models_are_batch_invariant(tiny_hybrid_checkpoints, name):
         _assert_bitwise(_samples(_engine(model_dir, "bfloat16", layout), PROMPTS, PARAMS, indices), baseline)
 
 
+def test_switching_the_mode_off_and_on_again_gives_the_same_bits(sampling_checkpoint, baseline, dtype):
+    """Engine.set_deterministic (how `rollout bench --deterministic` times both modes on one engine)."""
+    engine = _engine(sampling_checkpoint, dtype)
+    engine.set_deterministic(False)
+    assert not engine.runner.per_token and not engine.config.deterministic
+    assert len(_samples(engine, PROMPTS, PARAMS)) == len(baseline["plain"])
+    engine.set_deterministic(True)
+    assert engine.runner.per_token and engine.config.deterministic
+    _assert_bitwise(_samples(engine, PROMPTS, PARAMS), baseline["plain"])
+
+
 def test_hybrid_models_are_refused_on_the_triton_backend(tiny_hybrid_checkpoints, sampling_checkpoint):
     """Their batch-invariant Triton path is not built yet: one clear line, and auto picks the torch path
     (dense models' Triton path: tests/kernels/test_engine_triton_deterministic.py)."""

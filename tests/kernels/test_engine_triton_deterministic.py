@@ -17,6 +17,7 @@ import pytest
 from backends import interpreter_only
 from interpreter_dot import patch_row_invariant_dot
 from rollout_cli import Engine, PromptInput, SamplingParams
+from rollout_cli.engine.trajectory import ScoreInput
 from rollout_cli.models.layers import Linear
 
 PARAMS = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=77)
@@ -68,14 +69,28 @@ def test_dense_samples_have_the_same_bits_in_every_layout(sampling_checkpoint):
         _assert_bitwise(_samples(chunked, params), baseline[name])
     _assert_bitwise(_samples(_engine(sampling_checkpoint, ONE_AT_A_TIME), PARAMS), baseline["plain"])
     _assert_bitwise(_samples(_engine(sampling_checkpoint), PARAMS, indices=[1]), baseline["plain"])
+    # teacher forcing (`rollout score`): prompt and response in one prefill, chunked differently,
+    # scored on the sampler's kernel: the run's logprobs bit for bit, the filtered ones too
+    for name, params in (("plain", PARAMS), ("filtered", FILTERED)):
+        samples = [ScoreInput(t.prompt_index, t.sample_index, t.prompt_token_ids, t.response_token_ids)
+                   for t in baseline[name].values()]
+        for score in chunked.score(samples, params):
+            assert score.response_logprobs == baseline[name][(score.prompt_index, score.sample_index)].response_logprobs
 
 
 def test_half_precision_samples_have_the_same_bits(sampling_checkpoint):
-    """float16 (the interpreter's dot cannot take bfloat16): chunked, and served from the prefix cache."""
+    """float16 (the interpreter's dot cannot take bfloat16): chunked, served from the prefix cache, and
+    after the mode was switched off and on."""
     engine = _engine(sampling_checkpoint, dtype="float16")
     baseline = _samples(engine, PARAMS)
     _assert_bitwise(_samples(engine, PARAMS), baseline)  # every prompt a cache hit now
     _assert_bitwise(_samples(_engine(sampling_checkpoint, CHUNKED, "float16"), PARAMS), baseline)
+    # the mode switched off and on again on the same engine (rollout bench --deterministic)
+    engine.set_deterministic(False)
+    assert not engine.model.batch_invariant and not engine.runner.deterministic
+    assert _samples(engine, PARAMS).keys() == baseline.keys()
+    engine.set_deterministic(True)
+    _assert_bitwise(_samples(engine, PARAMS), baseline)
 
 
 def test_moe_samples_and_routing_ids_have_the_same_bits(tiny_moe_checkpoints):

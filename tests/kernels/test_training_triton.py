@@ -1,0 +1,70 @@
+"""rollout_cli.training on the Triton kernels (the GPU's trainer forward), under the interpreter on
+the CPU: its logprobs equal a --deterministic rollout's on the Triton backend bit for bit, and the
+straight-through gradient (torch's forward of the same sequence) reaches every layer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from backends import interpreter_only
+from interpreter_dot import patch_row_invariant_dot
+from rollout_cli import Engine, PromptInput, SamplingParams
+from rollout_cli.errors import RolloutError
+from rollout_cli.training import Policy
+
+_rng = random.Random(12)
+PROMPTS = [[_rng.randrange(300) for _ in range(n)] for n in (5, 11)]
+
+pytestmark = interpreter_only
+
+
+@pytest.fixture(scope="module", autouse=True)
+def invariant_dot():
+    with pytest.MonkeyPatch.context() as patcher:
+        patch_row_invariant_dot(patcher)
+        yield
+
+
+def _rollout(model_dir, params):
+    engine = Engine(model=model_dir, device="cpu", dtype="float32", attention_backend="triton", max_model_len=64,
+                    max_batch_tokens=6, deterministic=True)  # chunked prefill, batched decode
+    inputs = [PromptInput(i, p) for i, p in enumerate(PROMPTS)]
+    return sorted(engine.stream(inputs, params), key=lambda t: (t.prompt_index, t.sample_index))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=4),
+                                    SamplingParams(n=1, max_new_tokens=6, temperature=0.9, top_p=0.8, top_k=15,
+                                                   seed=4)], ids=["t1", "filtered"])
+def test_trainer_logprobs_equal_the_triton_rollout_bit_for_bit(sampling_checkpoint, params):
+    policy = Policy(sampling_checkpoint, dtype="float32", kernels="triton")
+    trajectories = _rollout(sampling_checkpoint, params)
+    responses = [t.response_token_ids for t in trajectories if t.prompt_index == 0]
+    group = policy.group_logprobs(PROMPTS[0], responses, params.temperature, top_k=params.top_k,
+                                  top_p=params.top_p, min_p=params.min_p)
+    for t in trajectories:
+        if t.prompt_index == 0:
+            got = group[t.sample_index]
+        else:
+            got = policy.response_logprobs(t.prompt_token_ids, t.response_token_ids, params.temperature,
+                                           top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
+        assert got.requires_grad
+        assert got.tolist() == t.response_logprobs, (t.prompt_index, t.sample_index)
+
+
+def test_the_straight_through_gradient_reaches_every_layer(sampling_checkpoint):
+    policy = Policy(sampling_checkpoint, dtype="float32", kernels="triton")
+    exact = policy.response_logprobs(PROMPTS[0], [7, 8, 9])
+    exact.sum().backward()
+    named = dict(policy.model.named_parameters())
+    assert sum(1 for p in named.values() if p.grad is not None and float(p.grad.abs().sum()) > 0) >= len(named) - 1
+    # the gradient is the torch forward's, whose values agree with the kernels' to float32 noise
+    torch_values = Policy(sampling_checkpoint, dtype="float32", kernels="torch").response_logprobs(PROMPTS[0], [7, 8, 9])
+    torch.testing.assert_close(exact.detach(), torch_values.detach(), atol=1e-4, rtol=0)
+
+
+def test_hybrid_models_are_refused(tiny_hybrid_checkpoints):
+    with pytest.raises(RolloutError, match="hybrid"):
+        Policy(tiny_hybrid_checkpoints["qwen3_next"], kernels="triton")
