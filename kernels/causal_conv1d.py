@@ -88,9 +88,12 @@ if triton is not None:
         x = tl.load(x_ptr + b * sx0 + cols, mask=mask_c, other=0.0).to(tl.float32)
         stored = tl.load(row + taps[None, :], mask=mask_c[:, None] & (taps[None, :] < WIDTH - 1), other=0.0)
         window = tl.where(taps[None, :] == WIDTH - 1, x[:, None], stored.to(tl.float32))  # [BC, BW]
-        w = tl.load(w_ptr + cols[:, None] * sw0 + taps[None, :], mask=mask_c[:, None] & (taps[None, :] < WIDTH),
-                    other=0.0).to(tl.float32)
-        y = tl.sum(window * w, axis=1)
+        # taps summed one by one in order, as the prefill kernel sums them: a token's output has the
+        # same bits whether it was decoded or prefilled (the on-policy mode relies on it)
+        y = tl.zeros([BC], dtype=tl.float32)
+        for j in tl.static_range(WIDTH):
+            tap = tl.sum(tl.where(taps[None, :] == j, window, 0.0), axis=1)  # column j: one term, exact
+            y += tap * tl.load(w_ptr + cols * sw0 + j, mask=mask_c, other=0.0).to(tl.float32)
         if HAS_BIAS:
             y += tl.load(b_ptr + cols, mask=mask_c, other=0.0).to(tl.float32)
         if SILU:

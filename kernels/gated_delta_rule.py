@@ -18,7 +18,10 @@ HF transformers' torch fallback (`torch_chunk_gated_delta_rule`,
 `torch_recurrent_gated_delta_rule`), and what the engine runs on the torch path.
 `recurrent_gated_delta_rule_update` is the Triton decode kernel (same
 arguments as its reference); the Triton chunked prefill is
-`chunk_gated_delta_rule.chunk_gated_delta_rule_varlen`.
+`chunk_gated_delta_rule.chunk_gated_delta_rule_varlen`, and
+`recurrent_gated_delta_rule_varlen` the on-policy mode's prefill: the decode
+kernel's step token after token, so a token's bits do not depend on whether it
+was prefilled (in any chunks) or decoded.
 triton is optional (the test extra): without it the references still import.
 """
 
@@ -144,6 +147,26 @@ def recurrent_gated_delta_rule_update_ref(q: torch.Tensor, k: torch.Tensor, v: t
 if triton is not None:
 
     @triton.jit
+    def _token_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state, t, kh, h, rows, cols, mask_k, mask_v,
+                    sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, L2NORM: tl.constexpr):
+        """One token t's step of value head h on its state columns [BK, BV] float32 -> (state, o [BV]).
+        The decode kernel and the recurrent prefill run exactly this, so a token's bits do not
+        depend on which of them computed it."""
+        q = tl.load(q_ptr + t * sq0 + kh * sq1 + rows, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * sk0 + kh * sk1 + rows, mask=mask_k, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = q * scale
+        v = tl.load(v_ptr + t * sv0 + h * sv1 + cols, mask=mask_v, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + t * sg0 + h).to(tl.float32))
+        beta = tl.load(beta_ptr + t * sb0 + h).to(tl.float32)
+        state = state * decay
+        delta = (v - tl.sum(state * k[:, None], axis=0)) * beta  # [BV]
+        state = state + k[:, None] * delta[None, :]
+        return state, tl.sum(state * q[:, None], axis=0)
+
+    @triton.jit
     def _recurrent_gated_delta_rule_update_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, index_ptr, o_ptr,
         sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, ss0, ss1, ss2, so0, so1,
@@ -160,24 +183,70 @@ if triton is not None:
         # a negative slot (padding) reads and writes nothing; one mask expression (interpreter-safe)
         mask_v = cols < tl.where(slot >= 0, DV, 0)
         mask_k = rows < DK
-        kh = h // GROUP  # the key head serving this value head
-        q = tl.load(q_ptr + b * sq0 + kh * sq1 + rows, mask=mask_k, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + b * sk0 + kh * sk1 + rows, mask=mask_k, other=0.0).to(tl.float32)
-        if L2NORM:
-            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
-            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        q = q * scale
-        v = tl.load(v_ptr + b * sv0 + h * sv1 + cols, mask=mask_v, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g_ptr + b * sg0 + h).to(tl.float32))
-        beta = tl.load(beta_ptr + b * sb0 + h).to(tl.float32)
         s_ptrs = state_ptr + slot * ss0 + h * ss1 + rows[:, None] * ss2 + cols[None, :]
         s_mask = mask_k[:, None] & mask_v[None, :]
-        state = tl.load(s_ptrs, mask=s_mask, other=0.0) * decay  # [BK, BV] float32
-        delta = (v - tl.sum(state * k[:, None], axis=0)) * beta  # [BV]
-        state = state + k[:, None] * delta[None, :]
-        out = tl.sum(state * q[:, None], axis=0)  # [BV]
+        state = tl.load(s_ptrs, mask=s_mask, other=0.0)  # [BK, BV] float32
+        state, out = _token_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state, b, h // GROUP, h, rows, cols, mask_k,
+                                 mask_v, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, L2NORM)
         tl.store(s_ptrs, state, mask=s_mask)
         tl.store(o_ptr + b * so0 + h * so1 + cols, out.to(o_ptr.dtype.element_ty), mask=mask_v)
+
+    @triton.jit
+    def _recurrent_gated_delta_rule_varlen_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, index_ptr, cu_ptr, o_ptr,
+        sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, ss0, ss1, ss2, so0, so1,
+        scale, DK, DV,
+        GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+    ):
+        # one program: sequence b's tokens one after another (the decode kernel's step each), value
+        # head h, value columns [vb * BV, vb * BV + BV); the state stays in registers between tokens
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(2).to(tl.int64) * BV + tl.arange(0, BV)
+        rows = tl.arange(0, BK)
+        slot = tl.load(index_ptr + b).to(tl.int64)
+        mask_v = cols < DV
+        mask_k = rows < DK
+        s_ptrs = state_ptr + slot * ss0 + h * ss1 + rows[:, None] * ss2 + cols[None, :]
+        s_mask = mask_k[:, None] & mask_v[None, :]
+        state = tl.load(s_ptrs, mask=s_mask, other=0.0)
+        for t in range(tl.load(cu_ptr + b), tl.load(cu_ptr + b + 1)):
+            state, out = _token_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state, t, h // GROUP, h, rows,
+                                     cols, mask_k, mask_v, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, L2NORM)
+            tl.store(o_ptr + t * so0 + h * so1 + cols, out.to(o_ptr.dtype.element_ty), mask=mask_v)
+        tl.store(s_ptrs, state, mask=s_mask)
+
+
+def _check_delta_args(q, k, v, g, beta, ssm_states) -> tuple[int, int, int, int, int]:
+    """The checks both Triton launchers share -> (rows, Hk, dk, Hv, dv)."""
+    assert triton is not None, "the Triton gated delta rule needs triton"
+    T, Hk, dk = q.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    assert k.shape == q.shape and v.shape[0] == T, f"q/k [T, Hk, dk], v [T, Hv, dv]: {q.shape}, {k.shape}, {v.shape}"
+    assert Hv % Hk == 0, f"value heads {Hv} must be a multiple of key heads {Hk}"
+    assert g.shape == beta.shape == (T, Hv), f"g/beta must be [T, Hv], got {tuple(g.shape)}, {tuple(beta.shape)}"
+    assert g.stride(1) == 1 and beta.stride(1) == 1 or Hv == 1
+    assert ssm_states.dim() == 4 and ssm_states.shape[1:] == (Hv, dk, dv), f"states [S, Hv, dk, dv]: {ssm_states.shape}"
+    assert ssm_states.dtype == torch.float32 and ssm_states.stride(3) == 1, "states must be float32, contiguous in v_dim"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        assert x.stride(2) == 1, f"{name} must be contiguous in its head dim"
+    return T, Hk, dk, Hv, dv
+
+
+def _launch_delta(kernel, programs: int, q, k, v, g, beta, ssm_states, index, extra: tuple, out, use_qk_l2norm):
+    """Grid (programs, Hv, value-column blocks); the block sizes depend on the head dims only, so the
+    decode and the recurrent prefill kernels tile a state alike."""
+    _, Hk, dk, Hv, dv = _check_delta_args(q, k, v, g, beta, ssm_states)
+    block_k = triton.next_power_of_2(dk)
+    block_v = min(triton.next_power_of_2(dv), max(16, 8192 // block_k))  # a [BK, BV] float32 tile in registers
+    kernel[(programs, Hv, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, ssm_states, index, *extra, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), out.stride(0), out.stride(1),
+        dk ** -0.5, dk, dv,
+        GROUP=Hv // Hk, BK=block_k, BV=block_v, L2NORM=use_qk_l2norm, num_warps=4,
+    )
+    return out
 
 
 def recurrent_gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -187,29 +256,29 @@ def recurrent_gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch
     g/beta [B, Hv]; ssm_states [S, Hv, dk, dv] float32 updated in place at state_indices [B] int64
     (a negative index skips the row: its output is left unwritten) -> o [B, Hv, dv] in v's dtype.
     q/k/v may be strided views (a fused projection's output) but contiguous in the head dim."""
-    assert triton is not None, "recurrent_gated_delta_rule_update needs triton"
-    B, Hk, dk = q.shape
-    Hv, dv = v.shape[1], v.shape[2]
-    assert k.shape == q.shape and v.shape[0] == B, f"q/k [B, Hk, dk], v [B, Hv, dv]: {q.shape}, {k.shape}, {v.shape}"
-    assert Hv % Hk == 0, f"value heads {Hv} must be a multiple of key heads {Hk}"
-    assert g.shape == beta.shape == (B, Hv), f"g/beta must be [B, Hv], got {tuple(g.shape)}, {tuple(beta.shape)}"
-    assert g.stride(1) == 1 and beta.stride(1) == 1 or Hv == 1
-    assert ssm_states.dim() == 4 and ssm_states.shape[1:] == (Hv, dk, dv), f"states [S, Hv, dk, dv]: {ssm_states.shape}"
-    assert ssm_states.dtype == torch.float32 and ssm_states.stride(3) == 1, "states must be float32, contiguous in v_dim"
+    B = _check_delta_args(q, k, v, g, beta, ssm_states)[0]
     assert state_indices.shape == (B,) and state_indices.dtype == torch.int64, "state_indices must be [B] int64"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        assert x.stride(2) == 1, f"{name} must be contiguous in its head dim"
-    out = torch.empty((B, Hv, dv), dtype=v.dtype, device=v.device)
+    out = torch.empty((B, v.shape[1], v.shape[2]), dtype=v.dtype, device=v.device)
     if B == 0:
         return out
-    block_k = triton.next_power_of_2(dk)
-    block_v = min(triton.next_power_of_2(dv), max(16, 8192 // block_k))  # a [BK, BV] float32 tile in registers
-    grid = (B, Hv, triton.cdiv(dv, block_v))
-    _recurrent_gated_delta_rule_update_kernel[grid](
-        q, k, v, g, beta, ssm_states, state_indices, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), out.stride(0), out.stride(1),
-        dk ** -0.5, dk, dv,
-        GROUP=Hv // Hk, BK=block_k, BV=block_v, L2NORM=use_qk_l2norm, num_warps=4,
-    )
-    return out
+    return _launch_delta(_recurrent_gated_delta_rule_update_kernel, B, q, k, v, g, beta, ssm_states, state_indices,
+                         (), out, use_qk_l2norm)
+
+
+def recurrent_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, ssm_states: torch.Tensor, state_indices: torch.Tensor,
+                                      cu_seqlens: list[int], use_qk_l2norm: bool = True) -> torch.Tensor:
+    """Prefill token by token (the on-policy mode's prefill), the arguments and result of
+    chunk_gated_delta_rule_varlen_ref: every token runs the decode kernel's step, so its output and
+    the state it leaves have the bits a decode of it would give, however the prompt was chunked.
+    Slower than the chunked kernel: one program walks a sequence's tokens in order."""
+    T = _check_delta_args(q, k, v, g, beta, ssm_states)[0]
+    B = len(cu_seqlens) - 1
+    assert state_indices.shape == (B,) and state_indices.dtype == torch.int64, "state_indices must be [B] int64"
+    assert cu_seqlens[0] == 0 and cu_seqlens[-1] == T, f"cu_seqlens must run from 0 to T={T}, got {cu_seqlens}"
+    out = torch.empty((T, v.shape[1], v.shape[2]), dtype=v.dtype, device=v.device)
+    if T == 0:
+        return out
+    cu = torch.tensor(cu_seqlens, dtype=torch.int64, device=q.device)
+    return _launch_delta(_recurrent_gated_delta_rule_varlen_kernel, B, q, k, v, g, beta, ssm_states, state_indices,
+                         (cu,), out, use_qk_l2norm)

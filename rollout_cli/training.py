@@ -109,7 +109,7 @@ class Policy:
                                "are not supported yet")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.kernels = resolve_attention_backend(kernels, self.device, deterministic=True, config=hf_config)
+        self.kernels = resolve_attention_backend(kernels, self.device, deterministic=True)
         # the private KV pool of the Triton forward: [layers, slots, kv_heads, head_dim]
         self.kv_shape = (hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim_of(hf_config))
         self.model = build_model(model_dir, hf_config, self.device, self.dtype,

@@ -54,7 +54,7 @@ class Engine:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.max_model_len = resolve_max_model_len(self.hf_config, cfg.max_model_len)
         self.attention_backend = resolve_attention_backend(cfg.attention_backend, self.device, cfg.deterministic,
-                                                           self.hf_config, cfg.tensor_parallel_size)
+                                                           cfg.tensor_parallel_size)
         self.tokenizer = load_tokenizer(cfg.model)
         self.tp = None  # models.tensor_parallel.TensorParallelGroup under --tp N > 1
         if cfg.tensor_parallel_size > 1:

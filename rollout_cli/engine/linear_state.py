@@ -64,14 +64,17 @@ class LinearBatch:
     cu_seqlens (P + 1 host ints from 0), or None for a decode-only step."""
 
     def __init__(self, pool: LinearStatePool, decode_slots: torch.Tensor, prefill_slots: torch.Tensor | None = None,
-                 cu_seqlens: list[int] | None = None, triton_kernels: bool = False):
+                 cu_seqlens: list[int] | None = None, triton_kernels: bool = False, invariant: bool = False):
         from rollout_kernels import causal_conv1d, gated_delta_rule
 
         self._conv_ops, self._delta_ops = causal_conv1d, gated_delta_rule
         if triton_kernels:
             from rollout_kernels.chunk_gated_delta_rule import chunk_gated_delta_rule_varlen
 
-            self._chunk_delta_rule = chunk_gated_delta_rule_varlen
+            # the on-policy mode prefills token by token with the decode kernel's step, so a token's
+            # bits do not depend on the chunks its prompt was cut into (the chunked form reduces otherwise)
+            self._chunk_delta_rule = (gated_delta_rule.recurrent_gated_delta_rule_varlen if invariant
+                                      else chunk_gated_delta_rule_varlen)
         self.triton_kernels = triton_kernels
         self.pool = pool
         self.num_decodes = decode_slots.shape[0]
@@ -81,7 +84,8 @@ class LinearBatch:
         assert prefill_slots is None or len(self.cu_seqlens) == prefill_slots.shape[0] + 1
 
     @classmethod
-    def from_entries(cls, pool: LinearStatePool, entries, device, triton_kernels: bool = False) -> "LinearBatch":
+    def from_entries(cls, pool: LinearStatePool, entries, device, triton_kernels: bool = False,
+                     invariant: bool = False) -> "LinearBatch":
         """An eager step's batch from its entries (sorted decodes first, as ModelRunner.run does)."""
         decodes = [e for e in entries if e.num_new_tokens == 1]
         prefills = [e for e in entries if e.num_new_tokens > 1]
@@ -93,7 +97,7 @@ class LinearBatch:
         def slots(group):
             return torch.tensor([e.request.state_slot for e in group], dtype=torch.long, device=device)
 
-        return cls(pool, slots(decodes), slots(prefills) if prefills else None, cu_seqlens, triton_kernels)
+        return cls(pool, slots(decodes), slots(prefills) if prefills else None, cu_seqlens, triton_kernels, invariant)
 
     def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -> torch.Tensor:
         """x [T, C] -> causal conv + activation [T, C], each sequence continuing from its conv state."""
@@ -145,7 +149,8 @@ def prepare_step(pool: LinearStatePool, out) -> None:
     pool.zero([e.request.state_slot for e in out.entries if e.start == 0])
 
 
-def begin_step(pool: LinearStatePool, out, device, triton_kernels: bool = False) -> LinearBatch:
-    """prepare_step, then describe the eager batch (entries already sorted decodes first)."""
+def begin_step(pool: LinearStatePool, out, device, triton_kernels: bool = False, invariant: bool = False) -> LinearBatch:
+    """prepare_step, then describe the eager batch (entries already sorted decodes first); `invariant`:
+    the on-policy mode's prefill (LinearBatch)."""
     prepare_step(pool, out)
-    return LinearBatch.from_entries(pool, out.entries, device, triton_kernels)
+    return LinearBatch.from_entries(pool, out.entries, device, triton_kernels, invariant)

@@ -290,7 +290,8 @@ class ModelRunner:
 
             # the Triton backend (CUDA, or the interpreter on the CPU) runs the Triton recurrences; torch the references
             triton_kernels = self.attention_backend == "triton"
-            attn = HybridBatch(attn, begin_step(self.linear_states, out, self.device, triton_kernels))
+            attn = HybridBatch(attn, begin_step(self.linear_states, out, self.device, triton_kernels,
+                                                invariant=triton_kernels and self.deterministic))
         hidden = self.model(input_ids, positions, attn)  # [T, hidden]
         last_rows, score_rows, offset = [], [], 0
         for e in out.entries:

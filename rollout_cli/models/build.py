@@ -103,20 +103,15 @@ def is_hybrid(config) -> bool:
 
 
 def resolve_attention_backend(name: str, device: torch.device, deterministic: bool = False,
-                              config=None, tensor_parallel_size: int = 1) -> str:
-    """--attention-backend (auto, torch, triton) for this device, mode and model (config: its HF config)."""
-    if deterministic:
-        # The on-policy mode has two exact paths: the batch-invariant Triton kernels (dense and MoE
-        # models, one GPU), and the torch path's one token per forward (every model; slow).
-        triton_refusal = None
-        if config is not None and is_hybrid(config):
-            triton_refusal = ("hybrid (Gated DeltaNet) models run --deterministic on the torch path for now: their "
-                              "chunked prefill and recurrent decode kernels reduce in different orders")
-        elif tensor_parallel_size > 1:
-            triton_refusal = "--deterministic runs on one GPU for now (--tp 1): the all-reduce's order depends on the batch"
-        if name == "triton" and triton_refusal:
-            raise RolloutError(f"{triton_refusal}; pass --attention-backend torch")
-        if name == "auto" and triton_refusal:
+                              tensor_parallel_size: int = 1) -> str:
+    """--attention-backend (auto, torch, triton) for this device, mode and --tp."""
+    if deterministic and tensor_parallel_size > 1:
+        # The on-policy mode has two exact paths: the batch-invariant Triton kernels (one GPU), and the
+        # torch path's one token per forward (every layout; slow).
+        if name == "triton":
+            raise RolloutError("--deterministic runs on one GPU for now (--tp 1): the all-reduce's order depends on "
+                               "the batch; pass --attention-backend torch")
+        if name == "auto":
             return "torch"
     # auto: the Triton kernels and CUDA graphs on a GPU (tests/e2e/test_gpu_engine.py passed on the
     # H200: graph replay equals eager, greedy tokens equal the torch path; hybrid models: tests/e2e/

@@ -134,12 +134,9 @@ def test_switching_the_mode_off_and_on_again_gives_the_same_bits(sampling_checkp
     _assert_bitwise(_samples(engine, PROMPTS, PARAMS), baseline["plain"])
 
 
-def test_hybrid_models_are_refused_on_the_triton_backend(tiny_hybrid_checkpoints, sampling_checkpoint):
-    """Their batch-invariant Triton path is not built yet: one clear line, and auto picks the torch path
-    (dense models' Triton path: tests/kernels/test_engine_triton_deterministic.py)."""
-    with pytest.raises(RolloutError, match="hybrid .* --attention-backend torch"):
-        Engine(model=tiny_hybrid_checkpoints["qwen3_next"], device="cpu", attention_backend="triton",
-               deterministic=True)
+def test_tensor_parallel_is_refused_on_the_triton_backend(sampling_checkpoint):
+    """One line; `auto` picks the torch path there (the Triton path, dense, MoE and hybrid models:
+    tests/kernels/test_engine_triton_deterministic.py)."""
     with pytest.raises(RolloutError, match="--tp 1"):
         Engine(model=sampling_checkpoint, device="cpu", attention_backend="triton", deterministic=True,
                tensor_parallel_size=2)

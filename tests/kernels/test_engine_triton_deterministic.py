@@ -1,5 +1,6 @@
 """--deterministic on the Triton backend (the batch-invariant kernels: matmul, attention, fused MoE
-with one launch config; the sampler's rows were already independent), under the interpreter on the
+with one launch config, Gated DeltaNet prefilled token by token; the sampler's rows were already
+independent), under the interpreter on the
 CPU: a sample's tokens and logprobs are bit for bit the same alone or inside the batch, through
 chunked prefill at other boundaries, one request at a time, and from a prefix-cache hit; MoE
 routing ids too. The batched forward runs (not one token per forward, as the torch path does).
@@ -104,3 +105,12 @@ def test_moe_samples_and_routing_ids_have_the_same_bits(tiny_moe_checkpoints):
         _assert_bitwise(got, results[0])
         for key in got:
             assert (got[key].routed_experts == results[0][key].routed_experts).all(), key
+
+
+def test_hybrid_samples_have_the_same_bits(tiny_hybrid_checkpoints):
+    """Gated DeltaNet layers: prefilled token by token with the decode kernel's step (chunked or not),
+    their states forked for the n samples or recomputed: the same bits."""
+    model_dir = tiny_hybrid_checkpoints["qwen3_next"]
+    baseline = _samples(_engine(model_dir), PARAMS)
+    for layout, indices in ((CHUNKED, None), (ONE_AT_A_TIME, [2])):
+        _assert_bitwise(_samples(_engine(model_dir, layout), PARAMS, indices), baseline)
