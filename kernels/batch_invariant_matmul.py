@@ -3,14 +3,17 @@ on-policy mode's GPU path (issue 19).
 
 Why cuBLAS is not enough: it picks its algorithm (tile shape, split-K, the MMA instruction) from
 the problem size, so a row computed in a batch of 1 and the same row in a batch of 256 may sum
-their K products in another order, and bf16 rounding then tells them apart. Here:
-  - one program per [BLOCK_M, BLOCK_N] output tile, grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N));
-  - the K loop walks fixed BLOCK_K chunks from 0 upward, accumulating in float32 (no split-K);
-  - the launch config depends on nothing but the fixed knobs (never on M), so every row runs the
-    same instruction sequence: its value depends on its own x row and W only, not on which rows
-    share its tile or how many tiles there are.
-Rows past M are loaded as zeros and never stored. The bias is added in float32 before the one
-rounding to the output dtype.
+their K products in another order, and bf16 rounding then tells them apart. Here the launch
+config comes from the weight's shape alone (`batch_invariant_config.get_config(N, K, dtype)`):
+  - one program per [BLOCK_M, BLOCK_N] output tile and K split, grid (cdiv(M, BLOCK_M),
+    cdiv(N, BLOCK_N), SPLIT_K);
+  - split s sums K range [s C, (s + 1) C), C = cdiv(cdiv(K, SPLIT_K), BLOCK_K) BLOCK_K, in fixed
+    BLOCK_K chunks from its start upward, accumulating in float32;
+  - with SPLIT_K > 1 the splits' float32 partials are summed in split order by a second launch
+    (split-K raises the program count of decode's few rows without tying the order to M);
+so every row runs the same instruction sequence: its value depends on its own x row and W only,
+not on which rows share its tile or how many tiles there are. Rows past M are loaded as zeros and
+never stored. The bias is added in float32 before the one rounding to the output dtype.
 """
 
 from __future__ import annotations
@@ -19,43 +22,64 @@ import torch
 import triton
 import triton.language as tl
 
-# Fixed for every M (batch invariance); change them only for all callers at once.
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
-NUM_WARPS, NUM_STAGES = 4, 3
+from .batch_invariant_config import get_config
 
 
 @triton.jit
 def _batch_invariant_matmul_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, k_chunk,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     ks = tl.arange(0, BLOCK_K)
+    k_start = split * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + ks
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
-                    mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
+                    mask=(rows[:, None] < M) & (k[None, :] < k_end), other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptr + cols[None, :] * stride_wn + k[:, None] * stride_wk,
-                    mask=(cols[None, :] < N) & (k[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N]
+                    mask=(cols[None, :] < N) & (k[:, None] < k_end), other=0.0)  # [BLOCK_K, BLOCK_N]
         if IEEE:  # float32 inputs: full float32 products, as torch's float32 matmul (no TF32)
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
+    inside = (rows[:, None] < M) & (cols[None, :] < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
+                 mask=inside)
+    else:  # partials [SPLIT_K, M, N] float32, summed by _split_sum_kernel
+        tl.store(part_ptr + (split * M + rows[:, None]) * N + cols[None, :], acc, mask=inside)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, stride_yn,
+                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """y = sum of the SPLIT_K partials in split order (+ bias), rounded once; BLOCK elements per program."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=inside, other=0.0)
+    cols = offs % N
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
+        acc += tl.load(b_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(y_ptr + (offs // N) * stride_ym + cols * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=inside)
 
 
 def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (any strides) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype (new, or `out`)."""
+                           out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] (any strides) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype (new, or `out`).
+    `config` (batch_invariant_config.KEYS) overrides the shape's tuned or default one (the tuner)."""
     assert x.dim() == 2 and weight.dim() == 2, f"x must be [M, K] and weight [N, K], got {tuple(x.shape)}, " \
                                                f"{tuple(weight.shape)}"
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {x.dtype}"
@@ -73,13 +97,25 @@ def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         return out
     if k == 0:
         return out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _batch_invariant_matmul_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, m, n, k,
+    cfg = config or get_config(n, k, x.dtype)
+    block_m, block_n, block_k, split_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    k_chunk = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # from K and the config only
+    split_k = triton.cdiv(k, k_chunk)  # splits that hold some K (a short K may need fewer)
+    # sized from shapes only: CUDA-graph capturable
+    partials = torch.empty((split_k, m, n) if split_k > 1 else (1,), dtype=torch.float32, device=x.device)
+    bias_arg = bias if bias is not None else weight
+    _batch_invariant_matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)](
+        x, weight, bias_arg, out, partials, m, n, k, k_chunk,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, SPLIT_K=split_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if split_k > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](
+            partials, bias_arg, out, m, n, out.stride(0), out.stride(1),
+            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
+        )
     return out
 
 

@@ -1,48 +1,57 @@
-"""batch_invariant_matmul: against its reference over odd sizes, strided inputs, bias; and batch
-invariance: a row's bits do not depend on how many rows run with it or which."""
+"""batch_invariant_matmul: against its reference over odd sizes, strided inputs, bias, with and without
+a K split; batch invariance: a row's bits do not depend on how many rows run with it or which; the
+tuned config files: read per weight shape, bad ones refused with the file's name."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
-from rollout_kernels.batch_invariant_matmul import BLOCK_M, batch_invariant_matmul, batch_invariant_matmul_ref
+from rollout_kernels.batch_invariant_config import DEFAULT, config_file_name, get_config
+from rollout_kernels.batch_invariant_matmul import batch_invariant_matmul, batch_invariant_matmul_ref
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 # the interpreter's tl.dot is wrong on bf16 operands (shared/DESIGN.md): float32 / float16 there
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+BLOCK_M = DEFAULT["BLOCK_M"]
+# small tiles and K in 3 splits of 64: the split-K path on test-sized shapes
+SPLIT = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 3, "num_warps": 4, "num_stages": 2}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 63, 31), (7, 257, 127), (65, 129, 300), (130, 64, 65)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_the_reference(dtype, m, n, k, bias):
+@pytest.mark.parametrize("config", [None, SPLIT], ids=["default", "split-k"])
+def test_matches_the_reference(dtype, m, n, k, bias, config):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k + 3, generator=gen)[:, 1:k + 1].to(DEV, dtype)  # strided rows, offset start
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEV, dtype)
     b = torch.randn(n, generator=gen).to(DEV, dtype) if bias else None
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)  # unwritten elements would stay NaN
-    got = batch_invariant_matmul(x, w, b, out=out)
+    got = batch_invariant_matmul(x, w, b, out=out, config=config)
     assert got is out and not got.isnan().any()
     want = batch_invariant_matmul_ref(x, w, b)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_row_has_the_same_bits_in_any_batch(dtype, row_invariant_dot):
+@pytest.mark.parametrize("config", [None, SPLIT], ids=["default", "split-k"])
+def test_a_row_has_the_same_bits_in_any_batch(dtype, config, row_invariant_dot):
     """Alone, in a full tile, in a partial tile, at another position, after a shuffle: bit for bit."""
     m, n, k = 2 * BLOCK_M + 5, 200, 150
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(DEV, dtype)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEV, dtype)
-    full = batch_invariant_matmul(x, w)
+    full = batch_invariant_matmul(x, w, config=config)
     for row in (0, 1, BLOCK_M - 1, BLOCK_M, m - 1):
-        assert torch.equal(batch_invariant_matmul(x[row:row + 1], w)[0], full[row]), row
-    assert torch.equal(batch_invariant_matmul(x[3:9], w), full[3:9])
+        assert torch.equal(batch_invariant_matmul(x[row:row + 1], w, config=config)[0], full[row]), row
+    assert torch.equal(batch_invariant_matmul(x[3:9], w, config=config), full[3:9])
     order = torch.randperm(m, generator=gen).to(DEV)
-    assert torch.equal(batch_invariant_matmul(x[order], w), full[order])
+    assert torch.equal(batch_invariant_matmul(x[order], w, config=config), full[order])
 
 
 def test_shapes_are_checked():
@@ -52,6 +61,17 @@ def test_shapes_are_checked():
         batch_invariant_matmul(x, torch.randn(5, 7, device=DEV))
     with pytest.raises(AssertionError):
         batch_invariant_matmul(x, w.half())
+
+
+def test_tuned_files_are_read_per_weight_shape(tmp_path):
+    tuned = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3}
+    (tmp_path / config_file_name(300, 128, torch.bfloat16)).write_text(json.dumps({"config": tuned}))
+    assert get_config(300, 128, torch.bfloat16, str(tmp_path)) == tuned
+    assert get_config(300, 128, torch.float16, str(tmp_path)) == DEFAULT  # no file for this dtype
+    bad = {**tuned, "BLOCK_N": 48}
+    (tmp_path / config_file_name(64, 64, torch.bfloat16)).write_text(json.dumps({"config": bad}))
+    with pytest.raises(ValueError, match=r"N=64,K=64,dtype=bfloat16.json: BLOCK_N=48"):
+        get_config(64, 64, torch.bfloat16, str(tmp_path))
 
 
 @pytest.mark.gpu
