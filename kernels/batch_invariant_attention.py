@@ -49,6 +49,22 @@ def _merge(m_all, l_all, acc_all, m, l, acc, take):
             tl.where(take[:, None], acc_new, acc_all))
 
 
+@triton.jit
+def _block_rows(Blocks, blk, kvh, G: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Query block blk's rows for kv head kvh: row r is token r // G of the block, query head
+    kvh * G + r % G -> (first position, the block's last position (it sees keys [0, last]), valid [BLOCK_M],
+    each row's position, head and q row)."""
+    q0 = tl.load(Blocks + blk * 4 + 1)
+    pos0 = tl.load(Blocks + blk * 4 + 2)
+    num_tokens = tl.load(Blocks + blk * 4 + 3)
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = offs_m // G
+    valid = (tok < num_tokens) & (tok < TOKENS)
+    pos = tl.where(valid, pos0 + tok, pos0)  # padding rows see what the block's first row sees: no NaN
+    heads = (kvh * G + offs_m % G).to(tl.int64)
+    return pos0, pos0 + num_tokens - 1, valid, pos, heads, (q0 + tok).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["P"])
 def _split_states_kernel(
     Q, K, V, ReqToToken, Blocks, Out, PartAcc, PartML,
@@ -66,21 +82,11 @@ def _split_states_kernel(
     kvh = tl.program_id(1)
     first_split = tl.program_id(2)
     table_row = tl.load(Blocks + blk * 4).to(tl.int64)
-    q0 = tl.load(Blocks + blk * 4 + 1)
-    pos0 = tl.load(Blocks + blk * 4 + 2)
-    num_tokens = tl.load(Blocks + blk * 4 + 3)
-
-    offs_m = tl.arange(0, BLOCK_M)
-    tok = offs_m // G
-    valid = (tok < num_tokens) & (tok < TOKENS)
-    pos = tl.where(valid, pos0 + tok, pos0)  # padding rows see what the block's first row sees: no NaN
-    heads = (kvh * G + offs_m % G).to(tl.int64)
-    q_rows = (q0 + tok).to(tl.int64)
+    pos0, last_pos, valid, pos, heads, q_rows = _block_rows(Blocks, blk, kvh, G, TOKENS, BLOCK_M)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=valid[:, None], other=0.0)  # [BLOCK_M, D]
 
-    last_pos = pos0 + num_tokens - 1  # the block's last row sees keys [0, last_pos]
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
     rt_base = ReqToToken + table_row * stride_rt
@@ -131,20 +137,12 @@ def _merge_splits_kernel(
     in registers) and write Out."""
     blk = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
-    q0 = tl.load(Blocks + blk * 4 + 1)
-    pos0 = tl.load(Blocks + blk * 4 + 2)
-    num_tokens = tl.load(Blocks + blk * 4 + 3)
-    offs_m = tl.arange(0, BLOCK_M)
-    tok = offs_m // G
-    valid = (tok < num_tokens) & (tok < TOKENS)
-    pos = tl.where(valid, pos0 + tok, pos0)
-    heads = (kvh * G + offs_m % G).to(tl.int64)
-    q_rows = (q0 + tok).to(tl.int64)
+    pos0, last_pos, valid, pos, heads, q_rows = _block_rows(Blocks, blk, kvh, G, TOKENS, BLOCK_M)
     offs_d = tl.arange(0, D)
     m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_all = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    for s in range(0, (pos0 + num_tokens - 1) // SPLIT + 1):
+    for s in range(0, last_pos // SPLIT + 1):
         seen = valid & (s * SPLIT <= pos)
         pm = PartML + q_rows * stride_pmt + heads * stride_pmh + s * stride_pms
         m_i = tl.load(pm, mask=seen, other=float("-inf"))

@@ -167,6 +167,19 @@ if triton is not None:
         return state, tl.sum(state * q[:, None], axis=0)
 
     @triton.jit
+    def _state_tile(state_ptr, index_ptr, b, h, ss0, ss1, ss2, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
+        """This program's tile of sequence b's state for value head h: value columns [vb * BV, vb * BV + BV)
+        (vb = program_id 2) -> (rows [BK], cols [BV], their masks, the tile's pointers and mask). A
+        negative slot (padding) reads and writes nothing (one mask expression: interpreter-safe)."""
+        cols = tl.program_id(2).to(tl.int64) * BV + tl.arange(0, BV)
+        rows = tl.arange(0, BK)
+        slot = tl.load(index_ptr + b).to(tl.int64)
+        mask_v = cols < tl.where(slot >= 0, DV, 0)
+        mask_k = rows < DK
+        s_ptrs = state_ptr + slot * ss0 + h * ss1 + rows[:, None] * ss2 + cols[None, :]
+        return rows, cols, mask_k, mask_v, s_ptrs, mask_k[:, None] & mask_v[None, :]
+
+    @triton.jit
     def _recurrent_gated_delta_rule_update_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, index_ptr, o_ptr,
         sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, ss0, ss1, ss2, so0, so1,
@@ -177,14 +190,8 @@ if triton is not None:
         # columns are independent (S^T k and the rank-1 write act per column), so v tiles split freely.
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
-        cols = tl.program_id(2).to(tl.int64) * BV + tl.arange(0, BV)
-        rows = tl.arange(0, BK)
-        slot = tl.load(index_ptr + b).to(tl.int64)
-        # a negative slot (padding) reads and writes nothing; one mask expression (interpreter-safe)
-        mask_v = cols < tl.where(slot >= 0, DV, 0)
-        mask_k = rows < DK
-        s_ptrs = state_ptr + slot * ss0 + h * ss1 + rows[:, None] * ss2 + cols[None, :]
-        s_mask = mask_k[:, None] & mask_v[None, :]
+        rows, cols, mask_k, mask_v, s_ptrs, s_mask = _state_tile(state_ptr, index_ptr, b, h, ss0, ss1, ss2, DK, DV,
+                                                                 BK, BV)
         state = tl.load(s_ptrs, mask=s_mask, other=0.0)  # [BK, BV] float32
         state, out = _token_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state, b, h // GROUP, h, rows, cols, mask_k,
                                  mask_v, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, L2NORM)
@@ -202,13 +209,8 @@ if triton is not None:
         # head h, value columns [vb * BV, vb * BV + BV); the state stays in registers between tokens
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
-        cols = tl.program_id(2).to(tl.int64) * BV + tl.arange(0, BV)
-        rows = tl.arange(0, BK)
-        slot = tl.load(index_ptr + b).to(tl.int64)
-        mask_v = cols < DV
-        mask_k = rows < DK
-        s_ptrs = state_ptr + slot * ss0 + h * ss1 + rows[:, None] * ss2 + cols[None, :]
-        s_mask = mask_k[:, None] & mask_v[None, :]
+        rows, cols, mask_k, mask_v, s_ptrs, s_mask = _state_tile(state_ptr, index_ptr, b, h, ss0, ss1, ss2, DK, DV,
+                                                                 BK, BV)
         state = tl.load(s_ptrs, mask=s_mask, other=0.0)
         for t in range(tl.load(cu_ptr + b), tl.load(cu_ptr + b + 1)):
             state, out = _token_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state, t, h // GROUP, h, rows,

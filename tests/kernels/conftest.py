@@ -19,3 +19,11 @@ if not torch.cuda.is_available():
 def row_invariant_dot(monkeypatch):
     """patch_row_invariant_dot for one test."""
     patch_row_invariant_dot(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def module_row_invariant_dot():
+    """patch_row_invariant_dot for a whole module (engine-level tests: pytest.mark.usefixtures)."""
+    with pytest.MonkeyPatch.context() as patcher:
+        patch_row_invariant_dot(patcher)
+        yield

@@ -16,7 +16,6 @@ import random
 import pytest
 
 from backends import interpreter_only
-from interpreter_dot import patch_row_invariant_dot
 from rollout_cli import Engine, PromptInput, SamplingParams
 from rollout_cli.engine.trajectory import ScoreInput
 from rollout_cli.models.layers import Linear
@@ -28,14 +27,7 @@ PROMPTS = [[_rng.randrange(300) for _ in range(n)] for n in (7, 19, 2, 11)]
 # (max_batch_tokens, max_running, enable_prefix_cache)
 DEFAULT, CHUNKED, ONE_AT_A_TIME = (4096, 64, True), (8, 64, True), (5, 1, False)
 
-pytestmark = interpreter_only
-
-
-@pytest.fixture(scope="module", autouse=True)
-def invariant_dot():
-    with pytest.MonkeyPatch.context() as patcher:
-        patch_row_invariant_dot(patcher)
-        yield
+pytestmark = [interpreter_only, pytest.mark.usefixtures("module_row_invariant_dot")]
 
 
 def _engine(model_dir, layout=DEFAULT, dtype="float32"):

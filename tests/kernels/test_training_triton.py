@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from backends import interpreter_only
-from interpreter_dot import patch_row_invariant_dot
 from rollout_cli import Engine, PromptInput, SamplingParams
 from rollout_cli.errors import RolloutError
 from rollout_cli.training import Policy
@@ -18,14 +17,7 @@ from rollout_cli.training import Policy
 _rng = random.Random(12)
 PROMPTS = [[_rng.randrange(300) for _ in range(n)] for n in (5, 11)]
 
-pytestmark = interpreter_only
-
-
-@pytest.fixture(scope="module", autouse=True)
-def invariant_dot():
-    with pytest.MonkeyPatch.context() as patcher:
-        patch_row_invariant_dot(patcher)
-        yield
+pytestmark = [interpreter_only, pytest.mark.usefixtures("module_row_invariant_dot")]
 
 
 def _rollout(model_dir, params):
