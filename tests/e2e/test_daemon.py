@@ -59,6 +59,16 @@ def _without_version(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if k != "weight_version"} for row in rows]
 
 
+def _assert_same_samples(got: list[dict], want: list[dict]) -> None:
+    """Everything equal, logprobs to float32 noise: a rerun whose prompts hit the prefix cache prefills
+    fewer tokens, which moves a first-token logprob by an ulp in the default mode (issue 19; bit for
+    bit only under --deterministic). New weights would move them by far more."""
+    assert [{k: v for k, v in r.items() if k != "response_logprobs"} for r in got] == \
+        [{k: v for k, v in r.items() if k != "response_logprobs"} for r in want]
+    for a, b in zip(got, want, strict=True):
+        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=1e-5)
+
+
 class Daemon:
     def __init__(self, args: list[str], log: Path):
         self.log = log
@@ -300,7 +310,7 @@ def test_after_bad_reloads_the_cli_error_is_one_line_and_outputs_are_unchanged(d
     assert bad.stderr.startswith("error: refused ")
     out = work / "d_after_bad"
     _ok(_cli(["run", "--engine", daemons["sock"], "--out", out, *RUN_ARGS]))
-    assert _rows(out) == _rows(work / "d_good")  # the good checkpoint's weights, version 1, untouched
+    _assert_same_samples(_rows(out), _rows(work / "d_good"))  # the good checkpoint's weights, version 1, untouched
 
 
 def test_explicit_and_non_numeric_versions(daemons):
