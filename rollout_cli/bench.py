@@ -346,26 +346,33 @@ def bandwidth_limit(engine: Engine, measured_tok_s: float, hbm_bytes_per_s: floa
     # hybrid models: every decode token also reads and writes its sequence's float32 linear-attention state
     state_shape = getattr(engine.model, "linear_state_shape", None)
     state_bytes_per_token = 2 * state_shape.bytes_per_sequence if state_shape is not None else 0
-    decode_bytes = (traffic.steps * weight_bytes + traffic.context_tokens * kv_bytes_per_token
-                    + traffic.tokens * state_bytes_per_token)
-    formula = "limit tok/s = decode tokens / ((steps x weight bytes + context tokens x KV bytes/token"
-    if state_bytes_per_token:
-        formula += " + decode tokens x 2 x linear-state bytes/sequence"
+    state_bytes = traffic.tokens * state_bytes_per_token
+    # what must move: a prompt prefix the n samples share (the same KV slots) counted once per step
+    decode_bytes = traffic.steps * weight_bytes + traffic.distinct_context_tokens * kv_bytes_per_token + state_bytes
+    # what a kernel reading every sample's whole context moves (the limit before the rule above)
+    per_sample_bytes = traffic.steps * weight_bytes + traffic.context_tokens * kv_bytes_per_token + state_bytes
+    formula = ("limit tok/s = decode tokens / ((steps x weight bytes + distinct context tokens x KV bytes/token"
+               + (" + decode tokens x 2 x linear-state bytes/sequence" if state_bytes_per_token else "")
+               + ") / HBM B/s); distinct: a prefix decodes share through the prefix cache counts once per step")
     report = {
-        "formula": formula + ") / HBM B/s)",
+        "formula": formula,
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_bytes_per_token,
         "linear_state_bytes_per_token": state_bytes_per_token,
         "decode_steps": traffic.steps,
         "decode_tokens": traffic.tokens,
         "decode_context_tokens": traffic.context_tokens,
+        "decode_distinct_context_tokens": traffic.distinct_context_tokens,
         "decode_bytes": decode_bytes,
+        "decode_bytes_per_sample_reads": per_sample_bytes,
         "hbm_bytes_per_s": hbm_bytes_per_s,
     }
     if hbm_bytes_per_s and decode_bytes:
         limit = traffic.tokens / (decode_bytes / hbm_bytes_per_s)
         report["limit_output_tokens_per_s"] = limit
         report["fraction_of_limit"] = measured_tok_s / limit
+        # the same limit if every sample re-read its shared prefix (above 100%: the GPU did not)
+        report["limit_per_sample_reads_output_tokens_per_s"] = traffic.tokens / (per_sample_bytes / hbm_bytes_per_s)
     if hbm_bytes_per_s and flops_per_s and traffic.steps:
         # at large batches the matmuls run out of FLOP/s before bandwidth (the 8B shape at 256 rows)
         params = active_matmul_params(engine.model)

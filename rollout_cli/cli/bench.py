@@ -234,6 +234,9 @@ def _table(report: dict) -> Table:
         table.add_row("bandwidth limit", f"{bw['limit_output_tokens_per_s']:,.0f} tok/s "
                       f"(HBM {bw['hbm_bytes_per_s'] / 1e12:.2f} TB/s)")
         table.add_row("fraction of limit", f"{bw['fraction_of_limit']:.1%}")
+        if bw["decode_distinct_context_tokens"] < bw["decode_context_tokens"]:  # samples shared a cached prefix
+            table.add_row("limit if samples re-read it", f"{bw['limit_per_sample_reads_output_tokens_per_s']:,.0f} tok/s "
+                          "(every sample reading its shared prefix)")
     if bw.get("roofline_output_tokens_per_s"):
         table.add_row("roofline limit", f"{bw['roofline_output_tokens_per_s']:,.0f} tok/s "
                       f"(matmul {bw['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s)")

@@ -26,6 +26,9 @@ class DecodeTraffic:
     steps: int = 0  # forward steps that decoded at least one request
     tokens: int = 0  # decode tokens produced
     context_tokens: int = 0  # sum over decode steps of the KV positions attended
+    # the same, with a prefix several decodes share through the prefix cache counted once per step
+    # (what must move from HBM at least: distinct_context_tokens)
+    distinct_context_tokens: int = 0
     # With `ModelRunner.time_decode_steps` (CUDA graph steps only): GPU time between the
     # replay and the sampled tokens (CUDA events), and the engine's wall time of those steps.
     timed_steps: int = 0
@@ -35,6 +38,24 @@ class DecodeTraffic:
     # Steps that run prompt tokens (prefill chunks, alone or beside decodes): their count and wall time.
     prefill_steps: int = 0
     prefill_wall_seconds: float = 0.0
+
+
+def distinct_context_tokens(decodes) -> int:
+    """KV positions a decode step must read at least once: every entry's context, a prefix that several
+    entries share through the prefix cache (the same slots) counted once. Requests whose first slot
+    is the same share a radix-cache prefix; the rule takes its length as the shortest
+    num_cached_tokens among the sharers that read it from the cache (the sample that computed it
+    holds it as its own), so a sharing it cannot see is counted as reads, never the other way."""
+    total, sharers = 0, {}
+    for e in decodes:
+        total += e.start + 1
+        if e.request.slots:
+            sharers.setdefault(e.request.slots[0], []).append(e.request)
+    for group in sharers.values():
+        cached = [r.num_cached_tokens for r in group if r.num_cached_tokens > 0]
+        if len(group) > 1 and cached:
+            total -= (len(group) - 1) * min(cached)
+    return total
 
 
 @dataclass
@@ -134,6 +155,7 @@ class ModelRunner:
             self.traffic.steps += 1
             self.traffic.tokens += len(decodes)
             self.traffic.context_tokens += sum(e.start + 1 for e in decodes)
+            self.traffic.distinct_context_tokens += distinct_context_tokens(decodes)
 
     # ---- one step: launch, then collect ------------------------------------------------------
 

@@ -32,6 +32,10 @@ def test_fixed_workload_with_hf_baseline(tmp_path):
     # of each prompt's 2 x 12 tokens the second sample takes 11 from the first (the last one is computed)
     assert rollout["output_tokens_per_s"] > 0 and abs(rollout["prefix_hit_rate"] - 11 / 24) < 1e-9
     assert report["hf"]["output_tokens_per_s"] > 0
+    # the n = 2 samples of a prompt share its cached KV: the limit counts it once per step
+    bandwidth = report["bandwidth"]
+    assert 0 < bandwidth["decode_distinct_context_tokens"] < bandwidth["decode_context_tokens"]
+    assert bandwidth["decode_bytes"] < bandwidth["decode_bytes_per_sample_reads"]
     assert abs(report["speedup_vs_hf"] - rollout["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"]) < 1e-9
     assert "output tok/s" in result.stdout and "speedup vs HF" in result.stdout
 

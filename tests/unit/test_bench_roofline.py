@@ -37,3 +37,21 @@ def test_roofline_takes_the_slower_bound_of_each_steps_matmuls():
     assert roofline_seconds(steps=10, tokens=10, **common) == pytest.approx(10 * 1e-3 + 1e-3)
     # 1,000 tokens a step: 2e11 FLOP take 2 ms, longer than the 1 ms weight read
     assert roofline_seconds(steps=10, tokens=10_000, **common) == pytest.approx(10 * 2e-3 + 1e-3)
+
+
+def test_a_prefix_shared_through_the_cache_counts_once_per_step():
+    """distinct_context_tokens: the owner of a cached prompt and two samples reading 10 of its slots from
+    the cache, a third sample that cached only 6 (the rule takes the shortest), and a stranger."""
+    from types import SimpleNamespace
+
+    from rollout_cli.engine.model_runner import distinct_context_tokens
+
+    def decode(first_slot, cached, context):
+        request = SimpleNamespace(slots=[first_slot] + [0] * (context - 1), num_cached_tokens=cached)
+        return SimpleNamespace(request=request, start=context - 1)
+
+    group = [decode(5, 0, 14), decode(5, 10, 12), decode(5, 10, 15)]
+    assert distinct_context_tokens(group) == 14 + 12 + 15 - 2 * 10
+    assert distinct_context_tokens(group + [decode(5, 6, 9)]) == 14 + 12 + 15 + 9 - 3 * 6
+    assert distinct_context_tokens(group + [decode(99, 0, 7)]) == 14 + 12 + 15 - 2 * 10 + 7
+    assert distinct_context_tokens([decode(5, 0, 14), decode(6, 0, 3)]) == 17  # nothing shared
