@@ -26,7 +26,8 @@ import torch
 from rollout_cli.engine.linear_state import HybridBatch, LinearBatch
 from rollout_cli.engine.sampler import FLOAT_PADDING, NUM_FLOAT_ROWS, NUM_INT_ROWS, SamplingRows, sample_rows
 from rollout_cli.engine.triton_attention import TritonAttentionBatch, invariant_decode_attention, warm_decode_splits
-from rollout_cli.models.moe import GraphRoutingBuffer, SparseMoeBlock
+from rollout_cli.engine.routing_pool import GraphRoutingBuffer
+from rollout_cli.models.moe import routing_recorder_swapped
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -110,15 +111,8 @@ class DecodeGraphs:
     def capture(self, warm_up: bool = True) -> None:
         """warm_up=False skips the eager pass over every bucket: for a re-capture after a memory
         release, when the kernels are compiled and cuBLAS is initialised (saves a forward per bucket)."""
-        blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
-        outside = [block.routing_recorder for block in blocks]
-        for block in blocks:
-            block.routing_recorder = self.routing
-        try:
+        with routing_recorder_swapped(self.model, self.routing):
             self._capture(warm_up)
-        finally:
-            for block, recorder in zip(blocks, outside):
-                block.routing_recorder = recorder
 
     @torch.inference_mode()
     def _capture(self, warm_up: bool) -> None:

@@ -140,7 +140,7 @@ class Engine:
 
     @property
     def routing_pool(self):
-        """The models.moe.RoutingPool while routing capture is on, else None."""
+        """The engine.routing_pool.RoutingPool while routing capture is on, else None."""
         return self.routing.pool
 
     @property

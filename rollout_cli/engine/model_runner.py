@@ -92,7 +92,7 @@ class ModelRunner:
         self.graphs_dropped = False  # dropped by a memory release, to be re-captured on resume
         self.traffic = DecodeTraffic()
         self.time_decode_steps = False  # `rollout bench` turns this on to measure GPU idle time
-        self.routing_pool = None  # a models.moe.RoutingPool while routing capture is on (Engine sets it)
+        self.routing_pool = None  # a routing_pool.RoutingPool while routing capture is on (Engine sets it)
         self._set_mode(deterministic)
 
     def _set_mode(self, deterministic: bool) -> None:

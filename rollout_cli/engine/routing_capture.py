@@ -1,7 +1,7 @@
 """Routing capture of an engine: turning it on and off, and handing out finished requests with
 their expert ids without stalling the GPU.
 
-While capture is on the model records every token's expert ids into a `models.moe.RoutingPool`
+While capture is on the model records every token's expert ids into an `engine.routing_pool.RoutingPool`
 (one row per KV slot). When a step finishes requests, their rows are gathered and copied to
 pinned host memory behind the step already launched ahead (`RoutingPool.gather_async`); the
 requests come back from a later `finish` call (or `flush`), once the copy is done. So the host
@@ -12,20 +12,20 @@ run leave the engine one step after they finished.
 from __future__ import annotations
 
 from rollout_cli.engine.request import Request
+from rollout_cli.engine.routing_pool import RoutingPool
 from rollout_cli.errors import RolloutError
+from rollout_cli.models.moe import set_routing_recorder
 
 
 class RoutingCapture:
     def __init__(self):
-        self.pool = None  # models.moe.RoutingPool while capture is on
+        self.pool = None  # a routing_pool.RoutingPool while capture is on
         self._idle_pool = None  # the pool while capture is turned off again (bench compare)
         self._pending: list[tuple[list[Request], object]] = []  # (requests, moe.RoutingGather)
 
     def enable(self, engine) -> str:
         """Record every token's expert ids from now on; returns the routing dtype name ("uint8"/"int16").
         See Engine.enable_routing_capture."""
-        from rollout_cli.models.moe import RoutingPool, set_routing_recorder
-
         moe_layers = getattr(engine.model, "moe_layers", None)
         if not moe_layers:
             raise RolloutError(f"--capture-routing needs a mixture-of-experts model; {engine.config.model} has no MoE layers")
@@ -42,8 +42,6 @@ class RoutingCapture:
         return str(self.pool.ids.dtype).removeprefix("torch.")
 
     def disable(self, engine) -> None:
-        from rollout_cli.models.moe import set_routing_recorder
-
         if engine.scheduler.has_work():
             raise RolloutError("cannot turn routing capture off while requests are in flight")
         if self.pool is not None:
