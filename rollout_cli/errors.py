@@ -14,3 +14,9 @@ class RolloutError(Exception):
 class JobInterrupted(Exception):
     """Ends a job on request (the daemon's abort or shutdown) after its finished rows were written:
     the manifest says `interrupted`, and --resume completes the rest."""
+
+
+def one_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty), for one-line errors."""
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

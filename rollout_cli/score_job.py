@@ -25,15 +25,15 @@ from rollout_cli.engine.engine import Engine
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.trajectory import ScoreInput
 from rollout_cli.errors import RolloutError
-from rollout_cli.io.trajectories import (
+from rollout_cli.io.output_dir import (
     TRAJECTORIES_SUBDIR,
-    ShardWriter,
     completed_pairs,
     create_output_dir,
     prepare_output_dir,
     read_manifest,
     write_manifest,
 )
+from rollout_cli.io.trajectories import ShardWriter
 
 SCORES_SUBDIR = "scores"
 SCORE_SCHEMA = pa.schema([

@@ -53,7 +53,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def prefill_row(seqs: int, seq_len: int) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
-    from rollout_kernels.chunk_gated_delta_rule import chunk_gated_delta_rule_flops, chunk_gated_delta_rule_varlen
+    from rollout_kernels.chunk_gated_delta_rule import chunk_gated_delta_rule_varlen
+    from rollout_kernels.chunk_gated_delta_rule_bench import chunk_gated_delta_rule_flops
 
     q, k, v, g, beta, states, cu, index = prefill_case(seqs, seq_len)
     cu_t = torch.tensor(cu, dtype=torch.long, device="cuda")
@@ -80,7 +81,8 @@ TUNINGS = ({}, {"batched_diag": False}, {"inv_precision": "ieee", "warps": 8}, {
 
 def tuning_rows(seqs: int, seq_len: int) -> list[dict]:
     """Our prefill at each TUNINGS entry: time, and its output's distance from the default's."""
-    from rollout_kernels.chunk_gated_delta_rule import chunk_gated_delta_rule_flops, chunk_gated_delta_rule_varlen
+    from rollout_kernels.chunk_gated_delta_rule import chunk_gated_delta_rule_varlen
+    from rollout_kernels.chunk_gated_delta_rule_bench import chunk_gated_delta_rule_flops
 
     q, k, v, g, beta, states, cu, index = prefill_case(seqs, seq_len)
     flops = chunk_gated_delta_rule_flops(seqs * seq_len, HV, DK, DV, 64)

@@ -10,7 +10,7 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_chunk_ga
     tests/kernels/test_gdn_gating_norm.py \
     2>&1 | tee "$OUT/hybrid_kernel_tests.log" | tail -8
 timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/chunk_gdr_bench.log"
-from rollout_kernels.chunk_gated_delta_rule import benchmark_chunk_gated_delta_rule
+from rollout_kernels.chunk_gated_delta_rule_bench import benchmark_chunk_gated_delta_rule
 for seq_len in (1024, 4096):
     print(seq_len, benchmark_chunk_gated_delta_rule(num_seqs=4, seq_len=seq_len))
 PY

@@ -52,7 +52,7 @@ part engine_tests 160 "$OUT/gpu_hybrid_tests.log" python3 -m pytest -q -p no:cac
 part bench_256x256x2048 200 "$OUT/bench_next.log" "${BENCH[@]}" --model $NEXT --num-prompts 256 --input-len 256 \
     --output-len 2048 --json "$OUT/bench_next.json"
 part chunk_gdr_bench 45 "$OUT/chunk_gdr_bench.log" python3 -c "
-from rollout_kernels.chunk_gated_delta_rule import benchmark_chunk_gated_delta_rule
+from rollout_kernels.chunk_gated_delta_rule_bench import benchmark_chunk_gated_delta_rule
 for seq_len in (1024, 4096):
     print(seq_len, benchmark_chunk_gated_delta_rule(num_seqs=4, seq_len=seq_len))"
 part bench_hf_16x256x128 170 "$OUT/bench_next_hf.log" "${BENCH[@]}" --model $NEXT --num-prompts 16 --input-len 256 \

@@ -217,7 +217,7 @@ class Engine:
 
     def encode(self, prompt) -> list[int]:
         """A string, a list of chat messages or a list of token ids -> token ids."""
-        from rollout_cli.io.prompts import InvalidPrompt, encode_prompt
+        from rollout_cli.io.prompt_encoding import InvalidPrompt, encode_prompt
 
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt) and prompt:
             return list(prompt)

@@ -24,7 +24,7 @@ from typing import Any
 
 from rollout_cli.engine.engine import Engine
 from rollout_cli.errors import JobInterrupted, RolloutError
-from rollout_cli.io.trajectories import read_manifest
+from rollout_cli.io.output_dir import read_manifest
 from rollout_cli.job import run_job
 from rollout_cli.process_gc import freeze_long_lived_objects
 

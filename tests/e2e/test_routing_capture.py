@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from rollout_cli import SamplingParams
-from rollout_cli.io.trajectories import TrajectoryWriter, completed_pairs
+from rollout_cli.io.output_dir import completed_pairs
+from rollout_cli.io.trajectories import TrajectoryWriter
 
 from parity import make_engine, prompts_of
 

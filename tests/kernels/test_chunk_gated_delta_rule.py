@@ -142,7 +142,7 @@ def test_gpu_qwen3_next_shape_bf16():
 
 @pytest.mark.gpu
 def test_gpu_benchmark_runs():
-    from rollout_kernels.chunk_gated_delta_rule import benchmark_chunk_gated_delta_rule
+    from rollout_kernels.chunk_gated_delta_rule_bench import benchmark_chunk_gated_delta_rule
 
     result = benchmark_chunk_gated_delta_rule(num_seqs=2, seq_len=512)
     assert result["time_us"] > 0 and result["tflop_per_s"] > 0

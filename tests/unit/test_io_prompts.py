@@ -9,7 +9,8 @@ import pytest
 
 from rollout_cli.engine.trajectory import PromptInput
 from rollout_cli.errors import RolloutError
-from rollout_cli.io.prompts import InvalidPrompt, PromptSource, SkippedRow, encode_prompt
+from rollout_cli.io.prompt_encoding import InvalidPrompt, encode_prompt
+from rollout_cli.io.prompts import PromptSource, SkippedRow
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -10,17 +10,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollout_cli.errors import RolloutError
-from rollout_cli.io.prompts import PromptSource
-from rollout_cli.io.trajectories import (
-    FIXED_NAMES,
-    TrajectoryWriter,
+from rollout_cli.io.output_dir import (
     completed_pairs,
     create_output_dir,
     prepare_output_dir,
     read_manifest,
-    trajectory_schema,
     write_manifest,
 )
+from rollout_cli.io.prompts import PromptSource
+from rollout_cli.io.trajectories import FIXED_NAMES, TrajectoryWriter, trajectory_schema
 
 PASSTHROUGH = pa.schema([("data_source", pa.string())])
 

@@ -1,0 +1,114 @@
+"""What `rollout run --resume` compares before it continues a run in a non-empty OUT, and its refusals.
+
+The checkpoint, the prompt file and the weights the engine holds are compared by content (the
+manifest's "fingerprints", rollout_cli.io.fingerprints), the hub commit by name, and the settings
+that shape the rows key by key; each refusal is one line that says what changed. Separate from
+the job itself (job.py), which only calls `fingerprints` and `check_resume`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from rollout_cli.errors import RolloutError
+from rollout_cli.io.fingerprints import checkpoint_change, checkpoint_fingerprint, data_change, data_fingerprint
+from rollout_cli.io.output_dir import read_manifest
+from rollout_cli.models.hub import source_change
+
+if TYPE_CHECKING:
+    from rollout_cli.engine.engine import Engine
+    from rollout_cli.job import JobConfig
+
+# Manifest keys that must be equal for --resume to continue a run. The checkpoint, the prompt file and
+# the weights are compared by content (the manifest's "fingerprints"), never by the paths as typed.
+RESUME_KEYS = ("prompt_key", "limit", "sampling", "capture_routing", "deterministic")
+# A manifest written before fingerprints were recorded: its paths are compared as typed, as they were then.
+LEGACY_RESUME_KEYS = ("model", "data", *RESUME_KEYS)
+
+
+def fingerprints(engine: Engine, job: JobConfig, weights_path: str | None) -> dict:
+    """What --resume compares: the checkpoint and prompt file by content, and the weights the engine holds."""
+    checkpoint = checkpoint_fingerprint(engine.config.model)
+    return {"checkpoint": checkpoint, "data": data_fingerprint(job.data),
+            "weights": _weights(engine, checkpoint, weights_path)}
+
+
+def _weights(engine: Engine, checkpoint: dict, weights_path: str | None) -> dict:
+    """The weights the engine holds now: their version, where they came from, and that directory's digest.
+
+    `weights_path` is the daemon's last reload (None: the weights loaded at start, from the model
+    directory). Weights pushed from tensors have no directory: their version alone tells them apart.
+    """
+    model = engine.config.model
+    from_start = weights_path is None or os.path.realpath(weights_path) == os.path.realpath(model)
+    if from_start and engine.config.load_format == "dummy":
+        source, digest = "random weights (--load-format dummy)", None
+    elif from_start:
+        source, digest = model, checkpoint["digest"]
+    else:
+        source = weights_path
+        digest = checkpoint_fingerprint(weights_path)["digest"] if os.path.isdir(weights_path) else None
+    return {"version": engine.weight_version, "source": source, "checkpoint": digest}
+
+
+def check_resume(job: JobConfig, settings: dict, fingerprints: dict) -> None:
+    """Refuse, in one line that says what changed, a --resume that would mix two jobs in OUT."""
+    previous = read_manifest(job.out)
+    if previous is None:
+        return
+    change = source_change(previous.get("model_source"), settings["model_source"])
+    if change is not None:  # before the content check: the commits say more than "model.safetensors changed"
+        hub = previous["model_source"]
+        raise RolloutError(f"--resume: {job.out} was made from another hub commit: {change}; resume with --model "
+                           f"{hub['hub_id']} --revision {hub['commit']}, or choose another --out")
+    recorded = previous.get("fingerprints")
+    if recorded is not None:
+        change = checkpoint_change(recorded["checkpoint"], fingerprints["checkpoint"])
+        if change is not None:
+            raise RolloutError(
+                f"--resume: {job.out} was made with another checkpoint ({previous.get('model')}): {change}; "
+                "resume with that checkpoint, or choose another --out"
+            )
+    version = fingerprints["weights"]["version"]
+    if "weight_version" in previous and previous["weight_version"] != version:
+        raise RolloutError(
+            f"--resume: the run was made at weight version {previous['weight_version']} and the engine has "
+            f"weight version {version}; resuming would mix two weight versions in {job.out}: resume with the "
+            f"run's weights at version {previous['weight_version']}, or choose another --out"
+        )
+    if recorded is not None:
+        _check_same_weights(job, recorded["weights"], fingerprints["weights"])
+        change = data_change(recorded["data"], fingerprints["data"])
+        if change is not None:
+            raise RolloutError(
+                f"--resume: the prompt file {job.data} changed since {job.out} was made from it: {change}; "
+                "restore that file, or choose another --out"
+            )
+    for key in RESUME_KEYS if recorded is not None else LEGACY_RESUME_KEYS:
+        if key in previous and previous[key] != settings[key]:
+            name, old, new = _difference(key, previous[key], settings[key])
+            raise RolloutError(
+                f"--resume: {job.out} was made with {name}={old!r}, this run has {new!r}; "
+                "use the same settings to resume, or choose another --out"
+            )
+
+
+def _difference(key: str, old, new) -> tuple[str, object, object]:
+    """("sampling.seed", 3, 4) rather than two whole sampling dicts: the line names what differs."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for name in sorted(old.keys() | new.keys()):
+            if old.get(name) != new.get(name):
+                return f"{key}.{name}", old.get(name), new.get(name)
+    return key, old, new
+
+
+def _check_same_weights(job: JobConfig, previous: dict, current: dict) -> None:
+    """Same version, other weights: e.g. a daemon reloaded another directory under the same version."""
+    if (previous.get("checkpoint") or previous.get("source")) == (current["checkpoint"] or current["source"]):
+        return
+    raise RolloutError(
+        f"--resume: {job.out} was made with the weights of {previous.get('source')} (version "
+        f"{previous.get('version')}), the engine holds those of {current['source']}; resuming would mix two "
+        "weight sets: load the run's weights, or choose another --out"
+    )
