@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from rollout_cli.bench import measure_hbm_bandwidth  # the copy `rollout bench` measures the limit with
+from rollout_cli.bench_limits import measure_hbm_bandwidth  # the copy `rollout bench` measures the limit with
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rollout_cli.bench import measure_hbm_bandwidth
+from rollout_cli.bench_limits import measure_hbm_bandwidth
 from rollout_kernels.fused_moe_bench import benchmark_fused_moe
 from rollout_kernels.fused_moe_config import default_config, fit_to_shape, load_configs
 

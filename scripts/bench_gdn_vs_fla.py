@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from rollout_cli.bench import measure_hbm_bandwidth  # the copy `rollout bench` measures the limit with
+from rollout_cli.bench_limits import measure_hbm_bandwidth  # the copy `rollout bench` measures the limit with
 
 HK, HV, DK, DV = 16, 32, 128, 128
 

@@ -51,7 +51,8 @@ def bench_command(
         rollout bench --model ckpt/ --load-format dummy --num-prompts 256 --tp 2
     """
     # heavy: torch and the model code
-    from rollout_cli.bench import BenchConfig, make_workload, measure_hbm_bandwidth, measure_matmul_flops, run_hf_baseline
+    from rollout_cli.bench import BenchConfig, make_workload, run_hf_baseline
+    from rollout_cli.bench_limits import measure_hbm_bandwidth, measure_matmul_flops
     from rollout_cli.engine.engine import Engine
     from rollout_cli.models.build import load_model_config, resolve_device, resolve_dtype
 
@@ -107,7 +108,8 @@ def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg):
 def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: bool, console,
                   flops: float | None = None) -> None:
     """The timed runs on a loaded engine, then the report (rank 0 of --tp N: the followers run the same steps)."""
-    from rollout_cli.bench import bandwidth_limit, profile_decode, run_engine  # heavy: torch
+    from rollout_cli.bench import profile_decode, run_engine  # heavy: torch
+    from rollout_cli.bench_limits import bandwidth_limit
 
     capture_routing = cfg.capture_routing
     report["engine_settings"] = {"device": str(engine.device), "dtype": str(engine.dtype),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollout_cli import Engine
-from rollout_cli.bench import active_matmul_params, roofline_seconds
+from rollout_cli.bench_limits import active_matmul_params, roofline_seconds
 
 
 def _attention_params(c) -> int:

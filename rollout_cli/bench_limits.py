@@ -1,0 +1,134 @@
+"""The hardware limits `rollout bench` measures a run against, and the hardware numbers behind them.
+
+    decode bytes  = sum over decode steps of (weight bytes + KV bytes per token x distinct context tokens)
+                    + decode tokens x 2 x linear-state bytes per sequence (hybrid models: read and written)
+    limit tok/s   = decode tokens / (decode bytes / measured HBM bandwidth)
+    fraction      = measured output tok/s / limit tok/s
+
+Distinct context tokens (engine/model_runner.distinct_context_tokens) count a prefix that running
+samples share through the prefix cache once per step: what must move. On a GPU the roofline also
+counts the matmuls' FLOPs where they, not the weight reads, bound a step (`roofline_seconds`).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from rollout_cli.engine.engine import Engine
+
+
+def _median_cuda_seconds(op, runs: int = 12, warmups: int = 2) -> float:
+    """Median seconds of `op()` on the current CUDA stream (CUDA events), the first `warmups` runs dropped."""
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        op()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times[warmups:])
+
+
+def measure_hbm_bandwidth(device: torch.device, gib: float = 2.0) -> float | None:
+    """Bytes/s of a large device-to-device copy (read + write), median of 10; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    numel = int(gib * (1 << 30)) // 4
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    seconds = _median_cuda_seconds(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * numel * 4 / seconds
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float | None:
+    """FLOP/s of a large square matmul in `dtype` (cuBLAS), median of 10 after 2 warm-ups; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = _median_cuda_seconds(lambda: torch.mm(a, b))
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n ** 3 / seconds
+
+
+def active_matmul_params(model) -> int:
+    """Weights one decode token is multiplied through (its matmul FLOPs are 2 x this): every 2-D weight
+    but the input embedding (counted as the head when tied), and of each stacked-experts module
+    (w13, w2 [E, ...]) the top_k / E share a token is routed through. Under --tp: this rank's shards."""
+    embed = model.model.embed_tokens.weight
+    experts = [m for m in model.modules() if hasattr(m, "w13") and hasattr(m, "w2")]
+    stacked = {id(p) for m in experts for p in (m.w13, m.w2)}
+    total = sum(p.numel() for p in model.parameters() if p.dim() == 2 and p is not embed and id(p) not in stacked)
+    if getattr(model, "tie_word_embeddings", False):
+        total += embed.numel()
+    top_k = getattr(model, "top_k", 0)
+    for m in experts:
+        total += (m.w13.numel() + m.w2.numel()) * top_k // m.num_experts
+    return total
+
+
+def roofline_seconds(steps: int, tokens: int, weight_bytes: int, matmul_params: int, other_bytes: int,
+                     hbm_bytes_per_s: float, flops_per_s: float) -> float:
+    """The least time the decode steps can take, kernel class by kernel class: each step's matmuls take
+    the longer of reading the weights and doing their FLOPs (2 x matmul params x the step's tokens, the
+    mean batch here), and the attention's KV (plus linear states) reads are bandwidth alone."""
+    per_step_tokens = tokens / steps
+    matmuls = max(weight_bytes / hbm_bytes_per_s, 2 * matmul_params * per_step_tokens / flops_per_s)
+    return steps * matmuls + other_bytes / hbm_bytes_per_s
+
+
+def bandwidth_limit(engine: Engine, measured_tok_s: float, hbm_bytes_per_s: float | None,
+                    flops_per_s: float | None = None) -> dict:
+    traffic = engine.runner.traffic
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kv_bytes_per_token = engine.kv.bytes_per_token_of_pool
+    # hybrid models: every decode token also reads and writes its sequence's float32 linear-attention state
+    state_shape = getattr(engine.model, "linear_state_shape", None)
+    state_bytes_per_token = 2 * state_shape.bytes_per_sequence if state_shape is not None else 0
+    state_bytes = traffic.tokens * state_bytes_per_token
+    # what must move: a prompt prefix the n samples share (the same KV slots) counted once per step
+    decode_bytes = traffic.steps * weight_bytes + traffic.distinct_context_tokens * kv_bytes_per_token + state_bytes
+    # what a kernel reading every sample's whole context moves (the limit before the rule above)
+    per_sample_bytes = traffic.steps * weight_bytes + traffic.context_tokens * kv_bytes_per_token + state_bytes
+    formula = ("limit tok/s = decode tokens / ((steps x weight bytes + distinct context tokens x KV bytes/token"
+               + (" + decode tokens x 2 x linear-state bytes/sequence" if state_bytes_per_token else "")
+               + ") / HBM B/s); distinct: a prefix decodes share through the prefix cache counts once per step")
+    report = {
+        "formula": formula,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "linear_state_bytes_per_token": state_bytes_per_token,
+        "decode_steps": traffic.steps,
+        "decode_tokens": traffic.tokens,
+        "decode_context_tokens": traffic.context_tokens,
+        "decode_distinct_context_tokens": traffic.distinct_context_tokens,
+        "decode_bytes": decode_bytes,
+        "decode_bytes_per_sample_reads": per_sample_bytes,
+        "hbm_bytes_per_s": hbm_bytes_per_s,
+    }
+    if hbm_bytes_per_s and decode_bytes:
+        limit = traffic.tokens / (decode_bytes / hbm_bytes_per_s)
+        report["limit_output_tokens_per_s"] = limit
+        report["fraction_of_limit"] = measured_tok_s / limit
+        # the same limit if every sample re-read its shared prefix (above 100%: the GPU did not)
+        report["limit_per_sample_reads_output_tokens_per_s"] = traffic.tokens / (per_sample_bytes / hbm_bytes_per_s)
+    if hbm_bytes_per_s and flops_per_s and traffic.steps:
+        # at large batches the matmuls run out of FLOP/s before bandwidth (the 8B shape at 256 rows)
+        params = active_matmul_params(engine.model)
+        seconds = roofline_seconds(traffic.steps, traffic.tokens, weight_bytes, params,
+                                   decode_bytes - traffic.steps * weight_bytes, hbm_bytes_per_s, flops_per_s)
+        report.update({
+            "roofline_formula": "roofline tok/s = decode tokens / (steps x max(weight bytes / HBM B/s, 2 x active "
+                                "matmul params x tokens per step / matmul FLOP/s) + other decode bytes / HBM B/s)",
+            "active_matmul_params": params,
+            "matmul_flops_per_s": flops_per_s,
+            "roofline_output_tokens_per_s": traffic.tokens / seconds,
+            "fraction_of_roofline": measured_tok_s * seconds / traffic.tokens,
+        })
+    return report
