@@ -180,41 +180,28 @@ if triton is not None:
         return rows, cols, mask_k, mask_v, s_ptrs, mask_k[:, None] & mask_v[None, :]
 
     @triton.jit
-    def _recurrent_gated_delta_rule_update_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, index_ptr, o_ptr,
+    def _recurrent_gated_delta_rule_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, index_ptr, cu_ptr, o_ptr,
         sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, ss0, ss1, ss2, so0, so1,
         scale, DK, DV,
-        GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+        GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr,
     ):
         # one program: sequence b, value head h, value columns [vb * BV, vb * BV + BV). The state's
         # columns are independent (S^T k and the rank-1 write act per column), so v tiles split freely.
+        # Decode: row b is the sequence's one token. VARLEN (the recurrent prefill): rows cu[b] ..
+        # cu[b + 1] - 1, one after another with the state in registers; each the same _token_step.
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         rows, cols, mask_k, mask_v, s_ptrs, s_mask = _state_tile(state_ptr, index_ptr, b, h, ss0, ss1, ss2, DK, DV,
                                                                  BK, BV)
         state = tl.load(s_ptrs, mask=s_mask, other=0.0)  # [BK, BV] float32
-        state, out = _token_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state, b, h // GROUP, h, rows, cols, mask_k,
-                                 mask_v, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, L2NORM)
-        tl.store(s_ptrs, state, mask=s_mask)
-        tl.store(o_ptr + b * so0 + h * so1 + cols, out.to(o_ptr.dtype.element_ty), mask=mask_v)
-
-    @triton.jit
-    def _recurrent_gated_delta_rule_varlen_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, index_ptr, cu_ptr, o_ptr,
-        sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, ss0, ss1, ss2, so0, so1,
-        scale, DK, DV,
-        GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-    ):
-        # one program: sequence b's tokens one after another (the decode kernel's step each), value
-        # head h, value columns [vb * BV, vb * BV + BV); the state stays in registers between tokens
-        b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
-        rows, cols, mask_k, mask_v, s_ptrs, s_mask = _state_tile(state_ptr, index_ptr, b, h, ss0, ss1, ss2, DK, DV,
-                                                                 BK, BV)
-        state = tl.load(s_ptrs, mask=s_mask, other=0.0)
-        for t in range(tl.load(cu_ptr + b), tl.load(cu_ptr + b + 1)):
-            state, out = _token_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state, t, h // GROUP, h, rows,
-                                     cols, mask_k, mask_v, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, L2NORM)
+        if VARLEN:
+            first, end = tl.load(cu_ptr + b), tl.load(cu_ptr + b + 1)
+        else:
+            first, end = b, b + 1
+        for t in range(first, end):
+            state, out = _token_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state, t, h // GROUP, h, rows, cols,
+                                     mask_k, mask_v, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, L2NORM)
             tl.store(o_ptr + t * so0 + h * so1 + cols, out.to(o_ptr.dtype.element_ty), mask=mask_v)
         tl.store(s_ptrs, state, mask=s_mask)
 
@@ -235,18 +222,18 @@ def _check_delta_args(q, k, v, g, beta, ssm_states) -> tuple[int, int, int, int,
     return T, Hk, dk, Hv, dv
 
 
-def _launch_delta(kernel, programs: int, q, k, v, g, beta, ssm_states, index, extra: tuple, out, use_qk_l2norm):
-    """Grid (programs, Hv, value-column blocks); the block sizes depend on the head dims only, so the
-    decode and the recurrent prefill kernels tile a state alike."""
+def _launch_delta(programs: int, q, k, v, g, beta, ssm_states, index, cu_seqlens, out, use_qk_l2norm):
+    """Grid (sequences, Hv, value-column blocks); the block sizes depend on the head dims only, so
+    decode and the recurrent prefill (cu_seqlens not None) tile a state alike."""
     _, Hk, dk, Hv, dv = _check_delta_args(q, k, v, g, beta, ssm_states)
     block_k = triton.next_power_of_2(dk)
     block_v = min(triton.next_power_of_2(dv), max(16, 8192 // block_k))  # a [BK, BV] float32 tile in registers
-    kernel[(programs, Hv, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, ssm_states, index, *extra, out,
+    _recurrent_gated_delta_rule_kernel[(programs, Hv, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, ssm_states, index, cu_seqlens if cu_seqlens is not None else index, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), out.stride(0), out.stride(1),
         dk ** -0.5, dk, dv,
-        GROUP=Hv // Hk, BK=block_k, BV=block_v, L2NORM=use_qk_l2norm, num_warps=4,
+        GROUP=Hv // Hk, BK=block_k, BV=block_v, L2NORM=use_qk_l2norm, VARLEN=cu_seqlens is not None, num_warps=4,
     )
     return out
 
@@ -263,8 +250,7 @@ def recurrent_gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch
     out = torch.empty((B, v.shape[1], v.shape[2]), dtype=v.dtype, device=v.device)
     if B == 0:
         return out
-    return _launch_delta(_recurrent_gated_delta_rule_update_kernel, B, q, k, v, g, beta, ssm_states, state_indices,
-                         (), out, use_qk_l2norm)
+    return _launch_delta(B, q, k, v, g, beta, ssm_states, state_indices, None, out, use_qk_l2norm)
 
 
 def recurrent_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -282,5 +268,4 @@ def recurrent_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch
     if T == 0:
         return out
     cu = torch.tensor(cu_seqlens, dtype=torch.int64, device=q.device)
-    return _launch_delta(_recurrent_gated_delta_rule_varlen_kernel, B, q, k, v, g, beta, ssm_states, state_indices,
-                         (cu,), out, use_qk_l2norm)
+    return _launch_delta(B, q, k, v, g, beta, ssm_states, state_indices, cu, out, use_qk_l2norm)
