@@ -18,8 +18,8 @@ the engine's rule, models/build.resolve_attention_backend):
     scoring kernel) give the values, bit for bit the engine's; Triton kernels have no backward, so
     a plain torch forward of the same sequence gives the gradient (straight through: values from
     the kernels, d/dparams from torch). Gradients need not be bitwise anything.
-Dense and MoE models; hybrid linear-attention models are not covered yet (their recurrent state
-lives in the engine's state pool, updated in place).
+Dense and MoE models on both paths; hybrid (Gated DeltaNet) models on the Triton path (their
+torch path would need the engine's per-token recurrent states kept where autograd follows them).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rollout_cli.engine.attention import KVCache
+from rollout_cli.engine.linear_state import HybridBatch, LinearBatch, LinearStatePool
 from rollout_cli.engine.on_policy import attend_token, token_forward
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import (build_model, is_hybrid, load_model_config, resolve_attention_backend,
@@ -40,6 +41,7 @@ from rollout_cli.models.build import (build_model, is_hybrid, load_model_config,
 from rollout_cli.models.llama import head_dim_of
 from rollout_cli.models.loader import plan_checkpoint
 from rollout_cli.models.moe import SparseMoeBlock
+from rollout_kernels.gated_delta_rule import chunk_gated_delta_rule_ref
 from rollout_kernels.sampling_ref import token_logprobs_ref
 
 # files copied next to a saved checkpoint so that it loads like the one it came from
@@ -74,6 +76,24 @@ class SequenceKV:
         return other
 
 
+class SequenceLinear:
+    """The `linear` of a hybrid model's differentiable forward over one whole sequence from position 0
+    (plain torch, zero initial states, nothing updated in place): the causal depthwise conv and the
+    chunked gated delta rule (the gradient path of the Triton kernels' forward)."""
+
+    def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor, bias, activation: str | None) -> torch.Tensor:
+        """x [T, C], weight [C, K] -> conv over the inputs, zeros before position 0, + activation [T, C]."""
+        width = weight.shape[1]
+        window = F.pad(x.t().to(weight.dtype)[None], (width - 1, 0))  # [1, C, K - 1 + T]
+        out = F.conv1d(window, weight[:, None, :], bias, groups=weight.shape[0])[0]  # [C, T]
+        return (F.silu(out) if activation else out).t().to(x.dtype)
+
+    def delta_rule(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
+        """q/k [T, Hk, dk], v [T, Hv, dv], g/beta [T, Hv] -> o [T, Hv, dv], from a zero state."""
+        zero = torch.zeros(v.shape[1], q.shape[2], v.shape[2], dtype=torch.float32, device=q.device)
+        return chunk_gated_delta_rule_ref(q, k, v, g, beta, zero)[0]
+
+
 class CausalSequenceAttention:
     """The `attn` of a differentiable forward over one whole sequence in plain torch: T tokens attend
     causally to their own keys (the gradient path of the Triton kernels' forward)."""
@@ -104,16 +124,20 @@ class Policy:
         """kernels: auto (the deterministic engine's choice on this device), torch, or triton."""
         self.model_dir = model_dir
         hf_config = load_model_config(model_dir)
-        if is_hybrid(hf_config):
-            raise RolloutError("rollout_cli.training covers dense and MoE models; hybrid linear-attention models "
-                               "are not supported yet")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kernels = resolve_attention_backend(kernels, self.device, deterministic=True)
-        # the private KV pool of the Triton forward: [layers, slots, kv_heads, head_dim]
-        self.kv_shape = (hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim_of(hf_config))
+        self.hybrid = is_hybrid(hf_config)
+        if self.hybrid and self.kernels != "triton":
+            raise RolloutError("rollout_cli.training runs hybrid linear-attention models on the Triton kernels only "
+                               "(a GPU, or kernels='triton' under TRITON_INTERPRET=1); the torch path covers dense "
+                               "and MoE models")
         self.model = build_model(model_dir, hf_config, self.device, self.dtype,
                                  max_positions=getattr(hf_config, "max_position_embeddings", None) or 4096)
+        # the private KV pool of the Triton forward: [layers, slots, kv_heads, head_dim] (hybrid models:
+        # their full-attention layers only)
+        self.kv_shape = (getattr(self.model, "num_kv_layers", hf_config.num_hidden_layers),
+                         hf_config.num_key_value_heads, head_dim_of(hf_config))
         self.model.train()
         for param in self.model.parameters():
             param.requires_grad_(True)
@@ -174,17 +198,27 @@ class Policy:
         positions = torch.arange(n, device=self.device)
         rows = torch.arange(prompt_len - 1, n, device=self.device)  # the positions that predict the response
         targets = torch.tensor(tokens[prompt_len:], device=self.device)
-        temperature, raw, top_k, top_p, min_p = self._settings(len(targets), settings)
+        row_settings = self._settings(len(targets), settings)  # temperature, raw, top_k, top_p, min_p
         with torch.no_grad():
             exact = self._invariant_forward(ids, positions, rows)  # [R, V] logits, the engine's bits
             from rollout_kernels.sampling_score import score_tokens
 
+            temperature, raw, top_k, top_p, min_p = row_settings
             values = score_tokens(exact, targets, temperature, top_k, top_p, min_p, raw)
-        hidden = self.model(ids, positions, CausalSequenceAttention(self.scale))  # [n, hidden]
-        logits = self.model.compute_logits(hidden[rows])  # [R, V] float32
-        approx = token_logprobs_ref(logits, targets, temperature, raw, top_k, top_p, min_p)
+        approx = self.torch_logprobs(ids, positions, rows, targets, row_settings)
         # forward: the kernels' values (approx - approx.detach() is 0); backward: torch's gradient
         return values + torch.where(approx.isfinite(), approx - approx.detach(), 0.0)
+
+    def torch_logprobs(self, ids, positions, rows, targets, row_settings) -> torch.Tensor:
+        """The gradient path: a plain torch forward of the whole sequence (causal SDPA; hybrid models'
+        conv and chunked delta rule from zero states) -> the targets' logprobs [R], differentiable.
+        ids, positions [n]; rows [R] (the positions that predict `targets` [R]); row_settings as _settings."""
+        attn = CausalSequenceAttention(self.scale)
+        if self.hybrid:
+            attn = HybridBatch(attn, SequenceLinear())
+        hidden = self.model(ids, positions, attn)  # [n, hidden]
+        logits = self.model.compute_logits(hidden[rows])  # [R, V] float32
+        return token_logprobs_ref(logits, targets, *row_settings)
 
     def _invariant_forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One prefill of the sequence on the engine's batch-invariant kernels over a private KV pool
@@ -196,6 +230,11 @@ class Policy:
         kv = KVCache(num_layers, n, num_kv_heads, head_dim, self.dtype, self.device)
         req_to_token = torch.arange(n, dtype=torch.int32, device=self.device)[None]  # one row: slot = position
         attn = InvariantAttentionBatch(kv, req_to_token, positions, self.scale, spans=[(0, 0, 0, n)])
+        if self.hybrid:  # a private state pool: slot 0 is the pool's padding slot, the sequence uses slot 1
+            pool = LinearStatePool(self.model.linear_state_shape, 2, self.device)
+            no_decodes = torch.zeros(0, dtype=torch.long, device=self.device)
+            attn = HybridBatch(attn, LinearBatch(pool, no_decodes, torch.ones(1, dtype=torch.long, device=self.device),
+                                                 [0, n], triton_kernels=True, invariant=True))
         _switch_kernels(self.model, True)
         try:
             hidden = self.model(ids, positions, attn)

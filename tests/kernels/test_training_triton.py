@@ -57,6 +57,29 @@ def test_the_straight_through_gradient_reaches_every_layer(sampling_checkpoint):
     torch.testing.assert_close(exact.detach(), torch_values.detach(), atol=1e-4, rtol=0)
 
 
-def test_hybrid_models_are_refused(tiny_hybrid_checkpoints):
+def test_hybrid_trainer_logprobs_equal_the_triton_rollout(tiny_hybrid_checkpoints):
+    """Gated DeltaNet layers: the values from the recurrent prefill over a private state pool, the
+    gradient from the functional torch forward (SequenceLinear), which agrees to float32 noise."""
+    model_dir = tiny_hybrid_checkpoints["qwen3_next"]
+    params = SamplingParams(n=2, max_new_tokens=5, temperature=1.0, seed=3)
+    policy = Policy(model_dir, dtype="float32", kernels="triton")
+    for t in _rollout(model_dir, params):
+        got = policy.response_logprobs(t.prompt_token_ids, t.response_token_ids, params.temperature)
+        assert got.tolist() == t.response_logprobs, (t.prompt_index, t.sample_index)
+    # the gradient path's own values: the same model to float32 noise (a misaligned conv would not be)
+    tokens = t.prompt_token_ids + t.response_token_ids
+    n, start = len(tokens) - 1, len(t.prompt_token_ids) - 1
+    settings = policy._settings(len(t.response_token_ids), dict(temperature=1.0, raw=False, top_k=0, top_p=1.0,
+                                                                 min_p=0.0))
+    torch_values = policy.torch_logprobs(torch.tensor(tokens[:n]), torch.arange(n), torch.arange(start, n),
+                                         torch.tensor(t.response_token_ids), settings)
+    torch.testing.assert_close(torch_values.detach(), got.detach(), atol=1e-4, rtol=0)
+    got.sum().backward()
+    gdn = dict(policy.model.named_parameters())
+    moved = [name for name, p in gdn.items() if "linear_attn" in name and p.grad is not None and p.grad.abs().sum() > 0]
+    assert any("conv1d" in name for name in moved) and any("A_log" in name for name in moved)
+
+
+def test_hybrid_models_need_the_triton_kernels(tiny_hybrid_checkpoints):
     with pytest.raises(RolloutError, match="hybrid"):
-        Policy(tiny_hybrid_checkpoints["qwen3_next"], kernels="triton")
+        Policy(tiny_hybrid_checkpoints["qwen3_next"], kernels="torch")
