@@ -32,7 +32,7 @@ from rollout_cli.engine.trajectory import PromptInput, Score, ScoreInput, Trajec
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import (build_model, load_model_config, model_positions, resolve_attention_backend,
                                       resolve_device, resolve_dtype, resolve_max_model_len)
-from rollout_cli.models.hub import resolve_engine_config
+from rollout_cli.models.hub import resolve_engine_config, resolve_model
 from rollout_cli.models.layers import enable_batch_invariant_kernels, enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
 
@@ -172,14 +172,14 @@ class Engine:
         """Take released memory back; without --weights-cpu-backup new weights must be loaded before generating."""
         return self.control.resume_memory(tags)
 
-    def reload_weights(self, path: str, version: str | None = None) -> str:
-        """Load the checkpoint in `path` into the live weights (checked first); returns the new weight version."""
-        return self.control.reload_weights(path, version)
+    def reload_weights(self, path: str, version: str | None = None, revision: str | None = None) -> str:
+        """Load the checkpoint in `path` (a directory, or a hub id at `revision`, fetched into the Hugging
+        Face cache) into the live weights, checked first; returns the new weight version."""
+        return self.control.reload_weights(resolve_model(path, revision, what="checkpoint").path, version)
 
     def set_deterministic(self, deterministic: bool) -> None:
-        """Switch the on-policy mode of this loaded engine (`rollout bench --deterministic` times both
-        modes in one run): the model's batch-invariant kernels, the attention, the decode graphs. The
-        prefix cache is emptied, since its entries were computed in the other mode. One process only."""
+        """Switch the on-policy mode of this loaded engine (`rollout bench --deterministic` times both modes
+        in one run): kernels, attention, decode graphs; the prefix cache (the other mode's bits) is emptied."""
         if self.tp is not None:
             raise RolloutError("switching --deterministic on a loaded engine runs with --tp 1")
         self.control.flush_cache()

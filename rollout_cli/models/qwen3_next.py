@@ -25,7 +25,7 @@ from rollout_cli.models.gated_deltanet import GatedDeltaNet, linear_state_shape
 from rollout_cli.models.layers import FusedLinear, Linear, RotaryEmbedding
 from rollout_cli.models.llama import (DecoderMLP, DecoderModel, LlamaForCausalLM, head_dim_of, untied_lm_head,
                                       vocab_embedding)
-from rollout_cli.models.moe import MoeMixin, SparseMoeBlock
+from rollout_cli.models.moe import MoeMixin, SparseMoeBlock, moe_layer_ids
 from rollout_cli.models.norms import ZeroCentredRMSNorm
 from rollout_cli.models.tensor_parallel import HeadSplit, RowParallelLinear, column_parallel_qkv, tp_rank, tp_size
 
@@ -133,8 +133,6 @@ class Qwen3NextForCausalLM(MoeMixin, nn.Module):
         self.lm_head = None if self.tie_word_embeddings else untied_lm_head(config, self.model.embed_tokens)
 
     def sparse_layers(self, config) -> list[int]:
-        from rollout_cli.models.moe import moe_layer_ids
-
         return moe_layer_ids(config, self.num_experts)
 
     def make_layer_mlp(self, config, layer_idx: int) -> nn.Module:

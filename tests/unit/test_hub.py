@@ -131,3 +131,17 @@ def test_python_engine_takes_a_hub_id_and_a_revision(offline_cache):
     by_id = [t.response_token_ids for t in engine.generate(prompts, params)]
     by_dir = Engine(model=str(offline_cache["snapshots"][COMMIT_V2]), device="cpu").generate(prompts, params)
     assert by_id == [t.response_token_ids for t in by_dir]
+
+
+def test_python_reload_weights_takes_a_hub_id_and_a_revision(offline_cache):
+    from rollout_cli import Engine, SamplingParams
+
+    params = SamplingParams(n=1, max_new_tokens=4, seed=3)
+    engine = Engine(model=HUB_ID, device="cpu")  # main
+    assert engine.reload_weights(HUB_ID, revision="v2") == "1"
+    reloaded = [t.response_token_ids for t in engine.generate(["Name a color."], params)]
+    by_dir = Engine(model=str(offline_cache["snapshots"][COMMIT_V2]), device="cpu").generate(["Name a color."], params)
+    assert reloaded == [t.response_token_ids for t in by_dir]
+    with pytest.raises(RolloutError, match="neither a local directory nor a valid hub id"):
+        engine.reload_weights("not a/valid id/x")
+    assert engine.weight_version == "1"
