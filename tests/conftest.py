@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny random HF checkpoints, the HF reference, the example model; the gpu marker."""
+"""Shared fixtures: tiny random HF checkpoints, the HF reference, the example model; the gpu marker.
+
+Without a GPU the Triton kernels run under Triton's interpreter (how CI tests them). TRITON_INTERPRET
+must be set before any @triton.jit function is defined, and any test module may import a module that
+defines kernels (rollout_cli.training does), so it is set here, before the first test module loads."""
 
 from __future__ import annotations
 
@@ -8,9 +12,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,18 +1,9 @@
-"""Kernel tests run compiled on a GPU, and under Triton's interpreter on the CPU.
-
-TRITON_INTERPRET must be set before any @triton.jit function is defined, so
-it is set here, before the test modules import the kernels.
-"""
-
-import os
+"""Kernel tests run compiled on a GPU, and under Triton's interpreter on the CPU (tests/conftest.py
+sets TRITON_INTERPRET before any test module loads)."""
 
 import pytest
-import torch
 
 from interpreter_dot import patch_row_invariant_dot
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
