@@ -67,8 +67,9 @@ for part in $PARTS; do
     grpo) bench b06_grpo 70 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 ;;
     moe30) bench b30_capture 150 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --capture-routing compare ;;
     moe30hf) bench b30_hf 580 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --baseline-time-limit 400 ;;
-    det) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_batch_invariant_matmul.py \
+    det) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_batch_invariant_matmul.py \
                tests/kernels/test_batch_invariant_attention.py tests/kernels/test_sampling_score.py \
+               tests/kernels/test_linear_attention_invariance.py tests/kernels/test_chunk_gated_delta_rule.py \
                tests/e2e/test_gpu_deterministic.py 2>&1 | tee "$OUT/gpu_det_tests.log" | grep -E "^FAILED|passed|failed" | tail -12 ;;
     det06) bench b06_det 300 --model $Q06 --num-prompts 256 --input-len 256 --output-len 512 --deterministic ;;
     det8) bench b8_det 400 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512 --deterministic ;;
