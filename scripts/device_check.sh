@@ -14,8 +14,9 @@
 # hybridtests (the hybrid engine's GPU tests), longout (the slice with dense MLPs against dense12 at
 # 2048 and 8192 output tokens: linear against full attention at equal weights per step), fla (our
 # Gated DeltaNet kernels against flash-linear-attention's in one run; carry .whl_fla holding the
-# fla-core wheel, installed apart so that HF's baseline keeps its torch fallback), det (issue 19's GPU
-# tests: the batch-invariant kernels, the scorer, the deterministic engine and trainer), det06 / det8 /
+# fla-core wheel, installed apart so that HF's baseline keeps its torch fallback), det (issue 19's test
+# files compiled on the GPU, all their tests: bf16 invariance of the kernels, the scorer, Gated
+# DeltaNet decode = prefill, the deterministic engine with CUDA graphs, the trainer), det06 / det8 /
 # detmixed / detgrpo / detmoe30 (`rollout bench --deterministic`: the default and the on-policy mode
 # in one run, ABBA, on the b06 / b8 / mixed / grpo / moe30 workloads), fidelity (issue 19's table, both
 # modes, HF bf16 teacher forcing), tunebi06 / tunebi8 (tune the batch-invariant matmul for the 0.6B / 8B
