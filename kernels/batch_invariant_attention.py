@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import _LOG2E, _check_common
+from .decode_attention import _LOG2E, _check_pool
 
 SPLIT = 1024  # key positions per split; a multiple of every BLOCK_N below
 TARGET_PROGRAMS = 512  # programs wanted in flight (about four per SM of the H200's 132)
@@ -204,9 +204,7 @@ def batch_invariant_attention(q, k_pool, v_pool, req_to_token, blocks, scale: fl
     `split_programs`, which changes speed only (tests use it).
     """
     assert q.dim() == 3, f"q {tuple(q.shape)}: want [tokens, num_heads, head_dim]"
-    rows = blocks[:, 0]
-    num_heads, num_kv_heads, head_dim = _check_common(q, k_pool, v_pool, req_to_token, rows.contiguous(),
-                                                      torch.empty(0, dtype=torch.int32, device=q.device))
+    num_heads, num_kv_heads, head_dim = _check_pool(q, k_pool, v_pool, req_to_token, blocks)
     assert blocks.dim() == 2 and blocks.shape[1] == 4 and blocks.dtype == torch.int32 and blocks.is_contiguous(), \
         "blocks must be a contiguous [num_blocks, 4] int32 tensor (query_blocks)"
     block_n, num_warps, num_stages = _config(q.dtype)

@@ -128,7 +128,9 @@ def _decode_attention_stage2_kernel(
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
-def _check_common(q, k_pool, v_pool, req_to_token, rows, seq_lens):
+def _check_pool(q, k_pool, v_pool, req_to_token, *others) -> tuple[int, int, int]:
+    """The checks every attention over the pool shares: q, the pools and req_to_token (and `others`:
+    the kernel's own index tensors) on one device -> (num_heads, num_kv_heads, head_dim)."""
     assert q.dtype in _DTYPES, f"q dtype {q.dtype} not in {_DTYPES}"
     assert k_pool.dtype == q.dtype and v_pool.dtype == q.dtype, (
         f"q/k/v dtypes differ: {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
@@ -143,13 +145,17 @@ def _check_common(q, k_pool, v_pool, req_to_token, rows, seq_lens):
     assert q.stride(-1) == 1 and k_pool.stride(2) == 1 and v_pool.stride(2) == 1, "head_dim must be contiguous"
     assert req_to_token.dim() == 2 and req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, (
         "req_to_token must be [max_rows, max_len] int32, contiguous rows")
+    devices = {t.device for t in (q, k_pool, v_pool, req_to_token, *others)}
+    assert len(devices) == 1, f"tensors on several devices: {devices}"
+    return num_heads, num_kv_heads, head_dim
+
+
+def _check_common(q, k_pool, v_pool, req_to_token, rows, seq_lens):
     assert rows.dim() == 1 and rows.dtype in (torch.int32, torch.int64) and rows.is_contiguous(), (
         "rows must be a contiguous 1-d int32/int64 tensor")
     assert seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(), (
         "seq_lens must be a contiguous 1-d int32 tensor")
-    devices = {t.device for t in (q, k_pool, v_pool, req_to_token, rows, seq_lens)}
-    assert len(devices) == 1, f"tensors on several devices: {devices}"
-    return num_heads, num_kv_heads, head_dim
+    return _check_pool(q, k_pool, v_pool, req_to_token, rows, seq_lens)
 
 
 def _decode_config(dtype, head_dim: int) -> tuple[int, int, int]:
