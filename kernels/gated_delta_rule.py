@@ -222,14 +222,27 @@ def _check_delta_args(q, k, v, g, beta, ssm_states) -> tuple[int, int, int, int,
     return T, Hk, dk, Hv, dv
 
 
-def _launch_delta(programs: int, q, k, v, g, beta, ssm_states, index, cu_seqlens, out, use_qk_l2norm):
-    """Grid (sequences, Hv, value-column blocks); the block sizes depend on the head dims only, so
-    decode and the recurrent prefill (cu_seqlens not None) tile a state alike."""
-    _, Hk, dk, Hv, dv = _check_delta_args(q, k, v, g, beta, ssm_states)
+def _launch_delta(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens: list[int] | None,
+                  use_qk_l2norm: bool) -> torch.Tensor:
+    """Check, then launch grid (sequences, Hv, value-column blocks) -> o [T, Hv, dv] in v's dtype. Decode
+    (cu_seqlens None: row b is sequence b's one token) and the recurrent prefill (sequence b is rows
+    cu_seqlens[b]:cu_seqlens[b+1]) run one kernel with block sizes from the head dims only, so they
+    tile a state alike."""
+    T, Hk, dk, Hv, dv = _check_delta_args(q, k, v, g, beta, ssm_states)
+    sequences = T if cu_seqlens is None else len(cu_seqlens) - 1
+    name = "B" if cu_seqlens is None else "len(cu_seqlens) - 1"
+    assert state_indices.shape == (sequences,) and state_indices.dtype == torch.int64, \
+        f"state_indices must be [{name}] int64"
+    if cu_seqlens is not None:
+        assert cu_seqlens[0] == 0 and cu_seqlens[-1] == T, f"cu_seqlens must run from 0 to T={T}, got {cu_seqlens}"
+    out = torch.empty((T, Hv, dv), dtype=v.dtype, device=v.device)
+    if T == 0:
+        return out
+    cu = torch.tensor(cu_seqlens, dtype=torch.int64, device=q.device) if cu_seqlens is not None else state_indices
     block_k = triton.next_power_of_2(dk)
     block_v = min(triton.next_power_of_2(dv), max(16, 8192 // block_k))  # a [BK, BV] float32 tile in registers
-    _recurrent_gated_delta_rule_kernel[(programs, Hv, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, ssm_states, index, cu_seqlens if cu_seqlens is not None else index, out,
+    _recurrent_gated_delta_rule_kernel[(sequences, Hv, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, ssm_states, state_indices, cu, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), out.stride(0), out.stride(1),
         dk ** -0.5, dk, dv,
@@ -245,12 +258,7 @@ def recurrent_gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch
     g/beta [B, Hv]; ssm_states [S, Hv, dk, dv] float32 updated in place at state_indices [B] int64
     (a negative index skips the row: its output is left unwritten) -> o [B, Hv, dv] in v's dtype.
     q/k/v may be strided views (a fused projection's output) but contiguous in the head dim."""
-    B = _check_delta_args(q, k, v, g, beta, ssm_states)[0]
-    assert state_indices.shape == (B,) and state_indices.dtype == torch.int64, "state_indices must be [B] int64"
-    out = torch.empty((B, v.shape[1], v.shape[2]), dtype=v.dtype, device=v.device)
-    if B == 0:
-        return out
-    return _launch_delta(B, q, k, v, g, beta, ssm_states, state_indices, None, out, use_qk_l2norm)
+    return _launch_delta(q, k, v, g, beta, ssm_states, state_indices, None, use_qk_l2norm)
 
 
 def recurrent_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -260,12 +268,4 @@ def recurrent_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch
     chunk_gated_delta_rule_varlen_ref: every token runs the decode kernel's step, so its output and
     the state it leaves have the bits a decode of it would give, however the prompt was chunked.
     Slower than the chunked kernel: one program walks a sequence's tokens in order."""
-    T = _check_delta_args(q, k, v, g, beta, ssm_states)[0]
-    B = len(cu_seqlens) - 1
-    assert state_indices.shape == (B,) and state_indices.dtype == torch.int64, "state_indices must be [B] int64"
-    assert cu_seqlens[0] == 0 and cu_seqlens[-1] == T, f"cu_seqlens must run from 0 to T={T}, got {cu_seqlens}"
-    out = torch.empty((T, v.shape[1], v.shape[2]), dtype=v.dtype, device=v.device)
-    if T == 0:
-        return out
-    cu = torch.tensor(cu_seqlens, dtype=torch.int64, device=q.device)
-    return _launch_delta(B, q, k, v, g, beta, ssm_states, state_indices, cu, out, use_qk_l2norm)
+    return _launch_delta(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, use_qk_l2norm)
