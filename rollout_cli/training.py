@@ -38,6 +38,7 @@ from rollout_cli.engine.on_policy import attend_token, token_forward
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import (build_model, is_hybrid, load_model_config, resolve_attention_backend,
                                       resolve_device, resolve_dtype)
+from rollout_cli.models.layers import enable_batch_invariant_kernels, enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
 from rollout_cli.models.loader import plan_checkpoint
 from rollout_cli.models.moe import SparseMoeBlock
@@ -111,10 +112,8 @@ class CausalSequenceAttention:
 
 def _switch_kernels(model, on: bool) -> None:
     """The Triton and batch-invariant paths of every module on (the exact forward) or off (torch: autograd)."""
-    for module in model.modules():
-        for switch in ("use_triton", "batch_invariant"):
-            if hasattr(module, switch):
-                setattr(module, switch, on)
+    enable_triton_kernels(model, on)
+    enable_batch_invariant_kernels(model, on)
 
 
 class Policy:

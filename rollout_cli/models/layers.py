@@ -239,12 +239,13 @@ class VocabEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-def enable_triton_kernels(model: nn.Module) -> None:
+def enable_triton_kernels(model: nn.Module, on: bool = True) -> None:
     """Route every module with a Triton path through it (CUDA, or the interpreter on the CPU):
-    RMSNorm, RoPE, SiLU-and-mul here; the MoE router and experts (models/moe.py)."""
+    RMSNorm, RoPE, SiLU-and-mul here; the MoE router and experts (models/moe.py). on=False: back to
+    the torch path (the trainer's autograd forward, rollout_cli/training.py)."""
     for module in model.modules():
         if hasattr(module, "use_triton"):
-            module.use_triton = True
+            module.use_triton = on
 
 
 def enable_batch_invariant_kernels(model: nn.Module, on: bool = True) -> None:
