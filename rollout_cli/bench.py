@@ -227,6 +227,7 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
     stats_before = dataclasses.replace(engine.scheduler.stats)
     engine.runner.traffic = type(engine.runner.traffic)()
     engine.runner.time_decode_steps = engine.device.type == "cuda"
+    engine.runner.count_distinct_context = True
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
     _sync(engine.device)
@@ -234,7 +235,7 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
     results = list(engine.stream(inputs(), SamplingParams()))
     _sync(engine.device)
     seconds = time.monotonic() - start
-    engine.runner.time_decode_steps = False
+    engine.runner.time_decode_steps = engine.runner.count_distinct_context = False
     traffic = engine.runner.traffic
     stats = engine.scheduler.stats
     out_tokens = sum(len(r.response_token_ids) for r in results)

@@ -27,7 +27,8 @@ class DecodeTraffic:
     tokens: int = 0  # decode tokens produced
     context_tokens: int = 0  # sum over decode steps of the KV positions attended
     # the same, with a prefix several decodes share through the prefix cache counted once per step
-    # (what must move from HBM at least: distinct_context_tokens)
+    # (what must move from HBM at least: distinct_context_tokens); only with
+    # `ModelRunner.count_distinct_context`
     distinct_context_tokens: int = 0
     # With `ModelRunner.time_decode_steps` (CUDA graph steps only): GPU time between the
     # replay and the sampled tokens (CUDA events), and the engine's wall time of those steps.
@@ -92,6 +93,9 @@ class ModelRunner:
         self.graphs_dropped = False  # dropped by a memory release, to be re-captured on resume
         self.traffic = DecodeTraffic()
         self.time_decode_steps = False  # `rollout bench` turns this on to measure GPU idle time
+        # `rollout bench` turns this on too: the shared-prefix count costs ~0.1 ms of host time per decode
+        # step at batch 256, which no other caller reads
+        self.count_distinct_context = False
         self.routing_pool = None  # a routing_pool.RoutingPool while routing capture is on (Engine sets it)
         self._set_mode(deterministic)
 
@@ -155,7 +159,8 @@ class ModelRunner:
             self.traffic.steps += 1
             self.traffic.tokens += len(decodes)
             self.traffic.context_tokens += sum(e.start + 1 for e in decodes)
-            self.traffic.distinct_context_tokens += distinct_context_tokens(decodes)
+            if self.count_distinct_context:
+                self.traffic.distinct_context_tokens += distinct_context_tokens(decodes)
 
     # ---- one step: launch, then collect ------------------------------------------------------
 
