@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from same_bits import assert_same_bits
 from rollout_cli import Engine, PromptInput, SamplingParams
 from rollout_cli.errors import RolloutError
 
@@ -40,14 +41,6 @@ def _samples(engine, prompts, params, indices=None):
     return {(t.prompt_index, t.sample_index): t for t in engine.stream(inputs, params)}
 
 
-def _assert_bitwise(got, want):
-    assert got.keys() <= want.keys() and got
-    for key in sorted(got):
-        assert got[key].response_token_ids == want[key].response_token_ids, key
-        # float lists compare exactly: bit for bit (no NaN here)
-        assert got[key].response_logprobs == want[key].response_logprobs, key
-
-
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def dtype(request):
     return request.param
@@ -65,14 +58,14 @@ def test_every_layout_gives_the_same_bits(sampling_checkpoint, dtype, baseline, 
     for name, params in (("plain", PARAMS), ("filtered", FILTERED)):
         got = _samples(engine, PROMPTS, params)
         assert got.keys() == baseline[name].keys()
-        _assert_bitwise(got, baseline[name])
+        assert_same_bits(got, baseline[name])
 
 
 def test_alone_equals_inside_the_batch(sampling_checkpoint, dtype, baseline):
     for index in (0, 3):
         alone = _samples(_engine(sampling_checkpoint, dtype), PROMPTS, PARAMS, indices=[index])
         assert len(alone) == PARAMS.n
-        _assert_bitwise(alone, baseline["plain"])
+        assert_same_bits(alone, baseline["plain"])
 
 
 def test_a_rerun_served_from_the_prefix_cache_gives_the_same_bits(sampling_checkpoint, dtype, baseline):
@@ -81,8 +74,8 @@ def test_a_rerun_served_from_the_prefix_cache_gives_the_same_bits(sampling_check
     hits = engine.scheduler.stats.cached_prompt_tokens
     second = _samples(engine, PROMPTS, PARAMS)
     assert engine.scheduler.stats.cached_prompt_tokens > hits  # the rerun's prompts came from the cache
-    _assert_bitwise(first, baseline["plain"])
-    _assert_bitwise(second, baseline["plain"])
+    assert_same_bits(first, baseline["plain"])
+    assert_same_bits(second, baseline["plain"])
 
 
 def test_shared_system_prompt_hit_gives_the_same_bits(sampling_checkpoint, dtype):
@@ -92,12 +85,12 @@ def test_shared_system_prompt_hit_gives_the_same_bits(sampling_checkpoint, dtype
     with_cache = _samples(_engine(sampling_checkpoint, dtype, (4096, 1, True)), prompts, PARAMS)
     without = _samples(_engine(sampling_checkpoint, dtype, (4096, 1, False)), prompts, PARAMS)
     assert with_cache.keys() == without.keys()
-    _assert_bitwise(with_cache, without)
+    assert_same_bits(with_cache, without)
 
 
 def test_overlap_off_gives_the_same_bits(sampling_checkpoint, dtype, baseline):
     engine = _engine(sampling_checkpoint, dtype, LAYOUTS[2], overlap_schedule=False)
-    _assert_bitwise(_samples(engine, PROMPTS, PARAMS), baseline["plain"])
+    assert_same_bits(_samples(engine, PROMPTS, PARAMS), baseline["plain"])
 
 
 def test_moe_routing_ids_are_batch_invariant(tiny_moe_checkpoints):
@@ -108,7 +101,7 @@ def test_moe_routing_ids_are_batch_invariant(tiny_moe_checkpoints):
         engine.enable_routing_capture()
         results.append(_samples(engine, PROMPTS, PARAMS, indices))
     for got in results[1:]:
-        _assert_bitwise(got, results[0])
+        assert_same_bits(got, results[0])
         for key in got:
             assert (got[key].routed_experts == results[0][key].routed_experts).all(), key
 
@@ -120,7 +113,7 @@ def test_hybrid_models_are_batch_invariant(tiny_hybrid_checkpoints, name):
     model_dir = tiny_hybrid_checkpoints[name]
     baseline = _samples(_engine(model_dir, "bfloat16"), PROMPTS, PARAMS)
     for layout, indices in ((LAYOUTS[3], None), (LAYOUTS[1], None), (LAYOUTS[0], [1])):
-        _assert_bitwise(_samples(_engine(model_dir, "bfloat16", layout), PROMPTS, PARAMS, indices), baseline)
+        assert_same_bits(_samples(_engine(model_dir, "bfloat16", layout), PROMPTS, PARAMS, indices), baseline)
 
 
 def test_switching_the_mode_off_and_on_again_gives_the_same_bits(sampling_checkpoint, baseline, dtype):
@@ -131,7 +124,7 @@ def test_switching_the_mode_off_and_on_again_gives_the_same_bits(sampling_checkp
     assert len(_samples(engine, PROMPTS, PARAMS)) == len(baseline["plain"])
     engine.set_deterministic(True)
     assert engine.runner.per_token and engine.config.deterministic
-    _assert_bitwise(_samples(engine, PROMPTS, PARAMS), baseline["plain"])
+    assert_same_bits(_samples(engine, PROMPTS, PARAMS), baseline["plain"])
 
 
 def test_tensor_parallel_is_refused_on_the_triton_backend(sampling_checkpoint):

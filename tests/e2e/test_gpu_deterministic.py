@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from same_bits import assert_same_bits
 from rollout_cli import Engine, PromptInput, SamplingParams
 from rollout_cli.engine.trajectory import ScoreInput
 from rollout_cli.training import Policy
@@ -33,13 +34,6 @@ def _samples(model_dir, prompts, indices=None, **options):
     return out, engine
 
 
-def _assert_bitwise(got, want):
-    assert got and got.keys() <= want.keys()
-    for key in sorted(got):
-        assert got[key].response_token_ids == want[key].response_token_ids, key
-        assert got[key].response_logprobs == want[key].response_logprobs, key
-
-
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
 def test_every_layout_gives_the_same_bits(tiny_checkpoints, tiny_moe_checkpoints, name):
     model_dir = {**tiny_checkpoints, **tiny_moe_checkpoints}[name]
@@ -48,10 +42,10 @@ def test_every_layout_gives_the_same_bits(tiny_checkpoints, tiny_moe_checkpoints
     assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
     for options, indices in (({"cuda_graphs": False}, None), ({"max_batch_tokens": 40}, None),
                              ({"max_running": 3}, None), ({}, [5]), ({"enable_prefix_cache": False}, None)):
-        _assert_bitwise(_samples(model_dir, prompts, indices, **options)[0], baseline)
+        assert_same_bits(_samples(model_dir, prompts, indices, **options)[0], baseline)
     rerun = {(t.prompt_index, t.sample_index): t for t in engine.stream(
         [PromptInput(i, p) for i, p in enumerate(prompts)], PARAMS)}
-    _assert_bitwise(rerun, baseline)  # every prompt from the prefix cache
+    assert_same_bits(rerun, baseline)  # every prompt from the prefix cache
     samples = [ScoreInput(t.prompt_index, t.sample_index, t.prompt_token_ids, t.response_token_ids)
                for t in baseline.values()]
     for score in engine.score(samples, PARAMS):

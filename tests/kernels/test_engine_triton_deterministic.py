@@ -16,6 +16,7 @@ import random
 import pytest
 
 from backends import interpreter_only
+from same_bits import assert_same_bits
 from rollout_cli import Engine, PromptInput, SamplingParams
 from rollout_cli.engine.trajectory import ScoreInput
 from rollout_cli.models.layers import Linear
@@ -43,13 +44,6 @@ def _samples(engine, params, indices=None):
             for t in engine.stream([PromptInput(i, PROMPTS[i]) for i in indices], params)}
 
 
-def _assert_bitwise(got, want):
-    assert got and got.keys() <= want.keys()
-    for key in sorted(got):
-        assert got[key].response_token_ids == want[key].response_token_ids, key
-        assert got[key].response_logprobs == want[key].response_logprobs, key  # floats compare exactly
-
-
 def test_dense_samples_have_the_same_bits_in_every_layout(sampling_checkpoint):
     engine = _engine(sampling_checkpoint)
     assert not engine.runner.per_token  # the batched forward, on the batch-invariant kernels
@@ -59,9 +53,9 @@ def test_dense_samples_have_the_same_bits_in_every_layout(sampling_checkpoint):
     assert engine.scheduler.stats.cached_prompt_tokens > 0  # the second pass read its prompts from the cache
     chunked = _engine(sampling_checkpoint, CHUNKED)
     for name, params in (("plain", PARAMS), ("filtered", FILTERED)):
-        _assert_bitwise(_samples(chunked, params), baseline[name])
-    _assert_bitwise(_samples(_engine(sampling_checkpoint, ONE_AT_A_TIME), PARAMS), baseline["plain"])
-    _assert_bitwise(_samples(_engine(sampling_checkpoint), PARAMS, indices=[1]), baseline["plain"])
+        assert_same_bits(_samples(chunked, params), baseline[name])
+    assert_same_bits(_samples(_engine(sampling_checkpoint, ONE_AT_A_TIME), PARAMS), baseline["plain"])
+    assert_same_bits(_samples(_engine(sampling_checkpoint), PARAMS, indices=[1]), baseline["plain"])
     # teacher forcing (`rollout score`): prompt and response in one prefill, chunked differently,
     # scored on the sampler's kernel: the run's logprobs bit for bit, the filtered ones too
     for name, params in (("plain", PARAMS), ("filtered", FILTERED)):
@@ -76,14 +70,14 @@ def test_half_precision_samples_have_the_same_bits(sampling_checkpoint):
     after the mode was switched off and on."""
     engine = _engine(sampling_checkpoint, dtype="float16")
     baseline = _samples(engine, PARAMS)
-    _assert_bitwise(_samples(engine, PARAMS), baseline)  # every prompt a cache hit now
-    _assert_bitwise(_samples(_engine(sampling_checkpoint, CHUNKED, "float16"), PARAMS), baseline)
+    assert_same_bits(_samples(engine, PARAMS), baseline)  # every prompt a cache hit now
+    assert_same_bits(_samples(_engine(sampling_checkpoint, CHUNKED, "float16"), PARAMS), baseline)
     # the mode switched off and on again on the same engine (rollout bench --deterministic)
     engine.set_deterministic(False)
     assert not engine.model.batch_invariant and not engine.runner.deterministic
     assert _samples(engine, PARAMS).keys() == baseline.keys()
     engine.set_deterministic(True)
-    _assert_bitwise(_samples(engine, PARAMS), baseline)
+    assert_same_bits(_samples(engine, PARAMS), baseline)
 
 
 def test_moe_samples_and_routing_ids_have_the_same_bits(tiny_moe_checkpoints):
@@ -94,7 +88,7 @@ def test_moe_samples_and_routing_ids_have_the_same_bits(tiny_moe_checkpoints):
         engine.enable_routing_capture()
         results.append(_samples(engine, PARAMS, indices))
     for got in results[1:]:
-        _assert_bitwise(got, results[0])
+        assert_same_bits(got, results[0])
         for key in got:
             assert (got[key].routed_experts == results[0][key].routed_experts).all(), key
 
@@ -105,4 +99,4 @@ def test_hybrid_samples_have_the_same_bits(tiny_hybrid_checkpoints):
     model_dir = tiny_hybrid_checkpoints["qwen3_next"]
     baseline = _samples(_engine(model_dir), PARAMS)
     for layout, indices in ((CHUNKED, None), (ONE_AT_A_TIME, [2])):
-        _assert_bitwise(_samples(_engine(model_dir, layout), PARAMS, indices), baseline)
+        assert_same_bits(_samples(_engine(model_dir, layout), PARAMS, indices), baseline)
