@@ -62,14 +62,18 @@ def _batch_invariant_matmul_kernel(
 
 
 @triton.jit
-def _split_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, stride_yn,
+def _split_sum_kernel(part_ptr, b_ptr, y_ptr, numel, N, stride_ym, stride_yn,
                       HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """y = sum of the SPLIT_K partials in split order (+ bias), rounded once; BLOCK elements per program."""
+    """y = sum of the SPLIT_K partials in split order (+ bias), rounded once; BLOCK elements per program.
+    numel = M N; the partials' split s starts at s numel, stepped in 64-bit pointers: s M N passes
+    2^31 at an LM head's N with a prefill chunk's M (151936 x 2048 x 7), where int32 wrapped."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < M * N
+    inside = offs < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    part = part_ptr + offs
     for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * M * N + offs, mask=inside, other=0.0)
+        acc += tl.load(part, mask=inside, other=0.0)
+        part += numel
     cols = offs % N
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=inside, other=0.0).to(tl.float32)
@@ -113,7 +117,7 @@ def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if split_k > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](
-            partials, bias_arg, out, m, n, out.stride(0), out.stride(1),
+            partials, bias_arg, out, m * n, n, out.stride(0), out.stride(1),
             HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
         )
     return out

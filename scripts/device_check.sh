@@ -20,7 +20,7 @@
 # detmixed / detgrpo / detmoe30 (`rollout bench --deterministic`: the default and the on-policy mode
 # in one run, ABBA, on the b06 / b8 / mixed / grpo / moe30 workloads), fidelity (issue 19's table, both
 # modes, HF bf16 teacher forcing), tunebi06 / tunebi8 (tune the batch-invariant matmul for the 0.6B / 8B
-# shapes, write kernels/configs/batch_invariant_matmul/ and copy it to $OUT to commit; run before det06 /
+# shapes, write kernels/configs/batch_invariant_matmul/ and tar it to $OUT/tunebi*.tar to commit; run before det06 /
 # det8 in the same call). Logs and JSON go to $OUT.
 # torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
 set -uo pipefail
@@ -80,7 +80,8 @@ for part in $PARTS; do
     detmoe30) bench b30_det 500 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --deterministic ;;
     tunebi06|tunebi8) model=$Q06; [ $part = tunebi8 ] && model=$Q8
                timeout 480 python3 scripts/tune_batch_invariant_matmul.py --model $model --write 2>&1 \
-               | tee "$OUT/$part.log" | tail -12; cp -r kernels/configs/batch_invariant_matmul "$OUT/" ;;
+               | tee "$OUT/$part.log" | tail -12  # a tar: the JSON names hold "=" and ",", which $OUT does not return
+               tar -C kernels/configs -cf "$OUT/$part.tar" batch_invariant_matmul ;;
     fidelity) timeout 500 python3 scripts/fidelity_check.py --model $Q06 --random-weights /tmp/q06_random \
                --num-prompts 64 --n 4 --min-len 64 --max-len 512 --output-len 256 --modes default,deterministic --hf 2>&1 | tee "$OUT/fidelity.log" | tail -20 ;;
     control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;

@@ -83,6 +83,8 @@ def tune_shape(n: int, k: int, dtype: torch.dtype, configs: list[dict]) -> tuple
     for config in configs:
         try:
             times = {m: time_config(x, w, config) for m, x in inputs.items()}
+        except torch.AcceleratorError:  # a fault poisons the CUDA context: every later config would fail too
+            raise
         except Exception as error:  # a config the GPU cannot hold (shared memory): skipped, said
             print(f"  N={n} K={k} {config}: {type(error).__name__}", file=sys.stderr)
             continue

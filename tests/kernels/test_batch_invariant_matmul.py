@@ -85,3 +85,19 @@ def test_gpu_bf16_batch_invariance_at_model_shapes(n, k):
     for rows in (slice(0, 1), slice(100, 107), slice(255, 256)):
         assert torch.equal(batch_invariant_matmul(x[rows], w), full[rows])
     torch.testing.assert_close(full.float(), batch_invariant_matmul_ref(x, w).float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_partials_past_two_to_the_31():
+    """An LM head's N with a prefill chunk's M and 8 splits: the partials span 2.5e9 floats, past int32
+    (the tuner hit an illegal address here when the split sum indexed them in int32)."""
+    m, n, k = 2048, 151936, 1024
+    config = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3}
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+    got = batch_invariant_matmul(x, w, config=config)
+    torch.cuda.synchronize()
+    rows = torch.tensor([0, 1000, m - 1], device="cuda")  # the last row's partials lie past 2^31 in split 7
+    torch.testing.assert_close(got[rows].float(), batch_invariant_matmul_ref(x[rows], w).float(),
+                               atol=3e-2, rtol=2e-2)
