@@ -141,22 +141,45 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
     console.print(f"[dim]{report['bandwidth']['formula']}[/dim]")
     if "roofline_formula" in report["bandwidth"]:
         console.print(f"[dim]{report['bandwidth']['roofline_formula']}[/dim]")
-    if profile:
+    if profile and "mode_runs" in report:  # where the on-policy cost goes: the same short run in both modes
+        for on in (False, True):
+            engine.set_deterministic(on)
+            console.print(f"profile, {'on-policy' if on else 'default'} mode")
+            console.print(profile_decode(engine, workload, cfg), soft_wrap=True)
+    elif profile:
         console.print(profile_decode(engine, workload, cfg), soft_wrap=True)
 
 
 def _abba(engine, workload, cfg, console, switch, label: str) -> tuple[list[dict], float, float]:
-    """Four runs on one engine with a setting off, on, on, off (ABBA: a drift over the runs, such as
-    kernels compiled by the first, weighs on both sides alike); switch(on) sets it.
-    -> (the four runs, seconds with it off, seconds with it on), from the sums of times."""
+    """Four runs on one engine with a setting off, on, on, off (ABBA: a slow drift over the runs
+    weighs on both sides alike); switch(on) sets it. An untimed run of the whole workload with the
+    setting off comes first: run_engine's short warm-up does not reach every context length, and a
+    kernel compiled inside the first timed run once cost the H200's 0.6B line a second of its 3
+    (44,347 tok/s default in the last run, 32,944 in the first). -> (the four runs, seconds with it
+    off, seconds with it on), from the sums of times."""
     from rollout_cli.bench import run_engine  # heavy: torch
 
+    switch(False)
+    with console.status(f"engine, {label} off, warm-up run (untimed)"):
+        run_engine(engine, workload, cfg)
     runs = []
     for on in (False, True, True, False):
         switch(on)
         with console.status(f"engine, {label} {'on' if on else 'off'}"):
             runs.append(run_engine(engine, workload, cfg))
     return runs, runs[0]["seconds"] + runs[3]["seconds"], runs[1]["seconds"] + runs[2]["seconds"]
+
+
+def abba_spread(runs: list[dict]) -> float:
+    """The larger relative difference between the two runs of one setting (runs 0 and 3, 1 and 2):
+    the noise the ABBA cost carries. A spread near the cost itself makes the cost meaningless."""
+    def rel(a: dict, b: dict) -> float:
+        return abs(a["seconds"] - b["seconds"]) / max(a["seconds"], b["seconds"])
+    return max(rel(runs[0], runs[3]), rel(runs[1], runs[2]))
+
+
+def _spread_note(runs: list[dict]) -> str:
+    return f"; runs of one setting differ by up to {abba_spread(runs):.1%}"
 
 
 def _compare_capture(engine, workload, cfg, console) -> dict:
@@ -168,7 +191,7 @@ def _compare_capture(engine, workload, cfg, console) -> dict:
     return {"rollout": runs[3], "rollout_capture": runs[2],
             "capture_runs": [{"capture": capture, "seconds": r["seconds"], "output_tokens_per_s": r["output_tokens_per_s"]}
                              for capture, r in zip(("off", "on", "on", "off"), runs)],
-            "capture_overhead": 1 - off_seconds / on_seconds}
+            "capture_overhead": 1 - off_seconds / on_seconds, "abba_spread": abba_spread(runs)}
 
 
 def _compare_modes(engine, workload, cfg, console) -> dict:
@@ -181,7 +204,7 @@ def _compare_modes(engine, workload, cfg, console) -> dict:
     return {"rollout": runs[2], "rollout_default": runs[3],
             "mode_runs": [{"deterministic": mode, "seconds": r["seconds"], "output_tokens_per_s": r["output_tokens_per_s"]}
                           for mode, r in zip((False, True, True, False), runs)],
-            "deterministic_cost": 1 - default_seconds / on_policy_seconds}
+            "deterministic_cost": 1 - default_seconds / on_policy_seconds, "abba_spread": abba_spread(runs)}
 
 
 def _read_prompts(path: str, prompt_key: str, model: str) -> list[list[int]]:
@@ -255,11 +278,13 @@ def _table(report: dict) -> Table:
         table.add_row("with routing capture", f"{report['rollout_capture']['output_tokens_per_s']:,.1f} tok/s")
         runs = " / ".join(f"{r['output_tokens_per_s']:,.0f}" for r in report["capture_runs"])
         table.add_row("capture off, on, on, off", f"{runs} tok/s")
-        table.add_row("capture overhead", f"{report['capture_overhead']:.1%} of the time (ABBA)")
+        table.add_row("capture overhead", f"{report['capture_overhead']:.1%} of the time (ABBA)"
+                      + _spread_note(report["capture_runs"]))
     if "rollout_default" in report:
         table.add_row("default mode", f"{report['rollout_default']['output_tokens_per_s']:,.1f} tok/s")
         runs = " / ".join(f"{r['output_tokens_per_s']:,.0f}" for r in report["mode_runs"])
         table.add_row("default, on-policy, on-policy, default", f"{runs} tok/s")
-        table.add_row("on-policy cost", f"{report['deterministic_cost']:.1%} fewer output tok/s (ABBA)")
+        table.add_row("on-policy cost", f"{report['deterministic_cost']:.1%} fewer output tok/s (ABBA)"
+                      + _spread_note(report["mode_runs"]))
     table.add_row("wall time", f"{r['seconds']:.1f} s")
     return table

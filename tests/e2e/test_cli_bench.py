@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from rollout_cli.cli.bench import abba_spread
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "recipes" / "example_model"
 
@@ -75,7 +77,14 @@ def test_deterministic_times_both_modes_in_one_run(tmp_path):
     assert report["rollout"]["output_tokens"] == report["rollout_default"]["output_tokens"] == 12
     default, on_policy = runs[0]["seconds"] + runs[3]["seconds"], runs[1]["seconds"] + runs[2]["seconds"]
     assert report["deterministic_cost"] == pytest.approx(1 - default / on_policy)
-    assert "on-policy cost" in result.stdout
+    assert report["abba_spread"] == pytest.approx(abba_spread(runs))
+    assert "on-policy cost" in result.stdout and "runs of one setting differ by up to" in result.stdout
+
+
+def test_abba_spread_is_the_larger_gap_within_a_setting():
+    runs = [{"seconds": s} for s in (4.0, 3.0, 3.3, 3.0)]  # a slow first run: the default side's gap, 25%
+    assert abba_spread(runs) == pytest.approx(0.25)
+    assert abba_spread([{"seconds": 2.0}] * 4) == 0
 
 
 def test_bad_flags_are_one_line(tmp_path):
