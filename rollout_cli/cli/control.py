@@ -52,8 +52,11 @@ def reload_weights_command(
 
 
 def pause_command(
-    mode: Annotated[str, typer.Option(help="wait: hold the running job between steps, its requests kept; "
-                                           "abort: end it now (unfinished samples written with finish_reason abort).")] = "wait",
+    mode: Annotated[str, typer.Option(help="wait: hold the running job between steps, its requests kept, weight "
+                                           "updates refused; keep: hold it and accept weight updates (its running "
+                                           "samples recompute on the new weights and record each token's version); finish: "
+                                           "start no new sample, return once the running ones finished, then hold and "
+                                           "accept weight updates; abort: end it now (unfinished samples written with finish_reason abort).")] = "wait",
     engine: opt.EngineAddress = None,
     token_file: opt.TokenFile = None,
 ) -> None:
@@ -62,6 +65,7 @@ def pause_command(
     Example:
 
         rollout pause --mode abort
+        rollout pause --mode keep && rollout reload-weights ckpt_8/ && rollout continue
     """
     result = _call(engine, token_file, "POST", "/pause_generation", {"mode": mode})
     typer.echo(f"paused ({mode})" + (f"; {result['aborted']} samples aborted" if result.get("aborted") else ""))

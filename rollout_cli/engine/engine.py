@@ -72,6 +72,10 @@ class Engine:
             if cfg.deterministic:
                 enable_batch_invariant_kernels(self.model)
         self.weight_version = cfg.weight_version
+        # set by a caller that pauses between steps and may change the weights (the daemon's pause
+        # keep): the step loop then finishes its step in flight and calls on_step again with none
+        self.hold_requested = False
+        self.step_in_flight = False  # True while on_step runs with a launched step not yet post-processed
         self._build_cache()
         eos = checkpoint_eos_token_ids(cfg.model, self.hf_config, self.tokenizer)
         self.requests = RequestMaker(self.hf_config.vocab_size, eos, self.max_model_len, model_positions(self.hf_config)[0])
@@ -187,6 +191,14 @@ class Engine:
             enable_batch_invariant_kernels(self.model, deterministic)
         self.runner.set_deterministic(deterministic)
         self.config = dataclasses.replace(self.config, deterministic=deterministic)
+
+    def retract_running(self) -> int:
+        """Before a weight update inside a held stream: every running request goes back to the queue
+        with its response so far and no KV (computed by the old weights), to recompute it on the new
+        ones and sample on. Needs no step in flight (hold_requested). -> how many were retracted."""
+        if self.step_in_flight:
+            raise RolloutError("a step is in flight: retract only where the stream holds with none (hold_requested)")
+        return self.scheduler.retract_running()
 
     def flush_cache(self) -> None:
         """Drop every cached prefix."""
@@ -324,11 +336,22 @@ class Engine:
                 else:
                     out = scheduler.schedule()
                     if not out:
-                        raise RuntimeError("scheduler produced an empty step with work pending")
+                        if scheduler.admit_new or scheduler.running or on_step is None:
+                            raise RuntimeError("scheduler produced an empty step with work pending")
+                        on_step()  # admission closed (pause finish) and the running samples done: hold
+                        continue
                     handle = runner.launch(out)
                 inflight = handle
                 if on_step is not None:
+                    self.step_in_flight = True
                     on_step()
+                    self.step_in_flight = False
+                    if self.hold_requested:
+                        # a pause that may change the weights wants no step on the device: finish this
+                        # one, then call again with nothing in flight (the caller holds there)
+                        yield from self._complete(inflight)
+                        inflight = None
+                        on_step()
         except Exception:
             # finished samples whose routing is still on its way: hand them out before the error
             # (best effort: a device error fails the copies too, and --resume redoes them)
@@ -348,7 +371,9 @@ class Engine:
     def _complete(self, handle) -> list[Trajectory]:
         """Post-process a launched step (waiting for its results); returns the trajectories it finished."""
         tokens, logprobs = self.runner.collect(handle)
-        finished = self.scheduler.postprocess(handle.out, tokens, logprobs, handle.scores, handle.score_tops)
+        # no update runs while a step is in flight (it needs no running request): the step's version is the current one
+        finished = self.scheduler.postprocess(handle.out, tokens, logprobs, handle.scores, handle.score_tops,
+                                              self.weight_version)
         now = time.perf_counter()
         wall = now - max(handle.launch_time, self._last_step_done)  # the step's share of wall time
         self._last_step_done = now
@@ -387,7 +412,9 @@ class Engine:
             response_logprobs=request.output_logprobs,
             response_text=self.decode(request.output_token_ids),
             finish_reason=request.finish_reason,
-            weight_version=self.weight_version,
+            # the version that sampled the last token (the current one for an empty response)
+            weight_version=request.version_spans[-1][1] if request.version_spans else self.weight_version,
+            response_weight_versions=request.response_weight_versions(self.weight_version),
             passthrough=request.payload or {},
             ttft_seconds=(request.first_token_time or request.arrival_time) - request.arrival_time,
             routed_experts=routed_experts,

@@ -44,6 +44,9 @@ class Request:
     num_slots_in_table: int = 0
     state_slot: int = -1  # hybrid models: the linear-state pool slot holding our recurrent state
     num_preemptions: int = 0
+    # (index of the first response token it sampled, weight version), one span per version in
+    # order: a sample that lived through a weight update (pause keep) has more than one
+    version_spans: list[tuple[int, str]] = field(default_factory=list)
     final_slots: list[int] | None = None  # `slots` as they were when the request finished (routing capture)
     group_leader: "Request | None" = None  # the sample that computes a shared prompt first
     payload: object = None  # caller data carried to the result (passthrough columns)
@@ -100,11 +103,23 @@ class Request:
         """Whether the next appended token ends the sample by length, whatever the token (append_token's rule)."""
         return len(self.output_token_ids) + 1 >= self.params.max_new_tokens or self.num_tokens + 1 >= self.max_model_len
 
-    def append_token(self, token_id: int, logprob: float) -> None:
-        """Record one sampled token and set finish_reason if it ends the sample."""
+    def append_token(self, token_id: int, logprob: float, weight_version: str = "") -> None:
+        """Record one sampled token (sampled under `weight_version`) and set finish_reason if it ends the sample."""
+        spans = self.version_spans
+        if not spans or spans[-1][1] != weight_version:  # one compare per token: a new span only on a change
+            spans.append((len(self.output_token_ids), weight_version))
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprob)
         if not self.params.ignore_eos and token_id in self.eos_token_ids:
             self.finish_reason = "stop"
         elif len(self.output_token_ids) >= self.params.max_new_tokens or self.num_tokens >= self.max_model_len:
             self.finish_reason = "length"
+
+    def response_weight_versions(self, current: str) -> list[str]:
+        """The weight version that sampled each response token ([] for an empty response; `current`
+        where no version was recorded)."""
+        versions: list[str] = []
+        spans = self.version_spans or [(0, current)]
+        for (start, version), (end, _) in zip(spans, spans[1:] + [(len(self.output_token_ids), "")]):
+            versions.extend([version] * (end - start))
+        return versions

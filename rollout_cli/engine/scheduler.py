@@ -61,6 +61,9 @@ class Scheduler(OverlapScheduling):
         self.max_batch_tokens = max_batch_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # False under the daemon's pause finish: no request starts; those that ran before (preempted
+        # or retracted, num_preemptions > 0) still come back, so the running ones can finish
+        self.admit_new = True
         self._free_rows = list(range(max_running - 1, -1, -1))
         self.stats = SchedulerStats()
 
@@ -166,6 +169,8 @@ class Scheduler(OverlapScheduling):
         for request in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_running:
                 return
+            if not self.admit_new and request.num_preemptions == 0:
+                continue
             leader = request.group_leader
             if leader is not None and leader.status is RequestStatus.RUNNING and not leader.prompt_computed:
                 continue  # wait for the sibling computing our prompt; we then hit the cache
@@ -272,9 +277,11 @@ class Scheduler(OverlapScheduling):
     # ---- after the forward -------------------------------------------------
 
     def postprocess(self, out: ScheduleOutput, tokens: list[int], logprobs: list[float],
-                    scores: list[float] = (), score_tops: list | None = None) -> list[Request]:
+                    scores: list[float] = (), score_tops: list | None = None,
+                    weight_version: str = "") -> list[Request]:
         """Advance each request by its step; `tokens`/`logprobs` hold one entry per sampling request,
-        `scores` the scored rows' logprobs in entry order (scoring requests), `score_tops` their top-k."""
+        `scores` the scored rows' logprobs in entry order (scoring requests), `score_tops` their top-k;
+        `weight_version`: the weights the step ran on (recorded per token)."""
         finished = []
         sampled = iter(zip(tokens, logprobs))
         scored = iter(zip(scores, score_tops if score_tops is not None else [None] * len(scores)))
@@ -300,7 +307,7 @@ class Scheduler(OverlapScheduling):
                 token, logprob = next(sampled)
                 if request.first_token_time is None:
                     request.first_token_time = now
-                request.append_token(token, logprob)
+                request.append_token(token, logprob, weight_version)
             if entry.score_targets:
                 first = entry.start + entry.score_first_row + 1 - request.score_from  # index of the first target
                 for i in range(len(entry.score_targets)):
@@ -378,13 +385,39 @@ class Scheduler(OverlapScheduling):
 
     def flush_cache(self) -> None:
         """Drop every cached prefix (their KV was computed by weights that are changing, or its memory
-        is being released). Refused while requests are in flight: they hold cached prefixes."""
-        if self.has_work():
+        is being released). Refused while requests run: they hold cached prefixes (waiting ones hold
+        nothing, retracted ones included)."""
+        if self.running:
             raise RolloutError("cannot flush the prefix cache while requests are in flight; abort or let them finish")
         if self.cache is not None:
             self.cache.reset()
         if self.linear is not None:  # hybrid models: the prompt-state snapshots go with their KV
             self.linear.clear()
+
+    def retract_running(self) -> int:
+        """Send every running request back to the front of the queue with its response so far and no
+        KV: the weights are about to change under it (pause keep + update). Unlike preempt, its KV is
+        freed, not cached, since it came from the old weights; on admission it recomputes prompt and
+        response on the new ones and samples on from there. -> how many were retracted."""
+        retracted = list(self.running)
+        for request in reversed(retracted):  # appendleft: the oldest ends first in line, as it was
+            if self.cache is not None:
+                self.cache.unlock(request.cache_node)
+                self.allocator.free(request.slots[request.num_cached_tokens:])  # the rest is the tree's
+            else:
+                self.allocator.free(request.slots)
+            if self.linear is not None:
+                self.linear.free(request.state_slot)
+                request.state_slot = -1
+            request.cache_node, request.slots, request.num_cached_tokens = None, [], 0
+            self._free_rows.append(request.table_row)
+            request.table_row, request.num_slots_in_table = -1, 0
+            self.running.remove(request)
+            request.num_computed_tokens = 0
+            request.num_preemptions += 1
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        return len(retracted)
 
     def abort_all(self) -> None:
         """Drop every unfinished request, giving back its slots and table row (waiting ones hold none)."""

@@ -20,6 +20,8 @@ class Trajectory:
     response_text: str
     finish_reason: str
     weight_version: str
+    # one per response token: the weights that sampled it (one value unless an update came mid-sample)
+    response_weight_versions: list[str] = field(default_factory=list)
     passthrough: dict[str, Any] = field(default_factory=dict)
     ttft_seconds: float = 0.0  # queueing to first token; a metric, not a Parquet column
     # With routing capture: expert ids [len(prompt) + len(response) - 1, num_moe_layers, top_k]

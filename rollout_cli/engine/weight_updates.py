@@ -123,7 +123,7 @@ def _refused(engine, err: Exception) -> RolloutError:
 
 
 def _check_idle(engine) -> None:
-    if engine.scheduler.has_work():
+    if engine.scheduler.running:  # waiting requests (a paused job's, retracted too) hold no KV
         raise RolloutError("cannot update weights while requests are in flight; abort the job or let it finish")
 
 
@@ -159,7 +159,7 @@ def reload_weights(engine, path: str, version: str | None, accepted_dtypes: dict
     live parameters (addresses unchanged, so captured CUDA graphs stay valid). The prefix cache is
     flushed after, since its KV came from the old weights.
     """
-    if engine.scheduler.has_work():
+    if engine.scheduler.running:  # waiting requests (a paused job's, retracted too) hold no KV
         raise RolloutError("cannot reload weights while requests are in flight; abort the job or let it finish")
     engine.memory.check_weights_writable()
     if not os.path.isdir(path):

@@ -34,6 +34,7 @@ FIXED_FIELDS: tuple[pa.Field, ...] = (
     pa.field("response_text", pa.string()),
     pa.field("finish_reason", pa.string()),
     pa.field("weight_version", pa.string()),
+    pa.field("response_weight_versions", pa.list_(pa.string())),
 )
 FIXED_NAMES: tuple[str, ...] = tuple(f.name for f in FIXED_FIELDS)
 

@@ -114,7 +114,7 @@ class MemoryRequest(_Body):
 
 
 class PauseRequest(_Body):
-    mode: Literal["abort", "wait"] = "wait"
+    mode: Literal["abort", "wait", "keep", "finish"] = "wait"
 
 
 MESSAGE_CHARS = 1000  # the engine's messages are one line; anything longer is a value echoed back

@@ -30,9 +30,15 @@ from rollout_cli.process_gc import freeze_long_lived_objects
 
 log = logging.getLogger("rollout.serve")
 
-PAUSE_MODES = ("abort", "wait")
-IN_JOB_HINT = ("an update would mix two weight versions in it: wait for the job to finish, "
-               "or stop it with rollout abort, then update")
+# abort: end the job; wait: hold it between steps, its requests and KV kept, weight updates refused
+# (one version per job); keep: hold it with nothing on the device and accept weight updates, after
+# which its running samples recompute their KV on the new weights and go on (per-token versions);
+# finish: start no new sample, let the running ones finish (the pause answers then), then hold and
+# accept weight updates (every sample still comes from one version)
+PAUSE_MODES = ("abort", "wait", "keep", "finish")
+IN_JOB_HINT = ("an update would mix two weight versions in it: wait for the job to finish, stop it with "
+               "rollout abort, or hold it with rollout pause --mode keep (its samples then record the "
+               "version of every token), then update")
 
 
 class Conflict(RolloutError):
@@ -90,6 +96,8 @@ class EngineWorker(threading.Thread):
                                       "tensor_parallel": engine_config.tensor_parallel_size}
         self.job: JobHandle | None = None  # set under _lock by submit_job, cleared by the worker
         self.paused = False
+        self.pause_mode: str | None = None  # the mode of the current pause
+        self._finishing: Command | None = None  # a pause finish answered once the running samples finished
         self._stopping = False
         self._abort_job = False  # the running job must end after its in-flight samples are written
         self._aborted: list = []  # trajectories finished with "abort", not yet yielded to the writer
@@ -185,6 +193,11 @@ class EngineWorker(threading.Thread):
         if command.name == "generate":
             self._run_job(command.args["handle"])
             return
+        if command.name == "pause" and command.args.get("mode") == "finish" and in_job \
+                and self.engine.scheduler.running and self._finishing is None:
+            self._do_pause(in_job, "finish")
+            self._finishing = command  # answered by between_steps once the running samples finished
+            return
         try:
             result = getattr(self, f"_do_{command.name}")(in_job=in_job, **command.args)
         except RolloutError as err:
@@ -196,10 +209,21 @@ class EngineWorker(threading.Thread):
         else:
             command.future.set_result(result)
 
+    def _before_update_in_job(self, in_job: bool) -> None:
+        """An update inside a job only under pause keep: its running samples leave the device first
+        (retracted, to recompute on the new weights); refused otherwise (Conflict)."""
+        if not in_job:
+            return
+        if self.paused and self.pause_mode == "finish" and not self.engine.scheduler.running:
+            return  # drained: nothing on the device, every later sample runs on the new weights
+        if not (self.paused and self.pause_mode == "keep"):
+            raise Conflict(f"a job is running; {IN_JOB_HINT}")
+        retracted = self.engine.retract_running()
+        if retracted:
+            log.info("pause keep: %d running samples retracted; they recompute on the new weights", retracted)
+
     def _do_update_weights(self, in_job: bool, path: str, version: str | None) -> dict:
-        if in_job:
-            raise Conflict("a job is running; a reload would mix two weight versions in it: "
-                           "wait for the job to finish, or stop it with rollout abort, then reload")
+        self._before_update_in_job(in_job)
         started = time.perf_counter()
         old = self.engine.weight_version
         new = self.control.reload_weights(path, version)
@@ -220,8 +244,7 @@ class EngineWorker(threading.Thread):
 
     def _do_update_weights_from_tensor(self, in_job: bool, serialized: str, version: str | None,
                                        partial: bool) -> dict:
-        if in_job:
-            raise Conflict(f"a job is running; {IN_JOB_HINT}")
+        self._before_update_in_job(in_job)
         started, old = time.perf_counter(), self.engine.weight_version
         new = self.control.update_weights_from_tensor(serialized, version, partial)
         return self._updated(old, new, started, "tensors (update_weights_from_tensor)")
@@ -236,9 +259,11 @@ class EngineWorker(threading.Thread):
 
     def _do_update_weights_from_distributed(self, in_job: bool, names, dtypes, shapes, group_name: str,
                                             version: str | None, partial: bool) -> dict:
-        if in_job:  # receive and drop the broadcast (on every rank), so the trainer is not left hanging in it
+        if in_job and not (self.paused and self.pause_mode == "keep"):
+            # receive and drop the broadcast (on every rank), so the trainer is not left hanging in it
             self.control.drain_broadcast(group_name, names, dtypes, shapes)
             raise Conflict(f"a job is running; the broadcast was received and dropped; {IN_JOB_HINT}")
+        self._before_update_in_job(in_job)
         started, old = time.perf_counter(), self.engine.weight_version
         new = self.control.update_weights_from_distributed(names, dtypes, shapes, group_name, version, partial)
         return self._updated(old, new, started, f"broadcast of group {group_name}")
@@ -275,14 +300,19 @@ class EngineWorker(threading.Thread):
 
     def _do_pause(self, in_job: bool, mode: str) -> dict:
         if mode not in PAUSE_MODES:
-            raise RolloutError(f"unknown pause mode {mode!r}; choose abort or wait")
-        self.paused = True
+            raise RolloutError(f"unknown pause mode {mode!r}; choose abort, wait, keep or finish")
+        self.paused, self.pause_mode = True, mode
+        self.engine.hold_requested = mode == "keep"  # keep: the engine finishes its step in flight and holds
+        self.engine.scheduler.admit_new = mode != "finish"
         aborted = self._abort_in_flight() if mode == "abort" and in_job else 0
         self._publish(state="released" if self.engine.memory.released else "paused")
         return {"success": True, "state": "paused", "mode": mode, "aborted": aborted}
 
     def _do_continue(self, in_job: bool) -> dict:
-        self.paused = False
+        self.paused, self.pause_mode = False, None
+        self.engine.hold_requested = False
+        self.engine.scheduler.admit_new = True
+        self._answer_finishing()
         state = "released" if self.engine.memory.released else "serving"
         self._publish(state=state)
         return {"success": True, "state": state}
@@ -295,9 +325,18 @@ class EngineWorker(threading.Thread):
         # `rollout run --resume` generates them later; finished rows are already in shards.
         aborted = self._abort_in_flight(write=False) if in_job else 0
         self._stopping = True
-        self.paused = False
+        self.paused, self.pause_mode = False, None
+        self.engine.hold_requested = False
+        self.engine.scheduler.admit_new = True
+        self._answer_finishing()
         self._publish(state="stopping")
         return {"success": True, "aborted": aborted}
+
+    def _answer_finishing(self) -> None:
+        """Answer a pending pause finish: the running samples finished (or the job ended)."""
+        if self._finishing is not None:
+            self._finishing.future.set_result({"success": True, "state": "paused", "mode": "finish", "aborted": 0})
+            self._finishing = None
 
     def _abort_in_flight(self, write: bool = True) -> int:
         """End the running job: its unfinished samples finish with "abort" and are written
@@ -337,16 +376,24 @@ class EngineWorker(threading.Thread):
             handle.finish(event="done", manifest=manifest)
         finally:
             self._abort_job = False
+            self._answer_finishing()  # a job that ended (abort, error) while a pause finish waited
             with self._lock:
                 self.job = None
 
     def between_steps(self, on_step) -> None:
-        """Run queued commands; while paused (wait mode), block here with the requests' KV kept."""
+        """Run queued commands; while paused, block here with the requests' KV kept (wait), or, under
+        keep, return at once while the engine has a step in flight: it finishes it and calls again."""
         while not self._abort_job:
+            if self.paused and self.engine.hold_requested and self.engine.step_in_flight:
+                return
+            # pause finish holds only once nothing runs; until then the engine steps on
+            holding = self.paused and not (self.pause_mode == "finish" and self.engine.scheduler.running)
+            if holding:
+                self._answer_finishing()
             try:
-                command = self.commands.get(timeout=1.0) if self.paused else self.commands.get_nowait()
+                command = self.commands.get(timeout=1.0) if holding else self.commands.get_nowait()
             except queue.Empty:
-                if not self.paused:
+                if not holding:
                     return
                 if on_step is not None:
                     on_step()  # keeps closing shards on time while the job is held

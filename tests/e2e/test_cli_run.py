@@ -36,6 +36,7 @@ FIXED = [
     ("response_text", pa.string()),
     ("finish_reason", pa.string()),
     ("weight_version", pa.string()),
+    ("response_weight_versions", pa.list_(pa.string())),
 ]
 FIXED_NAMES = [name for name, _ in FIXED]
 
@@ -160,7 +161,7 @@ def test_main_run_output_layout_dtypes_and_counts(runs):
         else:
             assert resp[-1] in (0, 2), resp  # eos ids of generation_config.json
         assert isinstance(r["response_text"], str)
-        assert r["weight_version"] == "0"
+        assert r["weight_version"] == "0" and r["response_weight_versions"] == ["0"] * len(resp)
         src = inputs[r["prompt_index"]]
         for field in passthrough:
             assert r[field.name] == src[field.name], (field.name, r["prompt_index"])

@@ -56,7 +56,7 @@ def _rows(out: Path) -> list[dict]:
 
 
 def _without_version(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if k != "weight_version"} for row in rows]
+    return [{k: v for k, v in row.items() if k not in ("weight_version", "response_weight_versions")} for row in rows]
 
 
 def _assert_same_samples(got: list[dict], want: list[dict]) -> None:
@@ -283,6 +283,7 @@ def test_reload_good_checkpoint_bumps_version_and_changes_outputs(daemons, check
     _ok(_cli(["run", "--engine", daemons["sock"], "--out", out, *RUN_ARGS]))
     rows = _rows(out)
     assert {r["weight_version"] for r in rows} == {"1"}
+    assert {v for r in rows for v in r["response_weight_versions"]} == {"1"}
     assert _without_version(rows) == _without_version(embedded("good"))  # same tokens as the new weights, embedded
     assert [r["response_token_ids"] for r in rows] != [r["response_token_ids"] for r in embedded("base")]
     assert json.loads((out / "manifest.json").read_text())["weight_version"] == "1"

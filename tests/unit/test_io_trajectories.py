@@ -41,6 +41,7 @@ def row(prompt_index: int, sample_index: int = 0, **passthrough) -> dict:
         "response_text": "four five",
         "finish_reason": "stop",
         "weight_version": "v0",
+        "response_weight_versions": ["v0", "v0"],
         **({"data_source": "gsm8k"} if not passthrough else passthrough),
     }
 
@@ -55,10 +56,11 @@ def shard_names(out):
 def test_schema_fixed_columns_then_passthrough():
     schema = trajectory_schema(pa.schema([("z", pa.int8()), ("a", pa.string())]).with_metadata({"pandas": "{}"}))
     assert schema.names == list(FIXED_NAMES) + ["z", "a"]
-    assert schema.names[:8] == [
+    assert schema.names[:9] == [
         "prompt_index", "sample_index", "prompt_token_ids", "response_token_ids",
-        "response_logprobs", "response_text", "finish_reason", "weight_version",
+        "response_logprobs", "response_text", "finish_reason", "weight_version", "response_weight_versions",
     ]
+    assert schema.field("response_weight_versions").type == pa.list_(pa.string())
     assert schema.field("prompt_index").type == pa.int64()
     assert schema.field("sample_index").type == pa.int32()
     assert schema.field("prompt_token_ids").type == pa.list_(pa.int32())

@@ -192,3 +192,68 @@ def test_abort_all_returns_every_slot_and_row(prefix_cache, after_schedule):
     s.add(fresh)
     drive(s, runner)
     assert fresh.output_token_ids == expected_output(fresh)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_retracted_requests_recompute_on_new_weights_and_record_each_tokens_version(prefix_cache):
+    """pause keep + a weight update: running requests give back every slot (none goes into the cache:
+    old weights' KV), the cache can be flushed with requests still waiting, and each request's
+    response continues where it stopped, its tokens labelled with the version that sampled them."""
+    s = Scheduler(num_kv_slots=200, max_running=3, max_batch_tokens=8, enable_prefix_cache=prefix_cache)
+    rng = random.Random(2)
+    requests = [make_request(i, [rng.randrange(9) for _ in range(rng.randrange(3, 12))], max_new_tokens=12)
+                for i in range(5)]
+    for r in requests:
+        s.add(r)
+    runner = FakeRunner(3)
+    for _ in range(6):
+        out = s.schedule()
+        s.postprocess(out, *runner.run(out), weight_version="0")
+    running = list(s.running)
+    sampled_before = {r.request_id: len(r.output_token_ids) for r in requests}
+    assert running and s.waiting and any(sampled_before.values())
+    assert s.retract_running() == len(running)
+    assert not s.running and [r.request_id for r in list(s.waiting)[:len(running)]] == [r.request_id for r in running]
+    assert all(not r.slots and r.table_row == -1 and r.num_computed_tokens == 0 for r in running)
+    s.flush_cache()  # the weight update's flush: allowed with only waiting requests
+    assert s.allocator.num_free == s.allocator.num_slots - 1 and sorted(s._free_rows) == [0, 1, 2]
+    while s.has_work():
+        out = s.schedule()
+        s.postprocess(out, *runner.run(out), weight_version="1")
+    for r in requests:
+        assert r.output_token_ids == expected_output(r)
+        k = sampled_before[r.request_id]
+        assert r.response_weight_versions("1") == ["0"] * k + ["1"] * (len(r.output_token_ids) - k)
+        assert r.version_spans == ([(0, "0")] if k else []) + ([(k, "1")] if k < len(r.output_token_ids) else [])
+
+
+def test_flush_is_refused_while_requests_run():
+    s = Scheduler(num_kv_slots=60, max_running=2, max_batch_tokens=8)
+    s.add(make_request(0, [1, 2, 3], max_new_tokens=5))
+    out = s.schedule()
+    s.postprocess(out, *FakeRunner(2).run(out))
+    with pytest.raises(RolloutError, match="while requests are in flight"):
+        s.flush_cache()
+
+
+def test_closed_admission_starts_nothing_new_but_lets_preempted_requests_back():
+    s = Scheduler(num_kv_slots=200, max_running=4, max_batch_tokens=16)
+    first, second = make_request(0, [1, 2, 3], max_new_tokens=6), make_request(1, [4, 5], max_new_tokens=6)
+    s.add(first)
+    runner = FakeRunner(4)
+    out = s.schedule()
+    s.postprocess(out, *runner.run(out))
+    s.admit_new = False
+    s.add(second)
+    s.preempt(first)  # as under KV pressure: it ran before, so it may come back
+    out = s.schedule()
+    assert [e.request.request_id for e in out.entries] == [0]
+    s.postprocess(out, *runner.run(out))
+    while s.running:
+        out = s.schedule()
+        s.postprocess(out, *runner.run(out))
+    assert first.output_token_ids == expected_output(first) and list(s.waiting) == [second]
+    assert not s.schedule()  # nothing runs and nothing may start: an empty step
+    s.admit_new = True
+    drive(s, runner)
+    assert second.output_token_ids == expected_output(second)

@@ -1,0 +1,105 @@
+"""`rollout pause --mode keep` and `--mode finish` on a real daemon: a job held across a weight update
+goes on under the new weights, and every written token says which weights sampled it (issue 21)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from test_daemon import MODEL, PROMPTS, Daemon, _cli, _ok, _rows, _save_variant
+
+MAX_NEW = 300  # long enough that the job is still running when the pause lands
+MAX_RUNNING = 8  # 32 samples per job: most wait while the first 8 run
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    work = tmp_path_factory.mktemp("daemon_keep")
+    sock = work / "engine.sock"
+    proc = Daemon(["--socket", sock, "--max-running", str(MAX_RUNNING)], work / "daemon.log")
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://rollout", timeout=60)
+    try:
+        proc.wait_ready(client)
+        yield dict(sock=sock, http=client, work=work, proc=proc)
+    finally:
+        client.close()
+        proc.kill()
+
+
+def _job_paused_at_its_start(http, out, mode: str, new):
+    """Start a 32-sample job; at its first progress event try an update (refused: not paused), then
+    pause with `mode`. -> (the client thread, its events, the answers)."""
+    body = {"data": str(PROMPTS), "out": str(out), "limit": 8,
+            "sampling_params": {"n": 4, "max_new_tokens": MAX_NEW, "ignore_eos": True, "seed": 1}}
+    events: list[dict] = []
+    held = threading.Event()
+    answers: dict = {}
+
+    def client():
+        with http.stream("POST", "/generate", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                events.append(json.loads(line))
+                if not held.is_set() and events[-1]["event"] == "progress":
+                    # not paused: an update inside the job is refused and names the way to do it
+                    answers["unpaused"] = http.post("/update_weights_from_disk", json={"model_path": str(new)})
+                    answers["pause"] = http.post("/pause_generation", json={"mode": mode}).json()
+                    answers["info"] = http.get("/get_server_info").json()
+                    held.set()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    assert held.wait(120)
+    assert answers["unpaused"].status_code == 409 and "pause --mode keep" in answers["unpaused"].json()["error"]
+    assert answers["pause"]["state"] == "paused" and answers["pause"]["mode"] == mode
+    return thread, events, answers
+
+
+@pytest.fixture(scope="module")
+def new_weights(daemon):
+    return _save_variant(MODEL, daemon["work"] / "new", lambda t: {k: v * 1.1 if "mlp" in k else v for k, v in t.items()})
+
+
+def test_a_job_held_with_keep_takes_new_weights_and_labels_every_token(daemon, new_weights):
+    http, work, new = daemon["http"], daemon["work"], new_weights
+    out = work / "keep"
+    thread, events, answers = _job_paused_at_its_start(http, out, "keep", new)
+    assert answers["info"]["state"] == "paused" and answers["info"]["job"]["out"] == str(out)
+    reload = _ok(_cli(["reload-weights", new, "--engine", daemon["sock"]]))
+    assert reload.stdout.startswith("weight version 0 -> 1")
+    _ok(_cli(["continue", "--engine", daemon["sock"]]))
+    thread.join(300)
+    assert events[-1]["event"] == "done", events[-1]
+    rows = _rows(out)
+    assert len(rows) == 8 * 4 and {r["finish_reason"] for r in rows} == {"length"}
+    split = 0
+    for row in rows:
+        versions = row["response_weight_versions"]
+        assert len(versions) == len(row["response_token_ids"]) == len(row["response_logprobs"]) == MAX_NEW
+        k = versions.count("0")
+        assert versions == ["0"] * k + ["1"] * (MAX_NEW - k) and row["weight_version"] == "1"
+        split += k > 0
+    assert split > 0  # the samples running at the pause kept the tokens they had
+    assert "Traceback" not in (daemon["work"] / "daemon.log").read_text()
+
+
+def test_pause_finish_lets_running_samples_end_then_the_rest_run_on_the_new_weights(daemon, new_weights):
+    http, work = daemon["http"], daemon["work"]
+    out = work / "finish"
+    thread, events, answers = _job_paused_at_its_start(http, out, "finish", new_weights)
+    # the pause answered once the samples running at it had finished; those are the only ones done
+    done_at_pause = answers["info"]["job"]["trajectories"]
+    assert 0 < done_at_pause <= MAX_RUNNING
+    reload = _ok(_cli(["reload-weights", new_weights, "--version", "2", "--engine", daemon["sock"]]))
+    assert "-> 2" in reload.stdout
+    _ok(_cli(["continue", "--engine", daemon["sock"]]))
+    thread.join(300)
+    assert events[-1]["event"] == "done", events[-1]
+    rows = _rows(out)
+    assert len(rows) == 8 * 4 and {r["finish_reason"] for r in rows} == {"length"}
+    versions = [set(r["response_weight_versions"]) for r in rows]
+    assert all(len(v) == 1 for v in versions)  # no sample mixes weights
+    assert sum(v == {"1"} for v in versions) == done_at_pause and sum(v == {"2"} for v in versions) == 32 - done_at_pause
