@@ -5,7 +5,7 @@ The public names load lazily, so `rollout --help` and flag errors do not wait fo
 
 from __future__ import annotations
 
-__all__ = ["Engine", "PromptInput", "SamplingParams", "Trajectory"]
+__all__ = ["Engine", "PartialSample", "PromptInput", "SamplingParams", "Trajectory"]
 
 
 def __getattr__(name: str):
@@ -13,7 +13,7 @@ def __getattr__(name: str):
         from rollout_cli.engine.engine import Engine
 
         return Engine
-    if name in ("PromptInput", "Trajectory"):  # plain dataclasses: no torch to wait for
+    if name in ("PartialSample", "PromptInput", "Trajectory"):  # plain dataclasses: no torch to wait for
         from rollout_cli.engine import trajectory
 
         return getattr(trajectory, name)

@@ -28,7 +28,7 @@ from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduler import Scheduler
 from rollout_cli.engine.tensor_parallel import TensorParallelRanks, TensorParallelRunner, min_over_ranks
 from rollout_cli.engine.tokenizer import checkpoint_eos_token_ids, load_tokenizer
-from rollout_cli.engine.trajectory import PromptInput, Score, ScoreInput, Trajectory
+from rollout_cli.engine.trajectory import PartialSample, PromptInput, Score, ScoreInput, Trajectory
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import (build_model, load_model_config, model_positions, resolve_attention_backend,
                                       resolve_device, resolve_dtype, resolve_max_model_len)
@@ -256,12 +256,14 @@ class Engine:
 
     def stream(
         self,
-        prompts: Iterable[PromptInput],
+        prompts: Iterable[PromptInput | PartialSample],
         params: SamplingParams,
         skip: set[tuple[int, int]] | frozenset = frozenset(),
         on_step: Callable[[], None] | None = None,
     ) -> Iterator[Trajectory]:
-        """Yield trajectories as they finish; (prompt_index, sample_index) pairs in `skip` are not run."""
+        """Yield trajectories as they finish; (prompt_index, sample_index) pairs in `skip` are not run.
+        A PartialSample is one sample continued from its response so far (the trajectory holds the
+        whole response)."""
         self.memory.check_can_generate()
         try:
             yield from self._stream(prompts, lambda prompt: self._add_prompt(prompt, params, skip), on_step)
@@ -396,7 +398,11 @@ class Engine:
         return Score(request.prompt_index, request.sample_index, list(request.scored_logprobs),
                      request.payload or {}, top)
 
-    def _add_prompt(self, prompt: PromptInput, params: SamplingParams, skip) -> None:
+    def _add_prompt(self, prompt: PromptInput | PartialSample, params: SamplingParams, skip) -> None:
+        if isinstance(prompt, PartialSample):
+            if (prompt.prompt_index, prompt.sample_index) not in skip:
+                self.scheduler.add(self.requests.partial(prompt, params))
+            return
         for request in self.requests.samples(prompt, params, skip):
             self.scheduler.add(request)
 

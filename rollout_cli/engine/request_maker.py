@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from rollout_cli.engine.request import Request
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.engine.trajectory import PromptInput, ScoreInput
+from rollout_cli.engine.trajectory import PartialSample, PromptInput, ScoreInput
 from rollout_cli.errors import RolloutError
 
 
@@ -69,6 +69,29 @@ class RequestMaker:
             leader = leader or request
             requests.append(request)
         return requests
+
+    def partial(self, sample: PartialSample, params: SamplingParams) -> Request:
+        """A request that starts with the sample's response so far: its first step prefills prompt +
+        response, then it samples as if it had never stopped."""
+        params = sample.params or params
+        response = list(sample.response_token_ids)
+        where = f"sample ({sample.prompt_index}, {sample.sample_index})"
+        if len(sample.response_logprobs) != len(response) or len(sample.response_weight_versions) != len(response):
+            raise RolloutError(f"{where}: response_logprobs and response_weight_versions must hold one entry per "
+                               f"response token ({len(response)}); pass an aborted trajectory's columns as they are")
+        if len(response) >= params.max_new_tokens:
+            raise RolloutError(f"{where} already has {len(response)} response tokens, max_new_tokens is "
+                               f"{params.max_new_tokens}: nothing to continue; raise max_new_tokens or drop it")
+        self._check(sample.prompt_index, list(sample.prompt_token_ids) + response)
+        request = Request(request_id=next(self._ids), prompt_index=sample.prompt_index,
+                          sample_index=sample.sample_index, prompt_token_ids=list(sample.prompt_token_ids),
+                          params=params, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                          payload=sample.passthrough, output_token_ids=response,
+                          output_logprobs=list(sample.response_logprobs))
+        for i, version in enumerate(sample.response_weight_versions):
+            if not request.version_spans or request.version_spans[-1][1] != version:
+                request.version_spans.append((i, version))
+        return request
 
     def scoring(self, sample: ScoreInput, params: SamplingParams, top_logprobs: int = 0) -> Request:
         """A request that runs prompt + response through the model and scores the response tokens."""

@@ -50,6 +50,32 @@ class PromptInput:
 
 
 @dataclass(frozen=True)
+class PartialSample:
+    """One sample to continue from a partial response (an aborted trajectory, a rollout carried over
+    a weight update): the engine computes prompt + response in one prefill, reusing the prefix cache,
+    and samples on up to the params' max_new_tokens counted over the whole response. Its random
+    stream is the uninterrupted sample's (keyed by seed, prompt, sample and position), so on the same
+    weights the continuation is the tokens the sample would have had."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[float]
+    response_weight_versions: list[str]
+    """One per response token, the weights that sampled it (a trajectory's column of that name)."""
+    passthrough: dict[str, Any] = field(default_factory=dict)
+    params: SamplingParams | None = None
+    """Overrides the job's sampling settings for this sample; None: the job's (n is not used)."""
+
+    @classmethod
+    def of(cls, trajectory: Trajectory, params: SamplingParams | None = None) -> PartialSample:
+        return cls(trajectory.prompt_index, trajectory.sample_index, list(trajectory.prompt_token_ids),
+                   list(trajectory.response_token_ids), list(trajectory.response_logprobs),
+                   list(trajectory.response_weight_versions), dict(trajectory.passthrough), params)
+
+
+@dataclass(frozen=True)
 class ScoreInput:
     """A finished sample to score by teacher forcing: its prompt and response token ids."""
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from parity import TOL, make_engine, prompts_of
-from rollout_cli import PromptInput, SamplingParams
+from rollout_cli import PartialSample, PromptInput, SamplingParams
 from rollout_cli.errors import RolloutError
 from weight_trainers import perturbed_checkpoint
 
@@ -115,3 +115,49 @@ def test_closed_admission_drains_the_running_samples_then_holds(tiny_checkpoints
         model = base if version == "0" else new
         assert traj.response_token_ids == hf_ref.greedy(model, PROMPTS[traj.prompt_index], MAX_NEW)
     assert sum(t.weight_version == "0" for t in results) == 4
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_next"])
+def test_aborted_samples_continued_equal_an_uninterrupted_run(arch, tiny_checkpoints, tiny_hybrid_checkpoints):
+    """abort hands back each unfinished sample's tokens so far; PartialSample continues it (prompt +
+    response in one prefill) under the same random stream: the whole run equals one never stopped,
+    sampled at temperature 1 (tokens exact, logprobs to 1e-4: a prefill sums in another order than
+    decode steps, 1e-5 apart in float32 on the hybrid model's delta rule)."""
+    model = {**tiny_checkpoints, **tiny_hybrid_checkpoints}[arch]
+    params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, ignore_eos=True, n=2, seed=3)
+    inputs = [PromptInput(i, p) for i, p in enumerate(PROMPTS)]
+    engine = make_engine(model, max_running=4)
+    want = {(t.prompt_index, t.sample_index): t for t in engine.stream(inputs, params)}
+    calls, aborted = 0, []
+
+    def on_step():
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            aborted.extend(engine.control.abort())
+
+    first = [t for t in engine.stream(inputs, params, on_step=on_step)]
+    assert aborted and all(t.finish_reason == "abort" for t in aborted)
+    assert any(0 < len(t.response_token_ids) < MAX_NEW for t in aborted)
+    got = {(t.prompt_index, t.sample_index): t for t in first}
+    for t in aborted:
+        assert t.response_token_ids == want[(t.prompt_index, t.sample_index)].response_token_ids[:len(t.response_token_ids)]
+    continued = list(engine.stream([PartialSample.of(t) for t in aborted], params))
+    assert len(continued) == len(aborted)
+    got.update({(t.prompt_index, t.sample_index): t for t in continued})
+    assert got.keys() == want.keys()
+    for key, t in got.items():
+        assert t.finish_reason == "length" and t.response_token_ids == want[key].response_token_ids, key
+        assert t.response_logprobs == pytest.approx(want[key].response_logprobs, abs=TOL)
+        assert t.response_weight_versions == ["0"] * MAX_NEW
+
+
+def test_a_partial_sample_is_checked(tiny_checkpoints):
+    engine = make_engine(tiny_checkpoints["qwen3"])
+    params = SamplingParams(max_new_tokens=3)
+    done = PartialSample(0, 0, [1, 2], [5, 6, 7], [-1.0] * 3, ["0"] * 3)
+    with pytest.raises(RolloutError, match=r"sample \(0, 0\) already has 3 response tokens.*nothing to continue"):
+        list(engine.stream([done], params))
+    ragged = PartialSample(0, 1, [1, 2], [5], [-1.0], [])
+    with pytest.raises(RolloutError, match="one entry per response token"):
+        list(engine.stream([ragged], params))
