@@ -21,7 +21,7 @@
 # in one run, ABBA, on the b06 / b8 / mixed / grpo / moe30 workloads), fidelity (issue 19's table, both
 # modes, HF bf16 teacher forcing), tunebi06 / tunebi8 (tune the batch-invariant matmul for the 0.6B / 8B
 # shapes, write kernels/configs/batch_invariant_matmul/ and tar it to $OUT/tunebi*.tar to commit; run before det06 /
-# det8 in the same call). Logs and JSON go to $OUT.
+# det8 in the same call), fp8 (issue 20's FP8 kernels: their GPU tests, then scripts/bench_fp8_gemm.py). Logs and JSON go to $OUT.
 # torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -82,6 +82,9 @@ for part in $PARTS; do
                timeout 480 python3 scripts/tune_batch_invariant_matmul.py --model $model --write 2>&1 \
                | tee "$OUT/$part.log" | tail -12  # a tar: the JSON names hold "=" and ",", which $OUT does not return
                tar -C kernels/configs -cf "$OUT/$part.tar" batch_invariant_matmul ;;
+    fp8) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_blockwise.py 2>&1 \
+               | tee "$OUT/gpu_fp8_tests.log" | grep -E "^FAILED|passed|failed" | tail -8
+           timeout 400 python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.log" | tail -12 ;;
     fidelity) timeout 500 python3 scripts/fidelity_check.py --model $Q06 --random-weights /tmp/q06_random \
                --num-prompts 64 --n 4 --min-len 64 --max-len 512 --output-len 256 --modes default,deterministic --hf 2>&1 | tee "$OUT/fidelity.log" | tail -20 ;;
     control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;

@@ -1,0 +1,198 @@
+"""Blockwise FP8 (e4m3) linear layers, the layout of the hub's `*-FP8` checkpoints (issue 20).
+
+Weights: W [N, K] is stored as W_q [N, K] float8_e4m3fn and `weight_scale_inv` [ceil(N / BN),
+ceil(K / BK)] float32, one scale per BN x BK block (128 x 128 on the hub), W ~= W_q * scale. The
+scale of a block is amax / 448 (e4m3's largest finite value), so the block's largest entry maps to
+448 and nothing saturates.
+
+Activations: quantized inside the layer per token and per group of BK channels (the weights' K
+block): x [M, K] -> x_q [M, K] e4m3 and x_scale [M, ceil(K / BK)] float32, the same amax rule.
+
+The GEMM: y[m, n] = sum over K blocks kb of (x_q[m, kb] . W_q[n, kb]) * x_scale[m, kb] *
+scale[n // BN, kb]: each K block's e4m3 products are summed exactly enough on the tensor cores
+(float32 accumulation) and scaled once per block, then the blocks are added in K order in float32.
+On Hopper the e4m3 dot runs at twice the bf16 rate (`tl.dot` on float8e4nv operands).
+
+Each kernel has its torch reference beside it (`*_ref`), computing the same quantities in float32;
+the CPU and any device without the Triton path run the references (`fp8_linear` picks).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+BLOCK = 128  # the hub's weight_block_size [128, 128]
+_MIN_AMAX = 1e-12  # an all-zero block gets a tiny scale instead of a division by zero
+
+
+# ---- weights (once per load or update: plain torch, vectorized, runs on any device) -------------
+
+def _pad_to_blocks(w: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    n, k = w.shape
+    pad_n, pad_k = -n % block_n, -k % block_k
+    return torch.nn.functional.pad(w, (0, pad_k, 0, pad_n)) if pad_n or pad_k else w
+
+
+def quantize_weight_blockwise(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] (any float dtype) -> (W_q [N, K] float8_e4m3fn, scale [ceil(N/BN), ceil(K/BK)] float32)."""
+    assert w.dim() == 2, f"a weight is [N, K], got {tuple(w.shape)}"
+    block_n, block_k = block
+    n, k = w.shape
+    padded = _pad_to_blocks(w.float(), block_n, block_k)
+    blocks = padded.view(padded.shape[0] // block_n, block_n, padded.shape[1] // block_k, block_k)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=_MIN_AMAX) / FP8_MAX  # [NB, KB]
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(padded.shape)[:n, :k].contiguous(), scale
+
+
+def dequantize_weight_blockwise(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)
+                                ) -> torch.Tensor:
+    """The float32 weight W_q * scale, [N, K]."""
+    n, k = q.shape
+    expanded = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return q.float() * expanded
+
+
+# ---- activations ------------------------------------------------------------------------------
+
+@triton.jit
+def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+                                GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """One program per (token, channel group): amax, scale, e4m3 values."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    inside = cols < K
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=inside, other=0.0).to(tl.float32)  # [GROUP]
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX) / FP8_MAX_C
+    q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
+    # q_ptr is e4m3 compiled; under the interpreter a float32 buffer that the caller rounds to e4m3
+    # with torch (the interpreter's own float32 -> e4m3 conversion is wrong: 126.0 became 64.0)
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
+    tl.store(s_ptr + row * stride_sm + group, scale)
+
+
+def quantize_activation(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows contiguous) -> (x_q [M, K] float8_e4m3fn, x_scale [M, ceil(K / group)] float32)."""
+    assert x.dim() == 2 and x.stride(1) == 1, f"x must be [M, K] with contiguous rows, got {tuple(x.shape)}"
+    m, k = x.shape
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    q = torch.empty((m, k), dtype=torch.float32 if interpreted else FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
+    if m and k:
+        _quantize_activation_kernel[(m, scale.shape[1])](
+            x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
+            GROUP=group, FP8_MAX_C=FP8_MAX, MIN_AMAX=_MIN_AMAX, num_warps=1 if group <= 128 else 4)
+    return (q.to(FP8_DTYPE) if interpreted else q), scale
+
+
+def quantize_activation_ref(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_activation in torch: the same amax rule per token and channel group."""
+    m, k = x.shape
+    padded = torch.nn.functional.pad(x.float(), (0, -k % group)).view(m, -1, group)
+    scale = padded.abs().amax(dim=2).clamp(min=_MIN_AMAX) / FP8_MAX  # [M, KB]
+    q = (padded / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(m, -1)[:, :k].contiguous(), scale
+
+
+# ---- the GEMM ---------------------------------------------------------------------------------
+
+@triton.jit
+def _fp8_blockwise_matmul_kernel(
+    xq_ptr, xs_ptr, wq_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
+    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym,
+    HAS_BIAS: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program per [BLOCK_M, BLOCK_N] output tile; K in steps of BLOCK_K (= the scale block, so
+    each step has one activation scale per row and one weight scale per SCALE_BLOCK_N rows)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    ks = tl.arange(0, BLOCK_K)
+    row_in, col_in = rows < M, cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + ks
+        a = tl.load(xq_ptr + rows[:, None] * stride_xm + k[None, :],
+                    mask=row_in[:, None] & (k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K] e4m3
+        b = tl.load(wq_ptr + cols[None, :] * stride_wn + k[:, None],
+                    mask=col_in[None, :] & (k[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N] e4m3
+        x_scale = tl.load(xs_ptr + rows * stride_xsm + kb, mask=row_in, other=0.0)  # [BLOCK_M]
+        w_scale = tl.load(ws_ptr + (cols // SCALE_BLOCK_N) * stride_wsn + kb, mask=col_in, other=0.0)  # [BLOCK_N]
+        acc += tl.dot(a, b, out_dtype=tl.float32) * x_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_in, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_in[:, None] & col_in[None, :])
+
+
+def fp8_blockwise_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                         out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                         block: tuple[int, int] = (BLOCK, BLOCK), block_m: int = 64, block_n: int = 128,
+                         num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x_q [M, K] e4m3 with x_scale [M, KB], w_q [N, K] e4m3 with w_scale [NB, KB] (blocks `block`)
+    (+ bias [N]) -> y [M, N] in out_dtype. The K step is the scale block's K; an output tile spans at
+    most one weight scale row (block_n divides block[0])."""
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    scale_n, scale_k = block
+    assert w_q.shape[1] == k and x_q.dtype == w_q.dtype == FP8_DTYPE, "x_q and w_q must be e4m3 with one K"
+    assert x_scale.shape == (m, triton.cdiv(k, scale_k)) and w_scale.shape == (triton.cdiv(n, scale_n), x_scale.shape[1]), \
+        f"scales must be [M, KB] and [NB, KB], got {tuple(x_scale.shape)} and {tuple(w_scale.shape)}"
+    assert x_q.stride(1) == 1 and w_q.stride(1) == 1, "x_q and w_q need contiguous rows"
+    block_n = min(block_n, scale_n)
+    assert scale_n % block_n == 0, f"block_n {block_n} must divide the weight scale block {scale_n}"
+    y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    if m == 0 or n == 0:
+        return y
+    _fp8_blockwise_matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        x_q, x_scale, w_q, w_scale, bias if bias is not None else x_scale, y, m, n, k,
+        x_q.stride(0), x_scale.stride(0), w_q.stride(0), w_scale.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, SCALE_BLOCK_N=scale_n,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=scale_k, num_warps=num_warps, num_stages=num_stages)
+    return y
+
+
+def fp8_blockwise_matmul_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                             out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                             block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
+    """The kernel's sum in torch: per K block, the float32 dot of the e4m3 values times both scales,
+    blocks added in K order, bias added, one rounding to out_dtype."""
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    scale_n, scale_k = block
+    w_scale_rows = w_scale.repeat_interleave(scale_n, 0)[:n]  # [N, KB]
+    acc = torch.zeros((m, n), dtype=torch.float32, device=x_q.device)
+    for kb in range(triton.cdiv(k, scale_k)):
+        ks = slice(kb * scale_k, min(k, (kb + 1) * scale_k))
+        acc += (x_q[:, ks].float() @ w_q[:, ks].float().t()) * x_scale[:, kb, None] * w_scale_rows[None, :, kb]
+    if bias is not None:
+        acc += bias.float()
+    return acc.to(out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               block: tuple[int, int] = (BLOCK, BLOCK), use_triton: bool | None = None) -> torch.Tensor:
+    """y = x W^T (+ b) with W blockwise e4m3 and x quantized per token and K group inside: x [..., K]
+    -> [..., N] in x's dtype. Triton on CUDA (or when use_triton), the torch references elsewhere."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    triton_path = x.is_cuda if use_triton is None else use_triton
+    if triton_path:
+        x_q, x_scale = quantize_activation(x2, block[1])
+        y = fp8_blockwise_matmul(x_q, x_scale, w_q, w_scale, x.dtype, bias, block)
+    else:
+        x_q, x_scale = quantize_activation_ref(x2, block[1])
+        y = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, x.dtype, bias, block)
+    return y.view(*shape[:-1], w_q.shape[0])

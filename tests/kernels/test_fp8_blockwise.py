@@ -1,0 +1,94 @@
+"""Blockwise FP8 kernels against their torch references (interpreter on the CPU, compiled on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout_kernels.fp8_blockwise import (FP8_DTYPE, FP8_MAX, dequantize_weight_blockwise, fp8_blockwise_matmul,
+                                           fp8_blockwise_matmul_ref, fp8_linear, quantize_activation,
+                                           quantize_activation_ref, quantize_weight_blockwise)
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+E4M3_REL = 2.0**-4  # 3 mantissa bits: rounding to nearest moves a normal value by at most 1/16 of it
+E4M3_MIN_SUBNORMAL = 2.0**-9
+
+
+def _randn(*shape, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(DEV)
+
+
+@pytest.mark.parametrize("n,k,block", [(256, 384, (128, 128)), (130, 200, (128, 128)), (96, 80, (32, 16))])
+def test_weight_blocks_take_their_amax_to_448_and_round_within_e4m3(n, k, block):
+    w = _randn(n, k, seed=n + k, scale=0.02)
+    w[0, 0] = 3.0  # an outlier owns its block's scale, not the others'
+    q, scale = quantize_weight_blockwise(w, block)
+    nb, kb = -(-n // block[0]), -(-k // block[1])
+    assert q.dtype == FP8_DTYPE and q.shape == (n, k) and scale.shape == (nb, kb)
+    for i in range(nb):
+        for j in range(kb):
+            tile = w[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            assert scale[i, j].item() == pytest.approx(tile.abs().max().item() / FP8_MAX, rel=1e-6)
+            qtile = q[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]].float()
+            assert qtile.abs().max().item() == FP8_MAX  # the block's largest entry lands on 448
+    back = dequantize_weight_blockwise(q, scale, block)
+    scale_rows = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    bound = w.abs() * E4M3_REL + scale_rows * E4M3_MIN_SUBNORMAL
+    assert ((back - w).abs() <= bound * 1.0001).all()
+    assert scale[0, 0] > 10 * scale[-1, -1]  # 3.0 against a 0.02-sigma block's ~0.09
+
+
+@pytest.mark.parametrize("m,k,group", [(1, 128, 128), (5, 300, 128), (33, 64, 32)])
+def test_activation_quantization_matches_the_reference(m, k, group):
+    x = _randn(m, k, seed=m * k, scale=3.0)
+    x[0, :7] = 0.0
+    if m > 1:
+        x[1] = 0.0  # an all-zero row: a tiny scale, zeros out, no NaN
+    q, scale = quantize_activation(x, group)
+    q_ref, scale_ref = quantize_activation_ref(x, group)
+    assert q.dtype == FP8_DTYPE and scale.shape == (m, -(-k // group))
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.float(), q_ref.float())
+    assert not q.float().isnan().any()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 128, 128), (7, 130, 200), (65, 256, 384), (3, 64, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []))
+def test_blockwise_matmul_matches_the_reference(m, n, k, bias, out_dtype):
+    block = (64, 32) if n == 64 else (128, 128)
+    x_q, x_scale = quantize_activation_ref(_randn(m, k, seed=1), block[1])
+    w_q, w_scale = quantize_weight_blockwise(_randn(n, k, seed=2, scale=0.05), block)
+    b = _randn(n, seed=3) if bias else None
+    got = fp8_blockwise_matmul(x_q, x_scale, w_q, w_scale, out_dtype, b, block, block_n=min(64, block[0]))
+    want = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, out_dtype, b, block)
+    assert got.dtype == out_dtype and got.shape == (m, n) and not got.isnan().any()
+    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_fp8_linear_stays_near_the_unquantized_layer():
+    """The price of W8A8 with 128-blocks on a Gaussian layer: the relative error of the output."""
+    x, w = _randn(16, 512, seed=4), _randn(384, 512, seed=5, scale=0.04)
+    w_q, w_scale = quantize_weight_blockwise(w)
+    exact = x @ w.t()
+    for use_triton in (False, True):
+        y = fp8_linear(x.view(2, 8, 512), w_q, w_scale, use_triton=use_triton)
+        assert y.shape == (2, 8, 384)
+        assert ((y.view(16, 384) - exact).norm() / exact.norm()).item() < 0.05
+    torch.testing.assert_close(fp8_linear(x, w_q, w_scale, use_triton=True),
+                               fp8_linear(x, w_q, w_scale, use_triton=False), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 256, 2048])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
+def test_gpu_bf16_at_8b_shapes(m, n, k):
+    x = _randn(m, k, seed=m).bfloat16()
+    w_q, w_scale = quantize_weight_blockwise(_randn(n, k, seed=n, scale=0.02))
+    got = fp8_linear(x, w_q, w_scale)
+    x_q, x_scale = quantize_activation_ref(x)
+    want = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, torch.bfloat16)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
