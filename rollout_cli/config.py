@@ -60,6 +60,9 @@ class EngineConfig:
     deterministic: bool = False
     """On-policy mode: a sample's tokens, logprobs and routing are bit for bit the same whatever runs
     beside it (batch, chunking, prefix-cache hits). Today on the torch path, one token per forward."""
+    quantization: str | None = None
+    """fp8: linear layers in blockwise FP8 e4m3 (weights quantized at load and at every update,
+    activations per token group inside the GEMM; models/fp8.py); None: the model's dtype."""
     tensor_parallel_size: int = 1
     """Tensor parallel ranks (`rollout run --tp N`): processes started by torch.distributed.run, one per GPU."""
 
@@ -88,5 +91,13 @@ class EngineConfig:
             raise RolloutError("--kv-cache-tokens must be at least 2")
         if self.tensor_parallel_size < 1:
             raise RolloutError("--tp must be at least 1")
+        if self.quantization is not None:
+            if self.quantization != "fp8":
+                raise RolloutError(f"unknown --quantization {self.quantization!r}; choose fp8")
+            if self.deterministic:
+                raise RolloutError("--quantization fp8 with --deterministic: the batch-invariant kernels run in the "
+                                   "model's dtype only (no batch-invariant FP8 GEMM yet); drop one of the two")
+            if self.tensor_parallel_size > 1:
+                raise RolloutError("--quantization fp8 runs on one GPU for now (--tp 1); drop --tp or the quantization")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise RolloutError("--max-model-len must be at least 2")

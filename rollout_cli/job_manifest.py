@@ -36,6 +36,8 @@ def job_settings(engine: Engine, job: JobConfig, params: SamplingParams) -> dict
         "capture_routing": job.capture_routing,
         # a run resumed in the other mode would mix on-policy rows with batch-dependent ones
         "deterministic": engine.config.deterministic,
+        # fp8 and bf16 weights are two policies: a resume in the other one would mix them
+        "quantization": engine.config.quantization,
     }
 
 

@@ -32,6 +32,7 @@ from rollout_cli.engine.trajectory import PartialSample, PromptInput, Score, Sco
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import (build_model, load_model_config, model_positions, resolve_attention_backend,
                                       resolve_device, resolve_dtype, resolve_max_model_len)
+from rollout_cli.models.fp8 import quantize_model
 from rollout_cli.models.hub import resolve_engine_config, resolve_model
 from rollout_cli.models.layers import enable_batch_invariant_kernels, enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
@@ -66,6 +67,8 @@ class Engine:
         with self.memory.region("weights"):
             self.model = build_model(cfg.model, self.hf_config, self.device, self.dtype,
                                      max_positions=self.max_model_len, load_format=cfg.load_format)
+            if cfg.quantization is not None:  # inside the region: the fp8 weights are released with the rest
+                quantize_model(self.model, cfg.quantization)
         self.memory.keep_only_parameters(self.model)
         if self.attention_backend == "triton":
             enable_triton_kernels(self.model)

@@ -94,7 +94,8 @@ def check_dtypes(engine, targets: list[TensorTarget], accepted: dict[str, str],
     bad = []
     for target in targets:
         found = target.dtype
-        live = params[target.param_name].dtype
+        param = params[target.param_name]
+        live = getattr(param, "load_dtype", param.dtype)  # an fp8 weight takes the model's dtype
         if SAFETENSORS_DTYPES.get(found) == live or accepted.get(target.checkpoint_name) == found:
             continue
         want = accepted.get(target.checkpoint_name) or str(live).removeprefix("torch.")

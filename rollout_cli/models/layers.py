@@ -44,6 +44,7 @@ class Linear(nn.Module):
     """y = x W^T (+ b); W is [out_features, in_features] as in checkpoints."""
 
     batch_invariant = False  # set by enable_batch_invariant_kernels
+    fp8_block: tuple[int, int] | None = None  # (rows, cols) of a weight scale block under --quantization fp8 (models/fp8.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -56,6 +57,10 @@ class Linear(nn.Module):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_block is not None:
+            from rollout_kernels.fp8_blockwise import fp8_linear
+
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.fp8_block)
         return linear(x, self.weight, self.bias, self.batch_invariant)
 
 

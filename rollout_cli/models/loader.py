@@ -117,8 +117,8 @@ def expected_checkpoint_names(model) -> set[str]:
         inverse.setdefault(fused, []).append(part)
     names = set()
     for param_name, param in model.named_parameters():
-        if getattr(param, "checkpoint_layouts", None):
-            continue
+        if getattr(param, "checkpoint_layouts", None) or getattr(param, "derived_from_weight", False):
+            continue  # layout parameters; fp8 scales (written by their weight's loader)
         for fused, parts in inverse.items():
             if f".{fused}." in param_name:
                 names.update(param_name.replace(f".{fused}.", f".{p}.") for p in parts)
@@ -288,7 +288,8 @@ def copy_into_parameters(params: dict, target: TensorTarget, tensor: torch.Tenso
         if tensor.shape[dim] != size * target.tp_blocks:
             tensor = _cat([tensor.narrow(dim, start, n) for start, n in _rank_ranges(target, tensor.shape[dim])], dim)
     with torch.no_grad():
-        param.weight_loader(param, tensor.to(param.dtype), target.shard_id)
+        # an fp8 weight takes the model's dtype and quantizes it itself (models/fp8.py)
+        param.weight_loader(param, tensor.to(getattr(param, "load_dtype", param.dtype)), target.shard_id)
 
 
 def load_checkpoint(model, model_dir: str) -> None:
