@@ -348,13 +348,14 @@ class Scheduler(OverlapScheduling):
         request.cache_node = node
         request.num_cached_tokens = upto
 
-    def _release(self, request: Request) -> None:
-        """Give back the request's slots (into the cache when enabled) and its table row."""
-        computed = request.num_computed_tokens
+    def _release(self, request: Request, publish: bool = True) -> None:
+        """Give back the request's slots and its table row; with `publish` (and the cache on) its
+        computed KV goes into the cache first, else only the slots the cache already owns stay there."""
         if self.cache is not None:
-            self._cache_computed(request, computed)
+            if publish:
+                self._cache_computed(request, request.num_computed_tokens)
             self.cache.unlock(request.cache_node)
-            self.allocator.free(request.slots[computed:])
+            self.allocator.free(request.slots[request.num_cached_tokens:])
         else:
             self.allocator.free(request.slots)
         if self.linear is not None:
@@ -401,18 +402,7 @@ class Scheduler(OverlapScheduling):
         response on the new ones and samples on from there. -> how many were retracted."""
         retracted = list(self.running)
         for request in reversed(retracted):  # appendleft: the oldest ends first in line, as it was
-            if self.cache is not None:
-                self.cache.unlock(request.cache_node)
-                self.allocator.free(request.slots[request.num_cached_tokens:])  # the rest is the tree's
-            else:
-                self.allocator.free(request.slots)
-            if self.linear is not None:
-                self.linear.free(request.state_slot)
-                request.state_slot = -1
-            request.cache_node, request.slots, request.num_cached_tokens = None, [], 0
-            self._free_rows.append(request.table_row)
-            request.table_row, request.num_slots_in_table = -1, 0
-            self.running.remove(request)
+            self._release(request, publish=False)
             request.num_computed_tokens = 0
             request.num_preemptions += 1
             request.status = RequestStatus.WAITING
