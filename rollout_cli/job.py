@@ -40,6 +40,7 @@ from rollout_cli.job_manifest import (
     merge_summaries,
     write_final_manifest,
 )
+from rollout_cli.job_continue import aborted_samples, drop_superseded_aborts
 from rollout_cli.job_resume import check_resume, fingerprints
 
 # Debug knob (tests): "ROWS" or "ROWS:SIGNAL" (TERM, INT, KILL; default TERM). The job raises SIGNAL in
@@ -70,11 +71,16 @@ class JobConfig:
     """A shard is also closed when its oldest row has waited this long (bounds what a kill loses)."""
     capture_routing: bool = False
     """MoE models: also write every token's expert ids to OUT/routing/part-NNNNN.parquet."""
+    continue_aborted: bool = False
+    """With resume: continue the samples written with finish_reason abort from their response so far
+    (on the weights the engine holds now) instead of counting them done (job_continue.py)."""
 
     def __post_init__(self) -> None:
         # checked here, where the CLI and the daemon's /generate both build the job: before OUT exists
         if self.shard_rows < 1:
             raise RolloutError(f"--shard-rows must be at least 1, got {self.shard_rows}")
+        if self.continue_aborted and not self.resume:
+            raise RolloutError("--continue-aborted continues the aborted samples of a run in OUT: add --resume")
         if not self.flush_seconds >= 0:  # also refuses NaN
             raise RolloutError(f"--flush-seconds must be 0 or more, got {self.flush_seconds}; "
                                "0 writes every finished row at once")
@@ -147,11 +153,18 @@ def run_job(
         manifest["routing"] = {"dtype": routing_dtype, "num_layers": len(engine.model.moe_layers),
                                "top_k": engine.model.top_k, "num_experts": engine.model.num_experts}
     done: set[tuple[int, int]] = set()
+    continuing: dict = {}  # (prompt_index, sample_index) -> PartialSample, with --continue-aborted
     if leader:  # one process cleans and creates OUT; the other replicas start once it did
         manifest["fingerprints"] = fingerprints(engine, job, weights_path)
         if job.resume:
             check_resume(job, settings, manifest["fingerprints"])
             done = completed_pairs(job.out)
+            if job.continue_aborted:
+                if not group.alone:
+                    raise RolloutError("--continue-aborted runs on one engine for now; drop --dp")
+                drop_superseded_aborts(job.out)  # a crash after continued rows were written
+                continuing = aborted_samples(job.out)
+                done -= continuing.keys()
         create_output_dir(job.out, (TRAJECTORIES_SUBDIR, ROUTING_SUBDIR) if routing_dtype else (TRAJECTORIES_SUBDIR,))
         write_manifest(job.out, manifest)
     group.barrier()
@@ -174,7 +187,12 @@ def run_job(
                 progress.prompts_done += 1
                 continue
             remaining[row.prompt_index] = missing
-            yield row
+            for s in range(params.n):  # the aborted ones, from their response so far
+                if (row.prompt_index, s) in continuing:
+                    yield dataclasses.replace(continuing[(row.prompt_index, s)], passthrough=row.passthrough)
+            if any((row.prompt_index, s) not in done and (row.prompt_index, s) not in continuing
+                   for s in range(params.n)):
+                yield row
 
     writer = TrajectoryWriter(job.out, source.passthrough_schema, job.shard_rows, job.flush_seconds,
                               routing_dtype=routing_dtype,
@@ -184,7 +202,8 @@ def run_job(
     stats_before = dataclasses.replace(engine.scheduler.stats)
     failure: BaseException | None = None
     try:
-        for trajectory in engine.stream(pending_prompts(), params, skip=done, on_step=_step_hook(writer)):
+        skip = done | continuing.keys()  # a prompt row runs only its samples that neither finished nor continue
+        for trajectory in engine.stream(pending_prompts(), params, skip=skip, on_step=_step_hook(writer)):
             writer.add(trajectory.to_row(), trajectory.routed_experts)
             finish_reasons[trajectory.finish_reason] += 1
             progress.trajectories += 1
@@ -199,6 +218,8 @@ def run_job(
         failure = err
     # finished rows survive any exception, Ctrl-C and SIGTERM included
     close_error = _close(writer)
+    if continuing and close_error is None:  # the continued rows are on disk: their aborted rows go
+        drop_superseded_aborts(job.out)
     failure = failure or close_error
     status, error = final_state(failure, close_error)
     # count what is on disk: a signal between writer.add and the counter update must not skew it

@@ -57,27 +57,31 @@ def check_resume(job: JobConfig, settings: dict, fingerprints: dict) -> None:
     previous = read_manifest(job.out)
     if previous is None:
         return
-    change = source_change(previous.get("model_source"), settings["model_source"])
+    # --continue-aborted carries samples over new weights on purpose (each token records its version):
+    # another checkpoint of the same model (config, tokenizer, template) is allowed, another model is not
+    new_weights_allowed = job.continue_aborted
+    change = None if new_weights_allowed else source_change(previous.get("model_source"), settings["model_source"])
     if change is not None:  # before the content check: the commits say more than "model.safetensors changed"
         hub = previous["model_source"]
         raise RolloutError(f"--resume: {job.out} was made from another hub commit: {change}; resume with --model "
                            f"{hub['hub_id']} --revision {hub['commit']}, or choose another --out")
     recorded = previous.get("fingerprints")
     if recorded is not None:
-        change = checkpoint_change(recorded["checkpoint"], fingerprints["checkpoint"])
+        change = checkpoint_change(recorded["checkpoint"], fingerprints["checkpoint"], weights=not new_weights_allowed)
         if change is not None:
             raise RolloutError(
                 f"--resume: {job.out} was made with another checkpoint ({previous.get('model')}): {change}; "
                 "resume with that checkpoint, or choose another --out"
             )
     version = fingerprints["weights"]["version"]
-    if "weight_version" in previous and previous["weight_version"] != version:
+    if "weight_version" in previous and previous["weight_version"] != version and not new_weights_allowed:
         raise RolloutError(
             f"--resume: the run was made at weight version {previous['weight_version']} and the engine has "
             f"weight version {version}; resuming would mix two weight versions in {job.out}: resume with the "
-            f"run's weights at version {previous['weight_version']}, or choose another --out"
+            f"run's weights at version {previous['weight_version']}, or choose another --out (or, to carry its "
+            "aborted samples over to these weights, --continue-aborted)"
         )
-    if recorded is not None:
+    if recorded is not None and not new_weights_allowed:
         _check_same_weights(job, recorded["weights"], fingerprints["weights"])
         change = data_change(recorded["data"], fingerprints["data"])
         if change is not None:

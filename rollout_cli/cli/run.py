@@ -41,6 +41,7 @@ def run_command(
     prompt_key: Annotated[str, typer.Option(help="Column with the prompt: text, chat messages, or token ids.", rich_help_panel=DATA)] = "prompt",
     limit: Annotated[Optional[int], typer.Option(help="Use only the first N rows.", rich_help_panel=DATA)] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run in OUT: generate only missing samples.", rich_help_panel=DATA)] = False,
+    continue_aborted: Annotated[bool, typer.Option("--continue-aborted", help="With --resume: continue the samples an aborted job wrote with finish_reason abort from their response so far, on the weights loaded now (each token records its weight version), instead of counting them done.", rich_help_panel=DATA)] = False,
     skip_invalid: Annotated[bool, typer.Option("--skip-invalid", help="Skip bad rows (listed in the manifest) instead of failing.", rich_help_panel=DATA)] = False,
     shard_rows: Annotated[int, typer.Option(help="Rows per output shard.", rich_help_panel=DATA)] = 1024,
     flush_seconds: Annotated[float, typer.Option(help="Close a shard when its oldest row waited this long.", rich_help_panel=DATA)] = 10.0,
@@ -69,7 +70,8 @@ def run_command(
         params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, seed=seed, ignore_eos=ignore_eos,
                                 logprobs_mode=logprobs_mode)
-    job_fields = dict(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume, skip_invalid=skip_invalid,
+    job_fields = dict(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume,
+                      continue_aborted=continue_aborted, skip_invalid=skip_invalid,
                       shard_rows=shard_rows, flush_seconds=flush_seconds, capture_routing=capture_routing)
     launch(job_fields, params, quiet)
 

@@ -402,9 +402,8 @@ class Engine:
                      request.payload or {}, top)
 
     def _add_prompt(self, prompt: PromptInput | PartialSample, params: SamplingParams, skip) -> None:
-        if isinstance(prompt, PartialSample):
-            if (prompt.prompt_index, prompt.sample_index) not in skip:
-                self.scheduler.add(self.requests.partial(prompt, params))
+        if isinstance(prompt, PartialSample):  # `skip` names samples of prompt rows, not these
+            self.scheduler.add(self.requests.partial(prompt, params))
             return
         for request in self.requests.samples(prompt, params, skip):
             self.scheduler.add(request)

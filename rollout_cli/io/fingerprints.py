@@ -82,11 +82,14 @@ def checkpoint_fingerprint(model_dir: str | Path) -> dict[str, Any]:
     return {"digest": _short(h), "files": files}
 
 
-def checkpoint_change(previous: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """What differs between two checkpoint fingerprints, in a few words; None when they match."""
+def checkpoint_change(previous: dict[str, Any], current: dict[str, Any], weights: bool = True) -> str | None:
+    """What differs between two checkpoint fingerprints, in a few words; None when they match.
+    weights=False: only config, tokenizer and template files count (a later checkpoint of one model)."""
     if previous.get("digest") == current.get("digest"):
         return None
     old, new = previous.get("files", {}), current.get("files", {})
+    if not weights:
+        old, new = ({k: v for k, v in files.items() if not k.endswith(".safetensors")} for files in (old, new))
     parts = []
     changed = sorted(name for name in old.keys() & new.keys() if old[name] != new[name])
     if changed:
@@ -95,6 +98,8 @@ def checkpoint_change(previous: dict[str, Any], current: dict[str, Any]) -> str 
         parts.append(f"{_listed(sorted(new.keys() - old.keys()))} added")
     if old.keys() - new.keys():
         parts.append(f"{_listed(sorted(old.keys() - new.keys()))} missing")
+    if not weights:
+        return ", ".join(parts) or None
     return ", ".join(parts) or "its files differ"
 
 

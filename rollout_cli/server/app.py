@@ -66,6 +66,7 @@ class GenerateRequest(_Body):
     prompt_key: str = Field("prompt", max_length=NAME_CHARS)
     limit: Optional[int] = None
     resume: bool = False
+    continue_aborted: bool = False
     skip_invalid: bool = False
     shard_rows: int = 1024
     flush_seconds: float = 10.0
@@ -247,7 +248,8 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
         try:
             params = SamplingParams(**body.sampling_params.model_dump())
             job = JobConfig(data=body.data, out=body.out, prompt_key=body.prompt_key, limit=body.limit,
-                            resume=body.resume, skip_invalid=body.skip_invalid, shard_rows=body.shard_rows,
+                            resume=body.resume, continue_aborted=body.continue_aborted,
+                            skip_invalid=body.skip_invalid, shard_rows=body.shard_rows,
                             flush_seconds=body.flush_seconds, capture_routing=body.capture_routing)
             handle = worker.submit_job(job, params)
         except Conflict as err:

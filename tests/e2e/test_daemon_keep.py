@@ -103,3 +103,45 @@ def test_pause_finish_lets_running_samples_end_then_the_rest_run_on_the_new_weig
     versions = [set(r["response_weight_versions"]) for r in rows]
     assert all(len(v) == 1 for v in versions)  # no sample mixes weights
     assert sum(v == {"1"} for v in versions) == done_at_pause and sum(v == {"2"} for v in versions) == 32 - done_at_pause
+
+
+def test_aborted_samples_are_continued_by_resume_continue_aborted(daemon, new_weights):
+    """APRIL's carry-over through files: a job aborted on the daemon, then `run --resume
+    --continue-aborted` on an embedded engine with the same weights: each aborted row is replaced by
+    its whole sample, which keeps the tokens it had, and each token records which engine's weights (by
+    version) sampled it. Against an uninterrupted run: a continuation prefills prompt + response
+    where the uninterrupted sample decoded them, so its logits differ by float32 rounding, and at
+    temperature 1 over 9,600 tokens that can move a draw across a boundary (seen 2026-12-05: a
+    sample diverged at its token 233); so nearly all samples must be equal, and every sample equal
+    up to its first difference, logprobs to 1e-4."""
+    http, work = daemon["http"], daemon["work"]
+    out = work / "carried"
+    thread, events, _ = _job_paused_at_its_start(http, out, "abort", new_weights)
+    thread.join(120)
+    _ok(_cli(["continue", "--engine", daemon["sock"]]))
+    assert events[-1]["event"] == "aborted"
+    before = _rows(out)  # finished and aborted samples; those never admitted are not written
+    sampled_before = {(r["prompt_index"], r["sample_index"]): len(r["response_token_ids"]) for r in before}
+    assert any(r["finish_reason"] == "abort" for r in before) and len(before) < 32
+    version = json.loads((out / "manifest.json").read_text())["weight_version"]
+    args = ["--model", new_weights, "--data", PROMPTS, "--n", "4", "--limit", "8", "--max-new-tokens", MAX_NEW,
+            "--ignore-eos", "--seed", "1", "--quiet"]
+    plain = _cli(["run", "--out", out, "--resume", *args])  # another checkpoint: refused
+    assert plain.returncode == 2 and "another checkpoint" in plain.stderr
+    _ok(_cli(["run", "--out", out, "--resume", "--continue-aborted", *args]))
+    _ok(_cli(["run", "--out", work / "uninterrupted", *args]))
+    rows, want = _rows(out), _rows(work / "uninterrupted")
+    assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(p, s) for p in range(8) for s in range(4)]
+    assert {r["finish_reason"] for r in rows} == {"length"}
+    before_tokens = {(r["prompt_index"], r["sample_index"]): r["response_token_ids"] for r in before}
+    equal = 0
+    for row, ref in zip(rows, want, strict=True):
+        pair = (row["prompt_index"], row["sample_index"])
+        k = sampled_before.get(pair, 0)
+        assert row["response_token_ids"][:k] == before_tokens.get(pair, [])  # what it had, kept
+        assert row["response_weight_versions"] == [version] * k + ["0"] * (MAX_NEW - k)
+        same = next((i for i, (a, b) in enumerate(zip(row["response_token_ids"], ref["response_token_ids"]))
+                     if a != b), MAX_NEW)
+        assert row["response_logprobs"][:same] == pytest.approx(ref["response_logprobs"][:same], abs=1e-4)
+        equal += same == MAX_NEW
+    assert equal >= 0.9 * len(rows)
