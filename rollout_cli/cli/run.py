@@ -64,6 +64,8 @@ def run_command(
         rollout run --engine /tmp/rollout-$USER.sock --data recipes/prompts.parquet --out traj/ --n 4
     """
     with user_errors():
+        if continue_aborted and dp != 1:
+            raise RolloutError("--continue-aborted runs on one engine for now; drop --dp")
         launch = _pick_launcher(model, engine, token_file, dp, tp, engine_options)
         # one set of sampling settings for every launcher: a bad value is one line before a model loads or
         # a daemon is called
