@@ -75,7 +75,8 @@ def test_writer_pairs_routing_shards_and_resume_drops_orphans(tmp_path):
                               routing_shape=(2, 3))
     for i in range(5):
         row = dict(prompt_index=i, sample_index=0, prompt_token_ids=[1, 2], response_token_ids=[3, 4, 5],
-                   response_logprobs=[0.0] * 3, response_text="", finish_reason="length", weight_version="0")
+                   response_logprobs=[0.0] * 3, response_text="", finish_reason="length", weight_version="0",
+                   response_weight_versions=["0"] * 3)
         writer.add(row, _routing(i, 4) if i != 4 else None)
     writer.close()
     names = sorted(p.name for p in (out / "trajectories").iterdir())
