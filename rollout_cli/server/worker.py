@@ -95,13 +95,16 @@ class EngineWorker(threading.Thread):
                                       "memory": {}, "job": None,
                                       "tensor_parallel": engine_config.tensor_parallel_size}
         self.job: JobHandle | None = None  # set under _lock by submit_job, cleared by the worker
-        self.paused = False
-        self.pause_mode: str | None = None  # the mode of the current pause
+        self.pause_mode: str | None = None  # the current pause's mode (PAUSE_MODES); None: not paused
         self._finishing: Command | None = None  # a pause finish answered once the running samples finished
         self._stopping = False
         self._abort_job = False  # the running job must end after its in-flight samples are written
         self._aborted: list = []  # trajectories finished with "abort", not yet yielded to the writer
         self._abort_reason = "abort"  # or "shutdown": unfinished samples are dropped for --resume
+
+    @property
+    def paused(self) -> bool:
+        return self.pause_mode is not None
 
     # ---- HTTP side (any thread) ------------------------------------------------
 
@@ -209,14 +212,17 @@ class EngineWorker(threading.Thread):
         else:
             command.future.set_result(result)
 
+    def _update_allowed_in_job(self) -> bool:
+        """Under pause keep (running samples are retracted first), or pause finish once nothing runs
+        (every later sample runs on the new weights)."""
+        return self.pause_mode == "keep" or (self.pause_mode == "finish" and not self.engine.scheduler.running)
+
     def _before_update_in_job(self, in_job: bool) -> None:
-        """An update inside a job only under pause keep: its running samples leave the device first
-        (retracted, to recompute on the new weights); refused otherwise (Conflict)."""
+        """An update inside a job only where _update_allowed_in_job: under keep its running samples
+        leave the device first (retracted, to recompute on the new weights); refused otherwise (Conflict)."""
         if not in_job:
             return
-        if self.paused and self.pause_mode == "finish" and not self.engine.scheduler.running:
-            return  # drained: nothing on the device, every later sample runs on the new weights
-        if not (self.paused and self.pause_mode == "keep"):
+        if not self._update_allowed_in_job():
             raise Conflict(f"a job is running; {IN_JOB_HINT}")
         retracted = self.engine.retract_running()
         if retracted:
@@ -259,7 +265,7 @@ class EngineWorker(threading.Thread):
 
     def _do_update_weights_from_distributed(self, in_job: bool, names, dtypes, shapes, group_name: str,
                                             version: str | None, partial: bool) -> dict:
-        if in_job and not (self.paused and self.pause_mode == "keep"):
+        if in_job and not self._update_allowed_in_job():
             # receive and drop the broadcast (on every rank), so the trainer is not left hanging in it
             self.control.drain_broadcast(group_name, names, dtypes, shapes)
             raise Conflict(f"a job is running; the broadcast was received and dropped; {IN_JOB_HINT}")
@@ -301,18 +307,13 @@ class EngineWorker(threading.Thread):
     def _do_pause(self, in_job: bool, mode: str) -> dict:
         if mode not in PAUSE_MODES:
             raise RolloutError(f"unknown pause mode {mode!r}; choose abort, wait, keep or finish")
-        self.paused, self.pause_mode = True, mode
-        self.engine.hold_requested = mode == "keep"  # keep: the engine finishes its step in flight and holds
-        self.engine.scheduler.admit_new = mode != "finish"
+        self._set_pause(mode)
         aborted = self._abort_in_flight() if mode == "abort" and in_job else 0
         self._publish(state="released" if self.engine.memory.released else "paused")
         return {"success": True, "state": "paused", "mode": mode, "aborted": aborted}
 
     def _do_continue(self, in_job: bool) -> dict:
-        self.paused, self.pause_mode = False, None
-        self.engine.hold_requested = False
-        self.engine.scheduler.admit_new = True
-        self._answer_finishing()
+        self._set_pause(None)
         state = "released" if self.engine.memory.released else "serving"
         self._publish(state=state)
         return {"success": True, "state": state}
@@ -325,12 +326,17 @@ class EngineWorker(threading.Thread):
         # `rollout run --resume` generates them later; finished rows are already in shards.
         aborted = self._abort_in_flight(write=False) if in_job else 0
         self._stopping = True
-        self.paused, self.pause_mode = False, None
-        self.engine.hold_requested = False
-        self.engine.scheduler.admit_new = True
-        self._answer_finishing()
+        self._set_pause(None)
         self._publish(state="stopping")
         return {"success": True, "aborted": aborted}
+
+    def _set_pause(self, mode: str | None) -> None:
+        """Enter pause `mode`, or leave the pause (None): the engine's side of each mode is set here only."""
+        self.pause_mode = mode
+        self.engine.hold_requested = mode == "keep"  # keep: the engine finishes its step in flight and holds
+        self.engine.scheduler.admit_new = mode != "finish"
+        if mode is None:
+            self._answer_finishing()
 
     def _answer_finishing(self) -> None:
         """Answer a pending pause finish: the running samples finished (or the job ended)."""
