@@ -377,11 +377,15 @@ class Scheduler(OverlapScheduling):
         request.status = RequestStatus.FINISHED
 
     def preempt(self, request: Request) -> None:
-        self._release(request)
+        self._requeue(request, publish=True)
+        self.stats.preemptions += 1
+
+    def _requeue(self, request: Request, publish: bool) -> None:
+        """Back to the front of the queue with its tokens and no KV (published to the cache first, or not)."""
+        self._release(request, publish)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self.stats.preemptions += 1
         self.waiting.appendleft(request)
 
     def flush_cache(self) -> None:
@@ -402,11 +406,7 @@ class Scheduler(OverlapScheduling):
         response on the new ones and samples on from there. -> how many were retracted."""
         retracted = list(self.running)
         for request in reversed(retracted):  # appendleft: the oldest ends first in line, as it was
-            self._release(request, publish=False)
-            request.num_computed_tokens = 0
-            request.num_preemptions += 1
-            request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
+            self._requeue(request, publish=False)
         return len(retracted)
 
     def abort_all(self) -> None:
