@@ -40,7 +40,7 @@ from rollout_cli.job_manifest import (
     merge_summaries,
     write_final_manifest,
 )
-from rollout_cli.job_continue import aborted_samples, drop_superseded_aborts
+from rollout_cli.job_continue import drop_superseded_aborts, prepare_continuation
 from rollout_cli.job_resume import check_resume, fingerprints
 
 # Debug knob (tests): "ROWS" or "ROWS:SIGNAL" (TERM, INT, KILL; default TERM). The job raises SIGNAL in
@@ -162,8 +162,7 @@ def run_job(
             if job.continue_aborted:
                 if not group.alone:
                     raise RolloutError("--continue-aborted runs on one engine for now; drop --dp")
-                drop_superseded_aborts(job.out)  # a crash after continued rows were written
-                continuing = aborted_samples(job.out)
+                continuing = prepare_continuation(job.out)
                 done -= continuing.keys()
         create_output_dir(job.out, (TRAJECTORIES_SUBDIR, ROUTING_SUBDIR) if routing_dtype else (TRAJECTORIES_SUBDIR,))
         write_manifest(job.out, manifest)

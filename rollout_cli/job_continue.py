@@ -44,10 +44,18 @@ def _shard_status(out: Path) -> tuple[dict[str, set], set]:
     return aborted, finished
 
 
-def aborted_samples(out: str | Path) -> dict[tuple[int, int], PartialSample]:
-    """The aborted samples of OUT that no finished row supersedes, as samples to continue."""
+def prepare_continuation(out: str | Path) -> dict[tuple[int, int], PartialSample]:
+    """At the start of a --continue-aborted run, from one scan of OUT's shards: drop the aborted rows
+    a finished row supersedes (a crash after continued rows were written), and return the other
+    aborted samples, to continue."""
     out = Path(out)
     aborted, finished = _shard_status(out)
+    _drop_superseded(out, aborted, finished)
+    return _aborted_samples(out, aborted, finished)
+
+
+def _aborted_samples(out: Path, aborted: dict[str, set], finished: set) -> dict[tuple[int, int], PartialSample]:
+    """The aborted samples that no finished row supersedes, as samples to continue."""
     samples: dict[tuple[int, int], PartialSample] = {}
     for name, pairs in aborted.items():
         wanted = pairs - finished
@@ -67,7 +75,10 @@ def drop_superseded_aborts(out: str | Path) -> int:
     """Rewrite each shard holding an aborted row whose pair also has a finished row, without it
     (its routing shard first). -> rows dropped."""
     out = Path(out)
-    aborted, finished = _shard_status(out)
+    return _drop_superseded(out, *_shard_status(out))
+
+
+def _drop_superseded(out: Path, aborted: dict[str, set], finished: set) -> int:
     dropped = 0
     for name, pairs in aborted.items():
         stale = pairs & finished

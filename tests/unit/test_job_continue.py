@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollout_cli.job_continue import aborted_samples, drop_superseded_aborts
+from rollout_cli.job_continue import drop_superseded_aborts, prepare_continuation
 
 
 def _shard(out, name, rows, subdir="trajectories"):
@@ -23,7 +23,7 @@ def test_aborted_rows_without_a_finished_row_are_continued(tmp_path):
     _shard(tmp_path, "part-00000.parquet", [_row(0, 0, "length", [5, 6]), _row(0, 1, "abort", [7]),
                                             _row(1, 0, "abort", [])])
     _shard(tmp_path, "part-00001.parquet", [_row(1, 0, "length", [8, 9])])  # 1/0 was continued already
-    samples = aborted_samples(tmp_path)
+    samples = prepare_continuation(tmp_path)
     assert list(samples) == [(0, 1)]
     sample = samples[(0, 1)]
     assert (sample.response_token_ids, sample.response_weight_versions) == ([7], ["3"])
