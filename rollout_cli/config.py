@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("fp8",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -92,8 +93,8 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise RolloutError("--tp must be at least 1")
         if self.quantization is not None:
-            if self.quantization != "fp8":
-                raise RolloutError(f"unknown --quantization {self.quantization!r}; choose fp8")
+            if self.quantization not in QUANTIZATIONS:
+                raise RolloutError(f"unknown --quantization {self.quantization!r}; choose {', '.join(QUANTIZATIONS)}")
             if self.deterministic:
                 raise RolloutError("--quantization fp8 with --deterministic: the batch-invariant kernels run in the "
                                    "model's dtype only (no batch-invariant FP8 GEMM yet); drop one of the two")

@@ -25,10 +25,10 @@ import math
 import torch
 from torch import nn
 
+from rollout_cli.config import QUANTIZATIONS
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.layers import FusedLinear, Linear
 
-QUANTIZATIONS = ("fp8",)
 KEPT_IN_MODEL_DTYPE = ("lm_head", "shared_expert_gate", "in_proj_ba")  # module names, see the docstring
 BLOCK = 128
 
