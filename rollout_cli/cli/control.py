@@ -82,15 +82,25 @@ def continue_command(engine: opt.EngineAddress = None, token_file: opt.TokenFile
     typer.echo("serving")
 
 
-def abort_command(engine: opt.EngineAddress = None, token_file: opt.TokenFile = None) -> None:
-    """End the running job: its unfinished samples are written with finish_reason abort.
+def abort_command(
+    engine: opt.EngineAddress = None, token_file: opt.TokenFile = None,
+    request_id: Annotated[Optional[str], typer.Option(help="Abort only this online request (the id of its OpenAI response, or the request_id it was given).")] = None,
+) -> None:
+    """End the running job (its unfinished samples are written with finish_reason abort) and every
+    online request (each returns its tokens so far), or one online request with --request-id.
 
     Example:
 
         rollout abort
+        rollout abort --request-id cmpl-3f2a...
     """
-    result = _call(engine, token_file, "POST", "/abort_request")
-    typer.echo(f"aborted {result['aborted']} samples" if result["job_aborted"] else "no job was running")
+    result = _call(engine, token_file, "POST", "/abort_request", {"request_id": request_id} if request_id else None)
+    if result["job_aborted"]:
+        typer.echo(f"aborted {result['aborted']} samples")
+    elif result["aborted"]:
+        typer.echo(f"aborted {result['aborted']} online samples")
+    else:
+        typer.echo("nothing was running" if request_id is None else f"no request {request_id} in flight")
 
 
 MemoryTags = Annotated[Optional[str], typer.Option(
@@ -191,6 +201,7 @@ def status_command(
                      f"{job.get('output_tokens_per_s', 0):.0f} out tok/s")
     else:
         lines.append("job             none")
+    lines.append(f"online requests {info.get('online_requests', 0)} in flight")
     typer.echo("\n".join(lines))
 
 

@@ -25,6 +25,7 @@ def serve_command(
     port: Annotated[Optional[int], typer.Option(help="Listen on TCP at this port instead of a socket (needs --token-file).", rich_help_panel=LISTEN)] = None,
     token_file: Annotated[Optional[str], typer.Option(help="TCP: file with the bearer token every request must carry.", rich_help_panel=LISTEN)] = None,
     max_request_bytes: Annotated[int, typer.Option(help="Largest request body; larger ones get 413 before they are read. 64 MiB holds the tensor handles of an unbucketed update of ~190,000 tensors.", rich_help_panel=LISTEN)] = DEFAULT_MAX_REQUEST_BYTES,
+    served_model_name: Annotated[Optional[str], typer.Option(help="The model name of the OpenAI API (/v1/models, and the `model` requests give); default the --model argument.", rich_help_panel=LISTEN)] = None,
     weights_cpu_backup: Annotated[bool, typer.Option("--weights-cpu-backup", help="Keep a host copy of the weights while release-memory has freed them, so resume-memory restores them (else reload weights after resuming).", rich_help_panel=opt.ENGINE)] = False,
     tp: Annotated[int, typer.Option(help="Tensor parallel: split the model over N GPUs (N processes on the CPU), as `rollout run --tp`; rank 0 serves, the other ranks follow its steps, reloads and memory releases.", rich_help_panel=opt.ENGINE)] = 1,
     engine_options: Optional[dict] = None,  # filled by with_engine_options
@@ -52,7 +53,8 @@ def serve_command(
             engine_config = _tensor_parallel_rank(engine_config, hf_config, tp, socket)
             if engine_config is None:
                 raise typer.Exit(0)  # a follower: rank 0 served and stopped it
-        code = serve(engine_config, socket, host, port, token_file, max_request_bytes=max_request_bytes)
+        code = serve(engine_config, socket, host, port, token_file, max_request_bytes=max_request_bytes,
+                     served_model_name=served_model_name)
     except RolloutError as err:
         fail(str(err))
     raise typer.Exit(code)

@@ -17,6 +17,7 @@ engine steps; none is safe to call while another thread steps the engine.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +29,7 @@ from rollout_cli.errors import RolloutError
 
 if TYPE_CHECKING:  # annotations only: the engine builds its control
     from rollout_cli.engine.engine import Engine, Trajectory
+    from rollout_cli.engine.request import Request
 
 
 class RankOperations:
@@ -139,14 +141,15 @@ class EngineControl:
 
     # ---- rank 0's scheduler only ---------------------------------------------------------
 
-    def abort(self) -> list[Trajectory]:
-        """Finish every running and waiting request with finish_reason "abort"; return their trajectories
-        (partial responses, possibly empty) so the caller writes them like any other row."""
+    def abort(self, which: Callable[[Request], bool] | None = None) -> list[Trajectory]:
+        """Finish every running and waiting request (or those `which` selects) with finish_reason "abort";
+        return their trajectories (partial responses, possibly empty) so the caller writes them like any
+        other row."""
         engine = self.engine
         scheduler = engine.scheduler
-        requests = list(scheduler.running) + list(scheduler.waiting)
-        routing = engine.routing.gather_computed(requests)  # read before abort_all gives the slots back
-        scheduler.abort_all()  # gives back slots and table rows; running ones get "abort"
+        requests = [r for r in list(scheduler.running) + list(scheduler.waiting) if which is None or which(r)]
+        routing = engine.routing.gather_computed(requests)  # read before abort gives the slots back
+        scheduler.abort(requests)  # gives back slots and table rows
         for request in requests:
             request.finish_reason = "abort"
         order = sorted(range(len(requests)), key=lambda i: (requests[i].prompt_index, requests[i].sample_index))

@@ -28,7 +28,7 @@ from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduler import Scheduler
 from rollout_cli.engine.tensor_parallel import TensorParallelRanks, TensorParallelRunner, min_over_ranks
 from rollout_cli.engine.tokenizer import checkpoint_eos_token_ids, load_tokenizer
-from rollout_cli.engine.trajectory import PartialSample, PromptInput, Score, ScoreInput, Trajectory
+from rollout_cli.engine.trajectory import NO_PROMPT_YET, PartialSample, PromptInput, Score, ScoreInput, Trajectory
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import (build_model, load_model_config, model_positions, resolve_attention_backend,
                                       resolve_device, resolve_dtype, resolve_max_model_len)
@@ -266,7 +266,8 @@ class Engine:
     ) -> Iterator[Trajectory]:
         """Yield trajectories as they finish; (prompt_index, sample_index) pairs in `skip` are not run.
         A PartialSample is one sample continued from its response so far (the trajectory holds the
-        whole response)."""
+        whole response). A live source (the daemon's online requests) yields NO_PROMPT_YET when it has
+        nothing now: the stream asks again at its next step, and ends once it has no work left."""
         self.memory.check_can_generate()
         try:
             yield from self._stream(prompts, lambda prompt: self._add_prompt(prompt, params, skip), on_step)
@@ -319,6 +320,8 @@ class Engine:
                     prompt = next(source, None)
                     if prompt is None:
                         exhausted = True
+                        break
+                    if prompt is NO_PROMPT_YET:  # a live source: more may come at a later step
                         break
                     add(prompt)
                 ahead = None

@@ -104,6 +104,10 @@ class RequestMaker:
                        scored_logprobs=[None] * len(sample.response_token_ids), score_top_k=top_logprobs,
                        scored_top=[None] * len(sample.response_token_ids) if top_logprobs else None)
 
+    def check_prompt(self, prompt_index: int, ids: list[int]) -> None:
+        """Refuse (RolloutError) a prompt the engine could not admit, before it is queued."""
+        self._check(prompt_index, ids)
+
     def _check(self, prompt_index: int, ids: list[int], what: str = "prompt") -> None:
         # a prompt needs room for a generated token; a scored prompt + response only for itself
         max_len = self.max_prompt_len if what == "prompt" else self.max_model_len

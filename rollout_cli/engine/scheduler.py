@@ -409,10 +409,23 @@ class Scheduler(OverlapScheduling):
             self._requeue(request, publish=False)
         return len(retracted)
 
-    def abort_all(self) -> None:
-        """Drop every unfinished request, giving back its slots and table row (waiting ones hold none)."""
-        for request in list(self.running):
-            self._release(request)
+    def abort(self, requests) -> None:
+        """Finish these unfinished requests now ("abort" unless a reason was set): running ones give
+        back their slots and table row (their computed KV goes to the prefix cache), waiting ones leave
+        the queue. A step in flight skips them when post-processed (they are no longer RUNNING)."""
+        leaving = set()
+        for request in requests:
+            if request.status is RequestStatus.RUNNING:
+                self._release(request)
+            elif request.status is RequestStatus.WAITING:
+                leaving.add(request)
+            else:
+                continue
             request.status = RequestStatus.FINISHED
             request.finish_reason = request.finish_reason or "abort"
-        self.waiting.clear()
+        if leaving:  # one pass over the queue, not one per request
+            self.waiting = deque(r for r in self.waiting if r not in leaving)
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request, giving back its slots and table row (waiting ones hold none)."""
+        self.abort(list(self.running) + list(self.waiting))

@@ -49,6 +49,11 @@ class PromptInput:
     """Overrides the job's sampling settings for this prompt (bench: mixed lengths); None: the job's."""
 
 
+# Yielded by a live prompt source (Engine.stream) that has no prompt now but may have one at a later
+# step; returning ends the source. A stream whose source yields it ends when it has no work left.
+NO_PROMPT_YET = object()
+
+
 @dataclass(frozen=True)
 class PartialSample:
     """One sample to continue from a partial response (an aborted trajectory, a rollout carried over

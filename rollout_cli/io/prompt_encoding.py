@@ -28,8 +28,9 @@ class InvalidPrompt(ValueError):
     """A prompt cell that cannot be tokenized; the message is the reason."""
 
 
-def encode_prompt(tokenizer: Any, value: Any) -> list[int]:
-    """Token ids of one prompt cell (string, chat messages or token ids).
+def encode_prompt(tokenizer: Any, value: Any, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """Token ids of one prompt cell (string, chat messages or token ids); `template_kwargs` go to the
+    chat template (e.g. enable_thinking for Qwen3's).
 
     Raises InvalidPrompt for a cell no model can take (null, number, mixed
     list, malformed messages, empty), and RolloutError when the cell is chat
@@ -43,7 +44,7 @@ def encode_prompt(tokenizer: Any, value: Any) -> list[int]:
         _require_tokenizer(tokenizer)
         _silence_length_warning(tokenizer)
         return [int(t) for t in tokenizer.encode(value)]
-    return _encode_non_string(tokenizer, value)
+    return _encode_non_string(tokenizer, value, template_kwargs)
 
 
 def _silence_length_warning(tokenizer: Any) -> None:
@@ -73,7 +74,7 @@ def _to_python(value: Any) -> Any:
     return value
 
 
-def _encode_non_string(tokenizer: Any, value: Any) -> list[int]:
+def _encode_non_string(tokenizer: Any, value: Any, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     if value is None:
         raise InvalidPrompt("prompt is null")
     if not isinstance(value, (list, tuple)):
@@ -90,7 +91,7 @@ def _encode_non_string(tokenizer: Any, value: Any) -> list[int]:
         return ids
     if all(isinstance(v, Mapping) for v in value):
         _require_tokenizer(tokenizer)
-        return _encode_chat(tokenizer, value)
+        return _encode_chat(tokenizer, value, template_kwargs)
     raise InvalidPrompt(
         "prompt list mixes types; expected only token ids (ints) or only chat messages "
         "(dicts with 'role' and 'content')"
@@ -101,7 +102,8 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def _encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+def _encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                 template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise RolloutError(
             "the prompts are chat messages but the tokenizer has no chat template; add "
@@ -118,7 +120,8 @@ def _encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[
         clean.append({key: val for key, val in m.items() if val is not None})
     _silence_length_warning(tokenizer)
     try:
-        out = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True,
+                                            **dict(template_kwargs or {}))
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as err:
         # Templates reject rows with raise_exception (TemplateError) or trip on odd values.
         raise InvalidPrompt(f"chat template failed: {one_line(err)}") from err

@@ -29,6 +29,7 @@ from rollout_cli.errors import RolloutError
 from rollout_cli.server import http_errors
 from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES
 from rollout_cli.server.http_errors import clip
+from rollout_cli.server.openai_api import register_openai_routes
 from rollout_cli.server.worker import Conflict, EngineWorker
 
 log = logging.getLogger("rollout.serve")
@@ -114,21 +115,20 @@ class MemoryRequest(_Body):
     tags: Optional[list[str]] = Field(None, description="weights, kv_cache, cuda_graph; default all.")
 
 
+class AbortRequest(_Body):
+    request_id: Optional[str] = Field(None, max_length=NAME_CHARS,
+                                      description="One online request (its id); default: the job and every online request.")
+
+
 class PauseRequest(_Body):
     mode: Literal["abort", "wait", "keep", "finish"] = "wait"
 
 
-MESSAGE_CHARS = 1000  # the engine's messages are one line; anything longer is a value echoed back
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    if len(message) > MESSAGE_CHARS:
-        message = f"{message[:MESSAGE_CHARS]}... ({len(message):,} chars)"
-    return http_errors.error_response(status, message)
+_error = http_errors.engine_error
 
 
 def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[], None],
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, served_model_name: str | None = None) -> FastAPI:
     app = FastAPI(title="rollout engine", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_exception_handler(RequestValidationError, http_errors.invalid_body)
     app.add_exception_handler(HTTPException, http_errors.http_error)  # 404, 405, unparsable body, 413
@@ -143,7 +143,8 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
                 client = request.client.host if request.client else "?"
                 log.warning("refused %s %s from %s: %s bearer token", request.method, request.url.path, client,
                             "wrong" if given else "no")
-                return _error(401, "missing or wrong bearer token; pass --token-file with the engine's token")
+                return _error(401, "missing or wrong bearer token; pass --token-file with the engine's token (the "
+                                   "openai client: api_key=<the token>)", path=request.url.path)
         return await call_next(request)
 
     async def call(name: str, **args):
@@ -223,8 +224,8 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
         return await call("continue")
 
     @app.post("/abort_request")
-    async def abort_request(body: EmptyRequest = EmptyRequest()):
-        return await call("abort")
+    async def abort_request(body: AbortRequest = AbortRequest()):
+        return await call("abort", request_id=body.request_id)
 
     @app.post("/shutdown")
     async def shutdown(body: EmptyRequest = EmptyRequest()):
@@ -271,4 +272,5 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
 
         return StreamingResponse(events(), media_type="application/x-ndjson")
 
+    register_openai_routes(app, worker, served_model_name or worker.engine_config.model)
     return app

@@ -102,7 +102,8 @@ def _server_class():
 
 
 def serve(engine_config, socket_path: str | None, host: str | None, port: int | None,
-          token_file: str | None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
+          token_file: str | None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+          served_model_name: str | None = None) -> int:
     """Run the daemon until /shutdown, SIGINT or SIGTERM; return the exit code."""
     import uvicorn
 
@@ -140,7 +141,8 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
     def request_exit() -> None:
         holder["server"].should_exit = True
 
-    app = create_app(worker, token, request_exit, max_request_bytes=max_request_bytes)
+    app = create_app(worker, token, request_exit, max_request_bytes=max_request_bytes,
+                     served_model_name=served_model_name)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5,
                             timeout_keep_alive=KEEP_ALIVE_SECONDS)
     server = holder["server"] = _Server(config, worker)

@@ -33,8 +33,31 @@ def clip(value, limit: int = ECHO_CHARS, quote: bool = True) -> str:
     return shown if len(text) <= limit else f"{shown}... ({len(text):,} chars)"
 
 
-def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"success": False, "error": message}, status_code=status, headers=headers)
+MESSAGE_CHARS = 1000  # the engine's messages are one line; anything longer is a value echoed back
+
+
+OPENAI_PREFIX = "/v1/"  # the OpenAI-compatible routes answer errors in OpenAI's shape
+OPENAI_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                      405: "BadRequestError", 409: "ConflictError", 413: "BadRequestError",
+                      500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def engine_error(status: int, message: str, path: str = "") -> JSONResponse:
+    """An endpoint's refusal: the engine's one-line message (clipped if it echoes a long value)."""
+    if len(message) > MESSAGE_CHARS:
+        message = f"{message[:MESSAGE_CHARS]}... ({len(message):,} chars)"
+    return error_response(status, message, path=path)
+
+
+def error_response(status: int, message: str, headers: dict | None = None, path: str = "") -> JSONResponse:
+    """`{"success": false, "error": "<line>"}`; under /v1/ OpenAI's `{"error": {"message": ..., ...}}`,
+    which the openai client shows in its exception."""
+    if path.startswith(OPENAI_PREFIX):
+        body = {"error": {"message": message, "type": OPENAI_ERROR_TYPES.get(status, "APIError"), "param": None,
+                          "code": status}}
+    else:
+        body = {"success": False, "error": message}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 # ---- 400: the body does not fit the endpoint's request model ----
@@ -103,7 +126,7 @@ async def invalid_body(request: Request, exc: RequestValidationError) -> JSONRes
     shown = "; ".join(problems[:MAX_PROBLEMS])
     if len(problems) > MAX_PROBLEMS:  # a body of 10,000 bad keys gets a line, not 10,000
         shown += f"; and {len(problems) - MAX_PROBLEMS:,} more"
-    return error_response(400, f"invalid request to {request.url.path}: {shown}")
+    return error_response(400, f"invalid request to {request.url.path}: {shown}", path=request.url.path)
 
 
 # ---- 404 / 405 / other HTTP errors raised by the router or FastAPI ----
@@ -125,7 +148,7 @@ async def http_error(request: Request, exc) -> JSONResponse:
         message = f"invalid request to {path}: the body is not UTF-8 JSON; send a JSON object"
     else:
         message = str(exc.detail)
-    return error_response(exc.status_code, message, headers=exc.headers)
+    return error_response(exc.status_code, message, headers=exc.headers, path=path)
 
 
 # ---- 413: the body limit ----
@@ -154,7 +177,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            response = error_response(413, _too_large(f"{int(declared):,}", self.limit))
+            response = error_response(413, _too_large(f"{int(declared):,}", self.limit), path=scope.get("path", ""))
             return await response(scope, receive, send)
         received = 0
 

@@ -5,6 +5,10 @@ Future; the worker takes commands while idle, and between engine steps while a j
 (through the job's on_step hook). Status is answered from `snapshot()`, plain values the
 worker publishes under a lock, so `rollout status` never waits behind a step.
 
+Online requests (the OpenAI API, server/online.py) are served by a live engine stream the worker
+runs while any is in flight; pauses, aborts and weight updates reach it between steps as they reach a
+job. A /generate job and online requests do not run at the same time: each is refused while the other runs.
+
 Every operation on the engine goes through its control API (`engine.control`, engine/control.py),
 as the CLI's and the Python Engine's do. Under `serve --tp N` this is rank 0: its engine's steps,
 weight updates and memory releases reach the other ranks through that API; at shutdown it
@@ -23,10 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_cli.engine.engine import Engine
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.trajectory import NO_PROMPT_YET
 from rollout_cli.errors import JobInterrupted, RolloutError
 from rollout_cli.io.output_dir import read_manifest
 from rollout_cli.job import run_job
 from rollout_cli.process_gc import freeze_long_lived_objects
+from rollout_cli.server.online import LiveRequests, OnlineRequest
 
 log = logging.getLogger("rollout.serve")
 
@@ -101,6 +108,8 @@ class EngineWorker(threading.Thread):
         self._abort_job = False  # the running job must end after its in-flight samples are written
         self._aborted: list = []  # trajectories finished with "abort", not yet yielded to the writer
         self._abort_reason = "abort"  # or "shutdown": unfinished samples are dropped for --resume
+        self.live = LiveRequests()  # online requests in flight (engine thread)
+        self._live_running = False  # the live stream runs (set under _lock: a job is refused meanwhile)
 
     @property
     def paused(self) -> bool:
@@ -114,6 +123,7 @@ class EngineWorker(threading.Thread):
             job = self.job
         if job is not None:
             info["job"] = {"data": job.job.data, "out": job.job.out, **job.progress}
+        info["online_requests"] = len(self.live)
         return info
 
     def submit(self, name: str, **args) -> Future:
@@ -136,6 +146,9 @@ class EngineWorker(threading.Thread):
                 )
             if self.paused:
                 raise Conflict("generation is paused; resume it with rollout continue")
+            if self._live_running or len(self.live):
+                raise Conflict(f"{len(self.live)} online requests are in flight; a /generate job runs once "
+                               "they finish (or abort them with rollout abort)")
             if self.engine is not None:
                 try:
                     self.engine.memory.check_can_generate()
@@ -144,6 +157,10 @@ class EngineWorker(threading.Thread):
             handle = self.job = JobHandle(job, params)
         self.commands.put(Command("generate", {"handle": handle}))
         return handle
+
+    def submit_online(self, request: OnlineRequest) -> Future:
+        """Queue an online request; the future answers once the engine thread accepted or refused it."""
+        return self.submit("online", request=request)
 
     # ---- worker thread -----------------------------------------------------------
 
@@ -161,8 +178,12 @@ class EngineWorker(threading.Thread):
         self.ready.set()
         try:
             while not self._stopping:
+                if self.live.inbox and not self.paused:
+                    self._run_live()
+                    continue
                 self._handle(self.commands.get(), in_job=False)
         finally:
+            self.live.fail_all("the engine is shutting down")
             self.engine.control.close()  # this rank's weight update groups; --tp: the other ranks exit
         self._drain_failed()
 
@@ -183,6 +204,9 @@ class EngineWorker(threading.Thread):
                 return
             if command.name == "generate":
                 command.args["handle"].finish(event="error", message=reason)
+            elif command.name == "online":
+                command.args["request"].fail(reason)
+                command.future.set_exception(Conflict(reason))
             elif command.name == "shutdown":
                 command.future.set_result({"success": True})
             else:
@@ -194,6 +218,12 @@ class EngineWorker(threading.Thread):
 
     def _handle(self, command: Command, in_job: bool) -> None:
         if command.name == "generate":
+            if in_job:  # submit_job refuses a job while online requests run; this closes the race
+                command.args["handle"].finish(event="error", message="online requests are in flight; retry the job "
+                                              "once they finish")
+                with self._lock:
+                    self.job = None
+                return
             self._run_job(command.args["handle"])
             return
         if command.name == "pause" and command.args.get("mode") == "finish" and in_job \
@@ -308,7 +338,9 @@ class EngineWorker(threading.Thread):
         if mode not in PAUSE_MODES:
             raise RolloutError(f"unknown pause mode {mode!r}; choose abort, wait, keep or finish")
         self._set_pause(mode)
-        aborted = self._abort_in_flight() if mode == "abort" and in_job else 0
+        aborted = 0
+        if mode == "abort":  # the running job or online requests, or online requests queued while idle
+            aborted = self._abort_in_flight() if in_job else self.live.abort_queued()
         self._publish(state="released" if self.engine.memory.released else "paused")
         return {"success": True, "state": "paused", "mode": mode, "aborted": aborted}
 
@@ -318,8 +350,29 @@ class EngineWorker(threading.Thread):
         self._publish(state=state)
         return {"success": True, "state": state}
 
-    def _do_abort(self, in_job: bool) -> dict:
-        return {"success": True, "aborted": self._abort_in_flight() if in_job else 0, "job_aborted": in_job}
+    def _do_abort(self, in_job: bool, request_id: str | None = None) -> dict:
+        if request_id is not None:
+            return {"success": True, "aborted": self._abort_online(request_id), "job_aborted": False}
+        job = in_job and self.job is not None
+        aborted = self._abort_in_flight() if in_job else self.live.abort_queued()
+        return {"success": True, "aborted": aborted, "job_aborted": job}
+
+    def _do_online(self, in_job: bool, request: OnlineRequest) -> dict:
+        if self.job is not None:
+            raise Conflict(f"a /generate job is running (out {self.job.job.out}); online requests are served "
+                           "between jobs: wait for it, or stop it with rollout abort")
+        if self._stopping:
+            raise Conflict("the engine is shutting down")
+        if request.request_id in self.live.by_id:
+            raise Conflict(f"request id {request.request_id!r} is already in flight; give each request its own id")
+        try:
+            self.engine.memory.check_can_generate()
+        except RolloutError as err:
+            raise Conflict(str(err)) from err
+        for index, ids in enumerate(request.prompts):  # refused here, not inside the stream other requests share
+            self.engine.requests.check_prompt(index, ids)
+        self.live.add(request)  # paused: it waits for rollout continue
+        return {"success": True}
 
     def _do_shutdown(self, in_job: bool) -> dict:
         # Like Ctrl-C of an embedded run: unfinished samples are dropped, not written, so
@@ -351,6 +404,13 @@ class EngineWorker(threading.Thread):
             return 0
         self._abort_job = True
         self._abort_reason = "abort" if write else "shutdown"
+        if self._live_running:  # online requests: each caller gets its samples so far
+            aborted = self.control.abort()
+            for trajectory in aborted:
+                self.live.finish(trajectory)
+            count = len(aborted) + self.live.abort_queued()
+            log.info("%d online samples aborted", count)
+            return count
         aborted = self.control.abort()
         if write:
             self._aborted.extend(aborted)
@@ -358,6 +418,65 @@ class EngineWorker(threading.Thread):
         else:
             log.info("job interrupted by shutdown: %d unfinished samples left for --resume", len(aborted))
         return len(aborted)
+
+    def _abort_online(self, request_id: str) -> int:
+        """Abort one online request: its samples end with what they have ("abort"); -> how many samples."""
+        request = self.live.by_id.get(request_id)
+        if request is None:
+            return 0  # finished already, or never was: nothing to abort
+        aborted = 0
+        if self._live_running:
+            trajectories = self.control.abort(lambda r: self.live.owner(r.payload) is not None
+                                              and self.live.owner(r.payload)[0] is request)
+            for trajectory in trajectories:
+                self.live.finish(trajectory)
+            aborted = len(trajectories)
+        return aborted + self.live.abort_queued(request_id)
+
+    # ---- online requests (server/online.py) --------------------------------------------
+
+    def _run_live(self) -> None:
+        """Serve the online requests in flight with one engine stream; it ends when none is left (or
+        on an abort), and the next request starts another."""
+        engine, live = self.engine, self.live
+        with self._lock:
+            self._live_running = True
+        self._abort_job = False
+
+        def source():
+            while not self._abort_job:
+                prompt = live.next_prompt()
+                if prompt is not None:
+                    yield prompt
+                elif engine.scheduler.has_work():
+                    yield NO_PROMPT_YET
+                else:
+                    return
+
+        def step_hook():
+            stopped = live.on_step(engine.scheduler.running)
+            if stopped:  # a stop string or stop token id ended them: free their slots now
+                chosen = set(map(id, stopped))
+                for trajectory in self.control.abort(lambda r: id(r) in chosen):
+                    live.finish(trajectory)
+            self.between_steps(None)
+
+        try:
+            # each prompt carries its request's sampling settings; the stream's own are never used
+            for trajectory in engine.stream(source(), SamplingParams(), on_step=step_hook):
+                live.finish(trajectory)
+            if not live.inbox and len(live):  # never expected: no caller may wait forever
+                live.fail_all("internal error: the engine stream ended before every request finished")
+        except RolloutError as err:
+            live.fail_all(str(err))
+        except Exception as err:  # noqa: BLE001 - the daemon keeps serving; the callers get the reason
+            log.error("online requests failed:\n%s", traceback.format_exc())
+            live.fail_all(f"internal error: {type(err).__name__}: {err}")
+        finally:
+            self._abort_job = False
+            self._answer_finishing()
+            with self._lock:
+                self._live_running = False
 
     # ---- one job -------------------------------------------------------------------
 

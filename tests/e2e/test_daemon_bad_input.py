@@ -85,7 +85,7 @@ UNKNOWN_KEYS = [
     ("/resume_memory_occupation", {"tgs": []}, "unknown key tgs; did you mean tags?"),
     ("/pause_generation", {"mdoe": "abort"}, "unknown key mdoe; did you mean mode?"),
     ("/continue_generation", {"force": True}, "unknown key force; this endpoint takes no parameters"),
-    ("/abort_request", {"all": True}, "unknown key all; this endpoint takes no parameters"),
+    ("/abort_request", {"requst_id": "r"}, "unknown key requst_id; did you mean request_id?"),
     ("/flush_cache", {"now": True}, "unknown key now; this endpoint takes no parameters"),
     ("/shutdown", {"now": True}, "unknown key now; this endpoint takes no parameters"),
 ]

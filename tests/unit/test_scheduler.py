@@ -195,6 +195,39 @@ def test_abort_all_returns_every_slot_and_row(prefix_cache, after_schedule):
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
+def test_abort_of_some_requests_leaves_the_others_running_exactly(prefix_cache):
+    """Abort by request id (the daemon's online requests): the chosen running and waiting requests end
+    with "abort" and what they have; the others finish with the tokens they would have had; no slot leaks."""
+    s = Scheduler(num_kv_slots=200, max_running=3, max_batch_tokens=8, enable_prefix_cache=prefix_cache)
+    rng = random.Random(2)
+    requests = [make_request(i, [rng.randrange(9) for _ in range(rng.randrange(5, 15))], max_new_tokens=12)
+                for i in range(6)]
+    for r in requests:
+        s.add(r)
+    runner = FakeRunner(3)
+    for _ in range(5):
+        out = s.schedule()
+        s.postprocess(out, *runner.run(out))
+    chosen = [s.running[0], s.waiting[-1]]
+    so_far = [list(r.output_token_ids) for r in chosen]
+    out = s.schedule()  # a step in flight holds the aborted running request: post-processing skips it
+    s.abort(chosen)
+    s.postprocess(out, *runner.run(out))
+    assert [r.finish_reason for r in chosen] == ["abort", "abort"]
+    assert [r.output_token_ids for r in chosen] == so_far and so_far[0] and not so_far[1]
+    assert all(r.status is RequestStatus.FINISHED and not r.slots for r in chosen)
+    assert chosen[1] not in s.waiting and chosen[0] not in s.running
+    finished = drive(s, runner)
+    others = [r for r in requests if r not in chosen]
+    assert set(finished) == set(others)
+    for r in others:
+        assert r.output_token_ids == expected_output(r)
+    cached = s.cache.total_size if s.cache else 0
+    assert s.allocator.num_free + cached == s.allocator.num_slots - 1
+    assert sorted(s._free_rows) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
 def test_retracted_requests_recompute_on_new_weights_and_record_each_tokens_version(prefix_cache):
     """pause keep + a weight update: running requests give back every slot (none goes into the cache:
     old weights' KV), the cache can be flushed with requests still waiting, and each request's

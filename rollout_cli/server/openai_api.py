@@ -1,0 +1,422 @@
+"""The OpenAI-compatible API of the daemon: /v1/models, /v1/completions, /v1/chat/completions.
+
+Agent frameworks and RL environment libraries drive an engine through the official `openai` client;
+these routes take its requests unchanged, with the extensions RL needs (vLLM's names where it has
+them): `return_token_ids` (the prompt's and each choice's token ids, and the weight version of every
+token), token ids as the completions prompt, `stop_token_ids`, `top_k`, `min_p`, `ignore_eos`,
+`request_id` (abort it with POST /abort_request {"request_id": ...}) and `chat_template_kwargs`.
+
+Each request becomes an OnlineRequest (server/online.py) served by the engine thread together with
+every other request in flight. A sample's random stream is keyed as in `rollout run`: with the same
+`seed`, prompt i of a request draws what row i of a prompt file draws. Without a seed each request
+draws a fresh one, as OpenAI's API does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.tokenizer import load_tokenizer
+from rollout_cli.errors import RolloutError
+from rollout_cli.io.prompt_encoding import InvalidPrompt, encode_prompt
+from rollout_cli.server.http_errors import OPENAI_PREFIX, engine_error
+from rollout_cli.server.online import Choice, OnlineRequest
+from rollout_cli.server.worker import Conflict, EngineWorker
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DISCONNECT_POLL_SECONDS = 1.0  # how often a non-streaming request checks that its client is still there
+
+
+class _OpenAIBody(BaseModel):
+    """Unknown keys are refused (with the nearest valid one), as on every route of the daemon."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_OpenAIBody):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_OpenAIBody):
+    """The keys both generation routes share: OpenAI's, then the extensions."""
+
+    model: str
+    n: int = 1
+    temperature: Optional[float] = None  # None: OpenAI's default, 1
+    top_p: Optional[float] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # extensions (vLLM's names)
+    top_k: int = 0
+    min_p: float = 0.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    return_token_ids: bool = False
+    request_id: Optional[str] = Field(None, max_length=256)
+    logprobs_mode: Literal["processed", "raw"] = "processed"
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[list[int], list[list[int]], str, list[str]]
+    max_tokens: Optional[int] = COMPLETIONS_DEFAULT_MAX_TOKENS
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    """A chat message as the template reads it; keys beyond role and content (tool_calls, name,
+    reasoning_content, ...) go to the chat template as they are."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None  # None: up to --max-model-len
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    response_format: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+def _refuse_unsupported(body: _Sampling) -> None:
+    """Keys the engine cannot honour are refused by name rather than ignored."""
+    if body.presence_penalty or body.frequency_penalty:
+        raise RolloutError("presence_penalty and frequency_penalty are not supported; leave them at 0")
+    if body.logit_bias:
+        raise RolloutError("logit_bias is not supported; leave it out")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise RolloutError("echo is not supported; with return_token_ids the response carries prompt_token_ids")
+        if body.suffix:
+            raise RolloutError("suffix is not supported; leave it out")
+        if body.best_of not in (None, body.n):
+            raise RolloutError("best_of is not supported; use n and pick among the choices")
+        if body.logprobs not in (None, 0):
+            raise RolloutError(f"logprobs {body.logprobs} asks for the top alternatives, which the sampler does "
+                               "not compute; pass logprobs 0 for the logprob of each sampled token")
+    else:
+        if body.top_logprobs:
+            raise RolloutError(f"top_logprobs {body.top_logprobs} asks for alternatives the sampler does not "
+                               "compute; pass logprobs true (and top_logprobs 0) for each sampled token's logprob")
+        if body.tools or body.tool_choice not in (None, "none", "auto"):
+            raise RolloutError("tools are not supported by the chat API yet; put the tool descriptions in the "
+                               "messages, or run tool episodes offline with rollout run --env")
+        if body.response_format and body.response_format.get("type") not in (None, "text"):
+            raise RolloutError("response_format other than text is not supported; leave it out")
+
+
+def _sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        n=body.n, max_new_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, min_p=body.min_p,
+        seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
+        ignore_eos=body.ignore_eos, logprobs_mode=body.logprobs_mode,
+    )
+
+
+def _stop_strings(body: _Sampling) -> tuple[str, ...]:
+    if body.stop is None:
+        return ()
+    return (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+
+
+def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages for the chat template: content parts of type text are joined; other parts are refused."""
+    out = []
+    for k, message in enumerate(messages):
+        item = message.model_dump(exclude_none=True)
+        content = item.get("content")
+        if isinstance(content, list):
+            kinds = {part.get("type") for part in content}
+            if kinds - {"text"}:
+                raise RolloutError(f"message {k} has content parts of type {sorted(kinds - {'text'})}; "
+                                   "this engine takes text only")
+            item["content"] = "".join(part.get("text", "") for part in content)
+        item.setdefault("content", "")
+        out.append(item)
+    return out
+
+
+class OpenAIRoutes:
+    """The routes' state: the worker, the served model name, and a tokenizer of the HTTP side's own (a
+    tokenizer object is not shared between threads; the engine thread has its own)."""
+
+    def __init__(self, worker: EngineWorker, served_model_name: str):
+        self.worker = worker
+        self.served_model_name = served_model_name
+        self.created = int(time.time())
+        self._tokenizer = None
+        self._tokenizer_loaded = False
+
+    @property
+    def tokenizer(self):
+        if not self._tokenizer_loaded:
+            self._tokenizer = load_tokenizer(self.worker.engine.config.model)
+            self._tokenizer_loaded = True
+        return self._tokenizer
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.served_model_name, self.worker.engine_config.model):
+            raise LookupError(f"model {name!r} is not served here; this engine serves {self.served_model_name!r} "
+                              "(GET /v1/models)")
+
+    def models(self) -> dict:
+        engine = self.worker.engine
+        return {"object": "list", "data": [{
+            "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "rollout",
+            "root": self.worker.engine_config.model,
+            "max_model_len": engine.max_model_len if engine is not None else None,
+        }]}
+
+    def encode(self, prompt, template_kwargs: dict | None = None) -> list[int]:
+        try:
+            return encode_prompt(self.tokenizer, prompt, template_kwargs)
+        except InvalidPrompt as err:
+            raise RolloutError(f"invalid prompt: {err}") from err
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (OpenAI's logprobs.tokens)."""
+        if self.tokenizer is None:
+            return [f"token_id:{t}" for t in token_ids]
+        return [self.tokenizer.decode([t]) for t in token_ids]
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return engine_error(status, message, path=OPENAI_PREFIX)
+
+
+def register_openai_routes(app: FastAPI, worker: EngineWorker, served_model_name: str) -> None:
+    routes = OpenAIRoutes(worker, served_model_name)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return routes.models()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request):
+        return await _serve(routes, body, http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: Request):
+        return await _serve(routes, body, http, chat=True)
+
+
+async def _serve(routes: OpenAIRoutes, body: _Sampling, http: Request, chat: bool):
+    worker = routes.worker
+    if not worker.ready.is_set():
+        return _error(503, "the engine is still loading; retry in a moment")
+    if worker.load_error is not None:
+        return _error(503, f"the engine failed to load: {worker.load_error}")
+    try:
+        routes.check_model(body.model)
+    except LookupError as err:
+        return _error(404, str(err))
+    try:
+        _refuse_unsupported(body)
+        if chat:
+            prompts = [routes.encode(_chat_messages(body.messages), body.chat_template_kwargs)]
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            if max_tokens is None:  # up to the context length, as vLLM does
+                max_tokens = max(1, worker.engine.max_model_len - len(prompts[0]))
+        else:
+            prompt = body.prompt
+            many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+            prompts = [routes.encode(p) for p in (prompt if many else [prompt])]
+            max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        params = _sampling_params(body, max_tokens)
+        if _stop_strings(body) and routes.tokenizer is None:
+            raise RolloutError("stop strings need the model's tokenizer files; pass stop_token_ids instead")
+        request_id = body.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request = OnlineRequest(request_id, prompts, params, worker.engine.tokenizer, _stop_strings(body),
+                                tuple(body.stop_token_ids), stream=body.stream)
+        await asyncio.wrap_future(worker.submit_online(request))
+    except Conflict as err:
+        return _error(409, str(err))
+    except RolloutError as err:
+        return _error(400, str(err))
+    shape = _ResponseShape(routes, body, request, chat)
+    if body.stream:
+        return StreamingResponse(_stream_events(routes, request, shape), media_type="text/event-stream")
+    return await _whole_response(routes, request, shape, http)
+
+
+async def _whole_response(routes: OpenAIRoutes, request: OnlineRequest, shape: "_ResponseShape", http: Request):
+    choices: list[Choice] = []
+    try:
+        while len(choices) < request.num_samples:
+            try:
+                event = await asyncio.wait_for(request.events.get(), DISCONNECT_POLL_SECONDS)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():  # nobody will read the answer: free the engine
+                    routes.worker.submit("abort", request_id=request.request_id)
+                    return JSONResponse({})
+                continue
+            if event[0] == "error":
+                return _error(500, event[1])
+            if event[0] == "finish":
+                choices.append(event[1])
+    except asyncio.CancelledError:
+        routes.worker.submit("abort", request_id=request.request_id)
+        raise
+    return shape.whole(sorted(choices, key=lambda c: c.index))
+
+
+async def _stream_events(routes: OpenAIRoutes, request: OnlineRequest, shape: "_ResponseShape"):
+    finished = 0
+    try:
+        if shape.chat:
+            yield from_chunk(shape.first_chunk())
+        while finished < request.num_samples:
+            event = await request.events.get()
+            if event[0] == "error":
+                yield from_chunk({"error": {"message": event[1], "type": "InternalServerError", "code": 500}})
+                return
+            if event[0] == "delta":
+                _, index, token_ids, logprobs, text = event
+                yield from_chunk(shape.chunk(index, token_ids, logprobs, text, None))
+            else:
+                choice = event[1]
+                token_ids, logprobs, text = shape.rest_of(choice)
+                yield from_chunk(shape.chunk(choice.index, token_ids, logprobs, text, choice))
+                finished += 1
+        if shape.include_usage:
+            yield from_chunk(shape.usage_chunk())
+        yield "data: [DONE]\n\n"
+    finally:
+        if finished < request.num_samples:  # the client went away mid-stream: free the engine
+            routes.worker.submit("abort", request_id=request.request_id)
+
+
+def from_chunk(payload: dict) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class _ResponseShape:
+    """Builds OpenAI's response objects (whole, or streamed chunks) for one request."""
+
+    def __init__(self, routes: OpenAIRoutes, body: _Sampling, request: OnlineRequest, chat: bool):
+        self.routes = routes
+        self.request = request
+        self.chat = chat
+        self.model = body.model
+        self.want_logprobs = body.logprobs is not None if not chat else bool(body.logprobs)
+        self.return_token_ids = body.return_token_ids
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.created = int(time.time())
+        self._sent: dict[int, tuple[int, int]] = {}  # choice index -> (tokens, characters) streamed
+        self._completion_tokens = 0
+
+    @property
+    def object_name(self) -> str:
+        if self.chat:
+            return "chat.completion.chunk" if self.request.stream else "chat.completion"
+        return "text_completion"
+
+    def _head(self) -> dict:
+        return {"id": self.request.request_id, "object": self.object_name, "created": self.created,
+                "model": self.model}
+
+    def usage(self) -> dict:
+        prompt = sum(len(p) for p in self.request.prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": self._completion_tokens,
+                "total_tokens": prompt + self._completion_tokens}
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float], offset: int) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        strings = self.routes.token_strings(token_ids)
+        if self.chat:
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
+                                for s, lp in zip(strings, logprobs)]}
+        offsets, at = [], offset
+        for s in strings:
+            offsets.append(at)
+            at += len(s)
+        return {"tokens": strings, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+
+    def _ids(self, choice_out: dict, choice: Choice | None, token_ids: list[int]) -> None:
+        """return_token_ids: the choice's token ids (new ones when streaming), its prompt's, the versions."""
+        if not self.return_token_ids:
+            return
+        choice_out["token_ids"] = token_ids
+        if choice is not None:
+            choice_out["prompt_token_ids"] = self.request.prompts[choice.prompt]
+            choice_out["weight_versions"] = choice.weight_versions
+            choice_out["stop_reason"] = choice.stop_reason
+
+    # ---- a whole response ------------------------------------------------------------
+
+    def whole(self, choices: list[Choice]) -> dict:
+        out = []
+        for c in choices:
+            self._completion_tokens += len(c.token_ids)
+            item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                    "logprobs": self._logprobs(c.token_ids, c.logprobs, 0)}
+            if self.chat:
+                item["message"] = {"role": "assistant", "content": c.text}
+            else:
+                item["text"] = c.text
+            self._ids(item, c, c.token_ids)
+            out.append(item)
+        response = {**self._head(), "choices": out, "usage": self.usage()}
+        if self.chat and self.return_token_ids:
+            response["prompt_token_ids"] = self.request.prompts[0]
+        return response
+
+    # ---- streamed chunks ---------------------------------------------------------------
+
+    def first_chunk(self) -> dict:
+        """Chat: the assistant role of every choice, before any content (as OpenAI streams it)."""
+        return {**self._head(), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}
+                                            for i in range(self.request.num_samples)]}
+
+    def rest_of(self, choice: Choice) -> tuple[list[int], list[float], str]:
+        """What a finished choice holds beyond what was streamed of it."""
+        tokens, chars = self._sent.get(choice.index, (0, 0))
+        return choice.token_ids[tokens:], choice.logprobs[tokens:], choice.text[chars:]
+
+    def chunk(self, index: int, token_ids: list[int], logprobs: list[float], text: str,
+              finished: Choice | None) -> dict:
+        tokens, chars = self._sent.get(index, (0, 0))
+        self._sent[index] = (tokens + len(token_ids), chars + len(text))
+        self._completion_tokens += len(token_ids)
+        item: dict[str, Any] = {"index": index, "logprobs": self._logprobs(token_ids, logprobs, chars),
+                                "finish_reason": finished.finish_reason if finished else None,
+                                "stop_reason": finished.stop_reason if finished else None}
+        if self.chat:
+            item["delta"] = {"content": text}
+        else:
+            item["text"] = text
+        self._ids(item, finished, token_ids)
+        return {**self._head(), "choices": [item]}
+
+    def usage_chunk(self) -> dict:
+        return {**self._head(), "choices": [], "usage": self.usage()}
