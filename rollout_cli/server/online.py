@@ -162,6 +162,31 @@ class LiveRequests:
                 stopped.append(engine_request)
         return stopped
 
+    def after_step(self, control, running) -> None:
+        """Between engine steps: feed the watched samples; those a stop rule ended leave the engine now
+        (their slots freed) and go back to their requests."""
+        stopped = self.on_step(running)
+        if stopped:
+            chosen = set(map(id, stopped))
+            for trajectory in control.abort(lambda r: id(r) in chosen):
+                self.finish(trajectory)
+
+    def abort(self, control, request_id: str | None = None) -> int:
+        """End online requests now (one, or all): samples in the engine come back with their tokens so
+        far, queued ones with none, all with finish_reason "abort". -> how many samples."""
+        target = None if request_id is None else self.by_id.get(request_id)
+        if request_id is not None and target is None:
+            return 0  # finished already, or never was: nothing to abort
+
+        def chosen(engine_request) -> bool:
+            found = self.owner(engine_request.payload)
+            return found is not None and (target is None or found[0] is target)
+
+        trajectories = control.abort(chosen)
+        for trajectory in trajectories:
+            self.finish(trajectory)
+        return len(trajectories) + self.abort_queued(request_id)
+
     def finish(self, trajectory) -> None:
         """A finished (or aborted) sample from the engine goes back to its request."""
         found = self.owner(trajectory.passthrough)

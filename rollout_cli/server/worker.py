@@ -29,11 +29,12 @@ from typing import Any
 from rollout_cli.engine.engine import Engine
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.trajectory import NO_PROMPT_YET
-from rollout_cli.errors import JobInterrupted, RolloutError
+from rollout_cli.errors import RolloutError
 from rollout_cli.io.output_dir import read_manifest
 from rollout_cli.job import run_job
 from rollout_cli.process_gc import freeze_long_lived_objects
 from rollout_cli.server.online import LiveRequests, OnlineRequest
+from rollout_cli.server.served_job import JobAborted, JobEngine, JobHandle
 
 log = logging.getLogger("rollout.serve")
 
@@ -52,40 +53,11 @@ class Conflict(RolloutError):
     """The request is valid but cannot run in the engine's current state (HTTP 409)."""
 
 
-class JobAborted(JobInterrupted):
-    """Raised out of a job's trajectory stream after its aborted samples were written."""
-
-
 @dataclass
 class Command:
     name: str
     args: dict[str, Any] = field(default_factory=dict)
     future: Future = field(default_factory=Future)
-
-
-class JobHandle:
-    """One /generate job as the HTTP side sees it: progress snapshots and the outcome."""
-
-    def __init__(self, job, params):
-        self.job = job
-        self.params = params
-        self.progress: dict[str, Any] = {}
-        self.seq = 0  # bumped on every progress change; the HTTP stream polls it
-        self.done = threading.Event()
-        self.outcome: dict[str, Any] = {}  # {"event": "done"|"aborted"|"error", ...}
-
-    def update(self, progress) -> None:
-        self.progress = {
-            "prompts_total": progress.prompts_total, "prompts_done": progress.prompts_done,
-            "trajectories": progress.trajectories, "output_tokens": progress.output_tokens,
-            "output_tokens_per_s": round(progress.output_tokens_per_s, 1),
-        }
-        self.seq += 1
-
-    def finish(self, **outcome) -> None:
-        self.outcome = outcome
-        self.done.set()  # before the bump: a reader that sees the new seq sees done
-        self.seq += 1
 
 
 class EngineWorker(threading.Thread):
@@ -105,8 +77,8 @@ class EngineWorker(threading.Thread):
         self.pause_mode: str | None = None  # the current pause's mode (PAUSE_MODES); None: not paused
         self._finishing: Command | None = None  # a pause finish answered once the running samples finished
         self._stopping = False
-        self._abort_job = False  # the running job must end after its in-flight samples are written
-        self._aborted: list = []  # trajectories finished with "abort", not yet yielded to the writer
+        self.stop_requested = False  # the running job must end after its in-flight samples are written
+        self.aborted_samples: list = []  # trajectories finished with "abort", not yet yielded to the writer
         self._abort_reason = "abort"  # or "shutdown": unfinished samples are dropped for --resume
         self.live = LiveRequests()  # online requests in flight (engine thread)
         self._live_running = False  # the live stream runs (set under _lock: a job is refused meanwhile)
@@ -352,7 +324,7 @@ class EngineWorker(threading.Thread):
 
     def _do_abort(self, in_job: bool, request_id: str | None = None) -> dict:
         if request_id is not None:
-            return {"success": True, "aborted": self._abort_online(request_id), "job_aborted": False}
+            return {"success": True, "aborted": self.live.abort(self.control, request_id), "job_aborted": False}
         job = in_job and self.job is not None
         aborted = self._abort_in_flight() if in_job else self.live.abort_queued()
         return {"success": True, "aborted": aborted, "job_aborted": job}
@@ -400,38 +372,21 @@ class EngineWorker(threading.Thread):
     def _abort_in_flight(self, write: bool = True) -> int:
         """End the running job: its unfinished samples finish with "abort" and are written
         (`write`), or are dropped so a later --resume generates them (shutdown)."""
-        if self._abort_job:
+        if self.stop_requested:
             return 0
-        self._abort_job = True
+        self.stop_requested = True
         self._abort_reason = "abort" if write else "shutdown"
         if self._live_running:  # online requests: each caller gets its samples so far
-            aborted = self.control.abort()
-            for trajectory in aborted:
-                self.live.finish(trajectory)
-            count = len(aborted) + self.live.abort_queued()
+            count = self.live.abort(self.control)
             log.info("%d online samples aborted", count)
             return count
         aborted = self.control.abort()
         if write:
-            self._aborted.extend(aborted)
+            self.aborted_samples.extend(aborted)
             log.info("job aborted: %d in-flight samples finish with finish_reason abort", len(aborted))
         else:
             log.info("job interrupted by shutdown: %d unfinished samples left for --resume", len(aborted))
         return len(aborted)
-
-    def _abort_online(self, request_id: str) -> int:
-        """Abort one online request: its samples end with what they have ("abort"); -> how many samples."""
-        request = self.live.by_id.get(request_id)
-        if request is None:
-            return 0  # finished already, or never was: nothing to abort
-        aborted = 0
-        if self._live_running:
-            trajectories = self.control.abort(lambda r: self.live.owner(r.payload) is not None
-                                              and self.live.owner(r.payload)[0] is request)
-            for trajectory in trajectories:
-                self.live.finish(trajectory)
-            aborted = len(trajectories)
-        return aborted + self.live.abort_queued(request_id)
 
     # ---- online requests (server/online.py) --------------------------------------------
 
@@ -441,10 +396,10 @@ class EngineWorker(threading.Thread):
         engine, live = self.engine, self.live
         with self._lock:
             self._live_running = True
-        self._abort_job = False
+        self.stop_requested = False
 
         def source():
-            while not self._abort_job:
+            while not self.stop_requested:
                 prompt = live.next_prompt()
                 if prompt is not None:
                     yield prompt
@@ -454,11 +409,7 @@ class EngineWorker(threading.Thread):
                     return
 
         def step_hook():
-            stopped = live.on_step(engine.scheduler.running)
-            if stopped:  # a stop string or stop token id ended them: free their slots now
-                chosen = set(map(id, stopped))
-                for trajectory in self.control.abort(lambda r: id(r) in chosen):
-                    live.finish(trajectory)
+            live.after_step(self.control, engine.scheduler.running)
             self.between_steps(None)
 
         try:
@@ -473,7 +424,7 @@ class EngineWorker(threading.Thread):
             log.error("online requests failed:\n%s", traceback.format_exc())
             live.fail_all(f"internal error: {type(err).__name__}: {err}")
         finally:
-            self._abort_job = False
+            self.stop_requested = False
             self._answer_finishing()
             with self._lock:
                 self._live_running = False
@@ -481,11 +432,11 @@ class EngineWorker(threading.Thread):
     # ---- one job -------------------------------------------------------------------
 
     def _run_job(self, handle: JobHandle) -> None:
-        self._abort_job = False
-        self._aborted = []
+        self.stop_requested = False
+        self.aborted_samples = []
         log.info("job started: %s -> %s", handle.job.data, handle.job.out)
         try:
-            manifest = run_job(_ControlledEngine(self.engine, self), handle.params, handle.job,
+            manifest = run_job(JobEngine(self.engine, self), handle.params, handle.job,
                                on_progress=handle.update, weights_path=self.snapshot()["weights_path"])
         except JobAborted:
             manifest = read_manifest(handle.job.out) or {}
@@ -500,7 +451,7 @@ class EngineWorker(threading.Thread):
             log.info("job finished: %s trajectories in %s s", manifest.get("trajectories"), manifest.get("wall_seconds"))
             handle.finish(event="done", manifest=manifest)
         finally:
-            self._abort_job = False
+            self.stop_requested = False
             self._answer_finishing()  # a job that ended (abort, error) while a pause finish waited
             with self._lock:
                 self.job = None
@@ -508,7 +459,7 @@ class EngineWorker(threading.Thread):
     def between_steps(self, on_step) -> None:
         """Run queued commands; while paused, block here with the requests' KV kept (wait), or, under
         keep, return at once while the engine has a step in flight: it finishes it and calls again."""
-        while not self._abort_job:
+        while not self.stop_requested:
             if self.paused and self.engine.hold_requested and self.engine.step_in_flight:
                 return
             # pause finish holds only once nothing runs; until then the engine steps on
@@ -524,46 +475,3 @@ class EngineWorker(threading.Thread):
                     on_step()  # keeps closing shards on time while the job is held
                 continue
             self._handle(command, in_job=True)
-
-
-class _ControlledEngine:
-    """The engine as run_job sees it, with the worker's control hooks between steps.
-
-    run_job calls only `stream` and reads attributes; everything else passes through.
-    After an abort the prompt source stops, the aborted samples are yielded (so run_job writes
-    them like any row), and JobAborted ends the job (manifest status `interrupted`).
-    """
-
-    def __init__(self, engine, worker: EngineWorker):
-        self._engine = engine
-        self._worker = worker
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def stream(self, prompts, params, skip=frozenset(), on_step=None):
-        worker = self._worker
-
-        def source():
-            iterator = iter(prompts)
-            while not worker._abort_job:
-                prompt = next(iterator, None)
-                if prompt is None:
-                    return
-                yield prompt
-
-        def step_hook():
-            if on_step is not None:
-                on_step()
-            worker.between_steps(on_step)
-
-        for trajectory in self._engine.stream(source(), params, skip=skip, on_step=step_hook):
-            yield trajectory
-            yield from self._drain()
-        yield from self._drain()
-        if worker._abort_job:
-            raise JobAborted
-
-    def _drain(self):
-        while self._worker._aborted:
-            yield self._worker._aborted.pop(0)
