@@ -13,6 +13,7 @@ from rollout_cli.cli.tensor_parallel_run import follow_leader, is_rank, launch_r
 from rollout_cli.errors import RolloutError
 from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES, default_socket_path, socket_is_live
 from rollout_cli.server.daemon import serve
+from rollout_cli.server.sessions import DEFAULT_RETENTION_SECONDS
 
 LISTEN = "Listen"
 
@@ -26,6 +27,7 @@ def serve_command(
     token_file: Annotated[Optional[str], typer.Option(help="TCP: file with the bearer token every request must carry.", rich_help_panel=LISTEN)] = None,
     max_request_bytes: Annotated[int, typer.Option(help="Largest request body; larger ones get 413 before they are read. 64 MiB holds the tensor handles of an unbucketed update of ~190,000 tensors.", rich_help_panel=LISTEN)] = DEFAULT_MAX_REQUEST_BYTES,
     served_model_name: Annotated[Optional[str], typer.Option(help="The model name of the OpenAI API (/v1/models, and the `model` requests give); default the --model argument.", rich_help_panel=LISTEN)] = None,
+    session_retention_seconds: Annotated[float, typer.Option(help="How long a multi-turn session (session_id of the OpenAI API) keeps its conversation's KV pinned after its last turn.", rich_help_panel=LISTEN)] = DEFAULT_RETENTION_SECONDS,
     weights_cpu_backup: Annotated[bool, typer.Option("--weights-cpu-backup", help="Keep a host copy of the weights while release-memory has freed them, so resume-memory restores them (else reload weights after resuming).", rich_help_panel=opt.ENGINE)] = False,
     tp: Annotated[int, typer.Option(help="Tensor parallel: split the model over N GPUs (N processes on the CPU), as `rollout run --tp`; rank 0 serves, the other ranks follow its steps, reloads and memory releases.", rich_help_panel=opt.ENGINE)] = 1,
     engine_options: Optional[dict] = None,  # filled by with_engine_options
@@ -54,7 +56,7 @@ def serve_command(
             if engine_config is None:
                 raise typer.Exit(0)  # a follower: rank 0 served and stopped it
         code = serve(engine_config, socket, host, port, token_file, max_request_bytes=max_request_bytes,
-                     served_model_name=served_model_name)
+                     served_model_name=served_model_name, session_retention_seconds=session_retention_seconds)
     except RolloutError as err:
         fail(str(err))
     raise typer.Exit(code)

@@ -428,6 +428,7 @@ class Engine:
             response_weight_versions=request.response_weight_versions(self.weight_version),
             passthrough=request.payload or {},
             ttft_seconds=(request.first_token_time or request.arrival_time) - request.arrival_time,
+            cached_prompt_tokens=request.cached_prompt_tokens,
             routed_experts=routed_experts,
         )
 

@@ -41,6 +41,15 @@ class SchedulerStats:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class PrefixPin:
+    """A cached prefix kept from eviction (Scheduler.pin_prefix): its radix node and token count."""
+
+    node: object
+    num_tokens: int
+    epoch: int  # the scheduler's cache_epoch when taken
+
+
 class Scheduler(OverlapScheduling):
     """The steps of the engine loop; schedule_ahead / commit_ahead / cancel_ahead (planning the next
     decode step while one runs) are in engine/overlap_schedule.py."""
@@ -66,6 +75,7 @@ class Scheduler(OverlapScheduling):
         self.admit_new = True
         self._free_rows = list(range(max_running - 1, -1, -1))
         self.stats = SchedulerStats()
+        self.cache_epoch = 0  # bumped by every flush: pins taken before it hold nothing
 
     # ---- queue -------------------------------------------------------------
 
@@ -214,8 +224,9 @@ class Scheduler(OverlapScheduling):
             request.slots = list(slots)
             request.num_cached_tokens = request.num_computed_tokens = len(slots)
         if first_admission:
+            request.cached_prompt_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
             self.stats.prompt_tokens += request.num_prompt_tokens
-            self.stats.cached_prompt_tokens += min(request.num_computed_tokens, request.num_prompt_tokens)
+            self.stats.cached_prompt_tokens += request.cached_prompt_tokens
         return snapshot
 
     def _match_snapshot(self, request: Request):
@@ -246,7 +257,8 @@ class Scheduler(OverlapScheduling):
     def _release_cached_prefix(self, request: Request) -> None:
         if request.num_preemptions == 0:
             self.stats.prompt_tokens -= request.num_prompt_tokens
-            self.stats.cached_prompt_tokens -= min(request.num_computed_tokens, request.num_prompt_tokens)
+            self.stats.cached_prompt_tokens -= request.cached_prompt_tokens
+            request.cached_prompt_tokens = 0
         if request.cache_node is not None:
             self.cache.unlock(request.cache_node)
         request.cache_node = None
@@ -395,9 +407,24 @@ class Scheduler(OverlapScheduling):
         if self.running:
             raise RolloutError("cannot flush the prefix cache while requests are in flight; abort or let them finish")
         if self.cache is not None:
-            self.cache.reset()
+            self.cache.reset()  # pins go with it (PrefixPin.epoch)
+            self.cache_epoch += 1
         if self.linear is not None:  # hybrid models: the prompt-state snapshots go with their KV
             self.linear.clear()
+
+    def pin_prefix(self, tokens: list[int]) -> PrefixPin | None:
+        """Keep the cached prefix of `tokens` from eviction (a conversation's KV between its turns)
+        until unpin; -> the pin (how many tokens it holds), or None without a prefix cache."""
+        if self.cache is None:
+            return None
+        slots, node = self.cache.match_prefix(tokens)
+        self.cache.lock(node)
+        return PrefixPin(node, len(slots), self.cache_epoch)
+
+    def unpin(self, pin: PrefixPin | None) -> None:
+        """Let a pinned prefix be evicted again (a pin from before a flush is gone already)."""
+        if pin is not None and pin.epoch == self.cache_epoch:
+            self.cache.unlock(pin.node)
 
     def retract_running(self) -> int:
         """Send every running request back to the front of the queue with its response so far and no

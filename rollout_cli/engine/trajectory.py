@@ -8,6 +8,10 @@ from typing import Any
 from rollout_cli.engine.sampling_params import SamplingParams
 
 
+# Trajectory fields that are not Parquet columns: metrics and the routing capture's side output.
+METRIC_FIELDS = ("passthrough", "ttft_seconds", "cached_prompt_tokens", "routed_experts")
+
+
 @dataclass
 class Trajectory:
     """One finished sample; the fields of a trajectory Parquet row."""
@@ -24,12 +28,13 @@ class Trajectory:
     response_weight_versions: list[str] = field(default_factory=list)
     passthrough: dict[str, Any] = field(default_factory=dict)
     ttft_seconds: float = 0.0  # queueing to first token; a metric, not a Parquet column
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served at admission; a metric too
     # With routing capture: expert ids [len(prompt) + len(response) - 1, num_moe_layers, top_k]
     # (numpy, uint8 or int16); written to OUT/routing/, not a trajectory column.
     routed_experts: Any = None
 
     def to_row(self) -> dict[str, Any]:
-        row = {k: v for k, v in self.__dict__.items() if k not in ("passthrough", "ttft_seconds", "routed_experts")}
+        row = {k: v for k, v in self.__dict__.items() if k not in METRIC_FIELDS}
         row.update(self.passthrough)
         return row
 

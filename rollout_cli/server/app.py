@@ -120,6 +120,10 @@ class AbortRequest(_Body):
                                       description="One online request (its id); default: the job and every online request.")
 
 
+class SessionRequest(_Body):
+    session_id: str = Field(max_length=NAME_CHARS)
+
+
 class PauseRequest(_Body):
     mode: Literal["abort", "wait", "keep", "finish"] = "wait"
 
@@ -226,6 +230,10 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest = AbortRequest()):
         return await call("abort", request_id=body.request_id)
+
+    @app.post("/close_session")
+    async def close_session(body: SessionRequest):
+        return await call("close_session", session_id=body.session_id)
 
     @app.post("/shutdown")
     async def shutdown(body: EmptyRequest = EmptyRequest()):

@@ -16,6 +16,7 @@ import threading
 
 from rollout_cli.errors import RolloutError
 from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES, is_socket_file, socket_is_live
+from rollout_cli.server.sessions import DEFAULT_RETENTION_SECONDS
 
 log = logging.getLogger("rollout.serve")
 
@@ -103,7 +104,7 @@ def _server_class():
 
 def serve(engine_config, socket_path: str | None, host: str | None, port: int | None,
           token_file: str | None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          served_model_name: str | None = None) -> int:
+          served_model_name: str | None = None, session_retention_seconds: float = DEFAULT_RETENTION_SECONDS) -> int:
     """Run the daemon until /shutdown, SIGINT or SIGTERM; return the exit code."""
     import uvicorn
 
@@ -113,6 +114,8 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
     _Server = _server_class()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout serve: %(message)s", stream=sys.stderr)
+    if session_retention_seconds <= 0:
+        raise RolloutError("--session-retention-seconds must be > 0")
     if max_request_bytes < 1:
         raise RolloutError(f"--max-request-bytes must be at least 1 (default {DEFAULT_MAX_REQUEST_BYTES})")
     tcp = host is not None or port is not None
@@ -135,7 +138,8 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
         where = socket_path
         socket_inode = os.stat(socket_path).st_ino
 
-    worker = EngineWorker(engine_config, weights_path=engine_config.model)
+    worker = EngineWorker(engine_config, weights_path=engine_config.model,
+                          session_retention_seconds=session_retention_seconds)
     holder: dict = {}
 
     def request_exit() -> None:

@@ -39,6 +39,8 @@ class Choice:
     finish_reason: str  # "stop" (eos, stop string or stop token id), "length" or "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     weight_versions: list[str] = field(default_factory=list)  # one per token
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served
+    session: dict | None = None  # a session turn: the session's statistics after it (server/sessions.py)
 
 
 class OnlineRequest:
@@ -46,8 +48,10 @@ class OnlineRequest:
     its event loop); from submission on, only the engine thread changes it."""
 
     def __init__(self, request_id: str, prompts: list[list[int]], params: SamplingParams, tokenizer: Any,
-                 stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), stream: bool = False):
+                 stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), stream: bool = False,
+                 session_id: str | None = None):
         self.request_id = request_id
+        self.session_id = session_id  # one turn of this conversation (one prompt, n = 1)
         self.prompts = prompts
         self.params = params
         self.stream = stream
@@ -90,17 +94,21 @@ class OnlineRequest:
         return False
 
     def finish(self, prompt: int, sample: int, token_ids: list[int], logprobs: list[float], finish_reason: str,
-               weight_versions: list[str]) -> None:
-        """The sample ended (in the engine, by a stop rule, or aborted) with these tokens."""
+               weight_versions: list[str], cached_prompt_tokens: int = 0, session_turn=None) -> None:
+        """The sample ended (in the engine, by a stop rule, or aborted) with these tokens.
+        `session_turn(request, choice) -> statistics` records a session's turn before the answer goes out."""
         text = self.samples[prompt][sample]
         start = len(text.token_ids)
         text.feed(token_ids[start:], logprobs[start:])
         text.finish()
         index = prompt * self.params.n + sample
         count = len(text.token_ids)
-        self._emit(("finish", Choice(index, prompt, list(text.token_ids), list(text.logprobs),
-                                     text.visible_text(final=True), "stop" if text.stopped else finish_reason,
-                                     text.stop_reason, list(weight_versions[:count]))))
+        choice = Choice(index, prompt, list(text.token_ids), list(text.logprobs), text.visible_text(final=True),
+                        "stop" if text.stopped else finish_reason, text.stop_reason, list(weight_versions[:count]),
+                        cached_prompt_tokens)
+        if session_turn is not None and self.session_id is not None:
+            choice.session = session_turn(self, choice)
+        self._emit(("finish", choice))
         self.num_finished += 1
 
     def fail(self, message: str) -> None:
@@ -125,7 +133,9 @@ class LiveRequests:
     """The online requests in flight, as the engine thread sees them. `len()` may be read from any
     thread (status); everything else runs on the engine thread."""
 
-    def __init__(self):
+    def __init__(self, session_turn=None):
+        """session_turn(request, choice) -> statistics: called as a session's turn finishes (the worker's)."""
+        self.session_turn = session_turn
         self.by_id: dict[str, OnlineRequest] = {}
         self.inbox: deque[PromptInput] = deque()  # prompts not yet taken by the stream
         self.num_watched = 0  # requests fed after every step (streaming or with stop rules)
@@ -194,7 +204,8 @@ class LiveRequests:
             return
         request, prompt = found
         request.finish(prompt, trajectory.sample_index, trajectory.response_token_ids,
-                       trajectory.response_logprobs, trajectory.finish_reason, trajectory.response_weight_versions)
+                       trajectory.response_logprobs, trajectory.finish_reason, trajectory.response_weight_versions,
+                       trajectory.cached_prompt_tokens, self.session_turn)
         self._forget_if_done(request)
 
     def abort_queued(self, request_id: str | None = None) -> int:

@@ -4,7 +4,9 @@ Agent frameworks and RL environment libraries drive an engine through the offici
 these routes take its requests unchanged, with the extensions RL needs (vLLM's names where it has
 them): `return_token_ids` (the prompt's and each choice's token ids, and the weight version of every
 token), token ids as the completions prompt, `stop_token_ids`, `top_k`, `min_p`, `ignore_eos`,
-`request_id` (abort it with POST /abort_request {"request_id": ...}) and `chat_template_kwargs`.
+`request_id` (abort it with POST /abort_request {"request_id": ...}), `session_id` (one turn of a
+multi-turn conversation whose KV stays pinned for the next turn, server/sessions.py) and
+`chat_template_kwargs`.
 
 Each request becomes an OnlineRequest (server/online.py) served by the engine thread together with
 every other request in flight. A sample's random stream is keyed as in `rollout run`: with the same
@@ -70,6 +72,7 @@ class _Sampling(_OpenAIBody):
     stop_token_ids: list[int] = Field(default_factory=list)
     return_token_ids: bool = False
     request_id: Optional[str] = Field(None, max_length=256)
+    session_id: Optional[str] = Field(None, max_length=256)
     logprobs_mode: Literal["processed", "raw"] = "processed"
 
 
@@ -128,6 +131,12 @@ def _refuse_unsupported(body: _Sampling) -> None:
                                "messages, or run tool episodes offline with rollout run --env")
         if body.response_format and body.response_format.get("type") not in (None, "text"):
             raise RolloutError("response_format other than text is not supported; leave it out")
+
+
+def _check_session(body: _Sampling, prompts: list[list[int]]) -> None:
+    if body.session_id is not None and (body.n != 1 or len(prompts) != 1):
+        raise RolloutError("a session_id request is one turn of one conversation: pass one prompt and n 1 "
+                           "(several samples of a turn branch the conversation; send them without session_id)")
 
 
 def _sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
@@ -249,12 +258,13 @@ async def _serve(routes: OpenAIRoutes, body: _Sampling, http: Request, chat: boo
             many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
             prompts = [routes.encode(p) for p in (prompt if many else [prompt])]
             max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        _check_session(body, prompts)
         params = _sampling_params(body, max_tokens)
         if _stop_strings(body) and routes.tokenizer is None:
             raise RolloutError("stop strings need the model's tokenizer files; pass stop_token_ids instead")
         request_id = body.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         request = OnlineRequest(request_id, prompts, params, worker.engine.tokenizer, _stop_strings(body),
-                                tuple(body.stop_token_ids), stream=body.stream)
+                                tuple(body.stop_token_ids), stream=body.stream, session_id=body.session_id)
         await asyncio.wrap_future(worker.submit_online(request))
     except Conflict as err:
         return _error(409, str(err))
@@ -305,7 +315,7 @@ async def _stream_events(routes: OpenAIRoutes, request: OnlineRequest, shape: "_
                 token_ids, logprobs, text = shape.rest_of(choice)
                 yield from_chunk(shape.chunk(choice.index, token_ids, logprobs, text, choice))
                 finished += 1
-        if shape.include_usage:
+        if shape.include_usage or shape.session is not None:
             yield from_chunk(shape.usage_chunk())
         yield "data: [DONE]\n\n"
     finally:
@@ -332,6 +342,8 @@ class _ResponseShape:
         self.created = int(time.time())
         self._sent: dict[int, tuple[int, int]] = {}  # choice index -> (tokens, characters) streamed
         self._completion_tokens = 0
+        self._cached_tokens = 0  # prompt tokens the prefix cache served (each prompt's first sample)
+        self.session: dict | None = None  # a session turn: the session's statistics after it
 
     @property
     def object_name(self) -> str:
@@ -346,7 +358,15 @@ class _ResponseShape:
     def usage(self) -> dict:
         prompt = sum(len(p) for p in self.request.prompts)
         return {"prompt_tokens": prompt, "completion_tokens": self._completion_tokens,
-                "total_tokens": prompt + self._completion_tokens}
+                "total_tokens": prompt + self._completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self._cached_tokens}}
+
+    def _finished(self, choice: Choice) -> None:
+        """Counts a finished choice adds to usage, and a session turn's statistics."""
+        if choice.index % self.request.params.n == 0:
+            self._cached_tokens += choice.cached_prompt_tokens
+        if choice.session is not None:
+            self.session = choice.session
 
     def _logprobs(self, token_ids: list[int], logprobs: list[float], offset: int) -> dict | None:
         if not self.want_logprobs:
@@ -377,6 +397,7 @@ class _ResponseShape:
         out = []
         for c in choices:
             self._completion_tokens += len(c.token_ids)
+            self._finished(c)
             item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                                     "logprobs": self._logprobs(c.token_ids, c.logprobs, 0)}
             if self.chat:
@@ -388,6 +409,8 @@ class _ResponseShape:
         response = {**self._head(), "choices": out, "usage": self.usage()}
         if self.chat and self.return_token_ids:
             response["prompt_token_ids"] = self.request.prompts[0]
+        if self.session is not None:
+            response["session"] = self.session
         return response
 
     # ---- streamed chunks ---------------------------------------------------------------
@@ -408,6 +431,8 @@ class _ResponseShape:
         tokens, chars = self._sent.get(index, (0, 0))
         self._sent[index] = (tokens + len(token_ids), chars + len(text))
         self._completion_tokens += len(token_ids)
+        if finished is not None:
+            self._finished(finished)
         item: dict[str, Any] = {"index": index, "logprobs": self._logprobs(token_ids, logprobs, chars),
                                 "finish_reason": finished.finish_reason if finished else None,
                                 "stop_reason": finished.stop_reason if finished else None}
@@ -419,4 +444,8 @@ class _ResponseShape:
         return {**self._head(), "choices": [item]}
 
     def usage_chunk(self) -> dict:
-        return {**self._head(), "choices": [], "usage": self.usage()}
+        """After the last choice: usage (stream_options.include_usage) and a session turn's statistics."""
+        chunk = {**self._head(), "choices": [], "usage": self.usage() if self.include_usage else None}
+        if self.session is not None:
+            chunk["session"] = self.session
+        return chunk

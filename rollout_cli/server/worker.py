@@ -35,6 +35,7 @@ from rollout_cli.job import run_job
 from rollout_cli.process_gc import freeze_long_lived_objects
 from rollout_cli.server.online import LiveRequests, OnlineRequest
 from rollout_cli.server.served_job import JobAborted, JobEngine, JobHandle
+from rollout_cli.server.sessions import DEFAULT_RETENTION_SECONDS, Sessions
 
 log = logging.getLogger("rollout.serve")
 
@@ -44,6 +45,7 @@ log = logging.getLogger("rollout.serve")
 # finish: start no new sample, let the running ones finish (the pause answers then), then hold and
 # accept weight updates (every sample still comes from one version)
 PAUSE_MODES = ("abort", "wait", "keep", "finish")
+SESSION_SWEEP_SECONDS = 1.0  # how often an idle worker looks for sessions past their retention time
 IN_JOB_HINT = ("an update would mix two weight versions in it: wait for the job to finish, stop it with "
                "rollout abort, or hold it with rollout pause --mode keep (its samples then record the "
                "version of every token), then update")
@@ -61,7 +63,7 @@ class Command:
 
 
 class EngineWorker(threading.Thread):
-    def __init__(self, engine_config, weights_path: str):
+    def __init__(self, engine_config, weights_path: str, session_retention_seconds: float = DEFAULT_RETENTION_SECONDS):
         super().__init__(name="engine", daemon=True)
         self.engine_config = engine_config
         self.commands: queue.Queue[Command] = queue.Queue()
@@ -80,7 +82,8 @@ class EngineWorker(threading.Thread):
         self.stop_requested = False  # the running job must end after its in-flight samples are written
         self.aborted_samples: list = []  # trajectories finished with "abort", not yet yielded to the writer
         self._abort_reason = "abort"  # or "shutdown": unfinished samples are dropped for --resume
-        self.live = LiveRequests()  # online requests in flight (engine thread)
+        self.sessions = Sessions(session_retention_seconds)  # multi-turn conversations' pinned KV (engine thread)
+        self.live = LiveRequests(self._session_turn)  # online requests in flight (engine thread)
         self._live_running = False  # the live stream runs (set under _lock: a job is refused meanwhile)
 
     @property
@@ -96,6 +99,7 @@ class EngineWorker(threading.Thread):
         if job is not None:
             info["job"] = {"data": job.job.data, "out": job.job.out, **job.progress}
         info["online_requests"] = len(self.live)
+        info["sessions"] = len(self.sessions)
         return info
 
     def submit(self, name: str, **args) -> Future:
@@ -153,7 +157,12 @@ class EngineWorker(threading.Thread):
                 if self.live.inbox and not self.paused:
                     self._run_live()
                     continue
-                self._handle(self.commands.get(), in_job=False)
+                try:  # idle: wake now and then to end sessions past their retention time
+                    command = self.commands.get(timeout=SESSION_SWEEP_SECONDS if len(self.sessions) else None)
+                except queue.Empty:
+                    self.sessions.expire(self.engine.scheduler)
+                    continue
+                self._handle(command, in_job=False)
         finally:
             self.live.fail_all("the engine is shutting down")
             self.engine.control.close()  # this rank's weight update groups; --tp: the other ranks exit
@@ -161,6 +170,7 @@ class EngineWorker(threading.Thread):
 
     def _load(self) -> None:
         self.engine = Engine(self.engine_config)
+        self.sessions.max_pinned_tokens = self.engine.num_kv_slots // 2  # the rest stays for new requests
         freeze_long_lived_objects()
         self.control = self.engine.control
         self._publish(state="paused" if self.paused else "serving", memory=self.control.memory_held(),
@@ -343,8 +353,22 @@ class EngineWorker(threading.Thread):
             raise Conflict(str(err)) from err
         for index, ids in enumerate(request.prompts):  # refused here, not inside the stream other requests share
             self.engine.requests.check_prompt(index, ids)
+        self.sessions.expire(self.engine.scheduler)
         self.live.add(request)  # paused: it waits for rollout continue
         return {"success": True}
+
+    def _do_close_session(self, in_job: bool, session_id: str) -> dict:
+        stats = self.sessions.close(self.engine.scheduler, session_id)
+        if stats is None:
+            raise RolloutError(f"no open session {session_id!r} (closed, expired after "
+                               f"{self.sessions.retention_seconds:g} s, or never opened)")
+        return {"success": True, **stats}
+
+    def _session_turn(self, request: OnlineRequest, choice) -> dict:
+        """A session's turn finished: its KV (prompt + response, but the last token) stays pinned for the next."""
+        prompt = request.prompts[choice.prompt]
+        return self.sessions.turn_finished(self.engine.scheduler, request.session_id, prompt + choice.token_ids[:-1],
+                                           len(prompt), choice.cached_prompt_tokens)
 
     def _do_shutdown(self, in_job: bool) -> dict:
         # Like Ctrl-C of an embedded run: unfinished samples are dropped, not written, so
@@ -432,6 +456,7 @@ class EngineWorker(threading.Thread):
     # ---- one job -------------------------------------------------------------------
 
     def _run_job(self, handle: JobHandle) -> None:
+        self.sessions.expire(self.engine.scheduler)  # pins past their time leave room for the job
         self.stop_requested = False
         self.aborted_samples = []
         log.info("job started: %s -> %s", handle.job.data, handle.job.out)

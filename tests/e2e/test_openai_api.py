@@ -306,3 +306,57 @@ def test_the_cli_aborts_by_id_and_shows_online_requests(server):
     assert _ok(_cli(["abort", "--request-id", "nope", *address])).stdout.strip() == "no request nope in flight"
     assert "online requests 0 in flight" in _ok(_cli(["status", *address])).stdout
 
+
+
+def test_a_session_keeps_the_conversation_and_its_turns_equal_one_prompt(server):
+    """Five turns, token ids in and out: each turn's prompt is the conversation so far plus new tokens.
+    Each turn prefills only what is new (the cache serves the rest), and the last turn equals the whole
+    conversation sent as one prompt."""
+    client, http = server["client"], server["http"]
+    tokenizer_ids = _chat_ids_of_user_turns(5)
+    conversation: list[int] = []
+    answers = []
+    for k, new_tokens in enumerate(tokenizer_ids):
+        prompt = conversation + new_tokens
+        answer = client.completions.create(model="example", prompt=prompt, max_tokens=8, temperature=0.0, logprobs=0,
+                                           extra_body={"return_token_ids": True, "session_id": "conv-1"})
+        choice = answer.choices[0]
+        cached = answer.usage.prompt_tokens_details.cached_tokens
+        if k == 0:
+            assert cached == 0
+        else:  # all but the new tokens and the last response token (whose KV was never computed)
+            assert cached == len(conversation) - 1
+        session = answer.model_extra["session"]
+        assert session["turns"] == k + 1 and session["pinned_tokens"] == len(prompt) + len(_ids(choice)) - 1
+        answers.append(answer)
+        conversation = prompt + _ids(choice)
+    stats = http.post("/close_session", json={"session_id": "conv-1"}).json()
+    total = sum(a.usage.prompt_tokens for a in answers)
+    cached = sum(a.usage.prompt_tokens_details.cached_tokens for a in answers)
+    assert stats["turns"] == 5 and stats["prompt_tokens"] == total and stats["cached_tokens"] == cached
+    assert stats["hit_rate"] == pytest.approx(cached / total, abs=1e-4) and stats["hit_rate"] > 0.5
+    again = http.post("/close_session", json={"session_id": "conv-1"})
+    assert again.status_code == 400 and "no open session 'conv-1'" in again.json()["error"]
+    # the whole conversation as one prompt, no session, nothing cached of it: the same last turn
+    http.post("/flush_cache")
+    last_prompt = answers[-1].choices[0].model_extra["prompt_token_ids"]
+    whole = client.completions.create(model="example", prompt=last_prompt, max_tokens=8, temperature=0.0,
+                                      logprobs=0, extra_body={"return_token_ids": True})
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    assert _ids(whole.choices[0]) == _ids(answers[-1].choices[0])
+    assert whole.choices[0].logprobs.token_logprobs == pytest.approx(
+        answers[-1].choices[0].logprobs.token_logprobs, abs=1e-5)
+
+
+def test_session_requests_are_one_conversation(server):
+    with pytest.raises(openai.BadRequestError, match="one turn of one conversation"):
+        server["client"].completions.create(model="example", prompt="hi", n=2, extra_body={"session_id": "s"})
+
+
+def _chat_ids_of_user_turns(turns: int) -> list[list[int]]:
+    """Token ids of each user turn as the chat template writes it after an assistant turn."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
+    return [tokenizer.encode(f"\n<|im_start|>user\nStep {k}: add {k} to the total.<|im_end|>\n<|im_start|>assistant\n")
+            for k in range(turns)]

@@ -1,0 +1,108 @@
+"""Multi-turn sessions of the daemon's online requests: a conversation's KV kept between its turns.
+
+A request with a `session_id` is one turn of that conversation. When its sample finishes, the KV of
+everything computed (prompt and response but its last token) is already in the prefix cache; the
+session pins it there (Scheduler.pin_prefix), so no other request evicts it before the next turn,
+whose prompt starts with it: the next turn's prefill is only its new tokens (and the last response
+token, whose KV was never computed). The pin moves to each new turn, and ends when the session is
+closed, when its retention time runs out, or when a flush empties the cache (a weight update or a
+memory release: KV of old weights is of no use).
+
+Pinned KV cannot make room for new requests, so pins together hold at most `max_pinned_tokens`
+(half the KV pool by default): a new pin past that releases the oldest sessions' pins first.
+Hybrid models: the linear-attention state at a turn's end is not kept (see the README), so their
+next turn recomputes the conversation; the KV pin still holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from rollout_cli.errors import RolloutError
+
+DEFAULT_RETENTION_SECONDS = 600.0
+
+
+@dataclass
+class Session:
+    session_id: str
+    turns: int = 0
+    prompt_tokens: int = 0  # over all turns
+    cached_tokens: int = 0  # of those, served by the prefix cache
+    pin: object = None  # Scheduler's PrefixPin of the last turn, or None
+    expires_at: float = field(default=0.0)
+
+    def stats(self, scheduler) -> dict:
+        return {"session_id": self.session_id, "turns": self.turns, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
+                "hit_rate": round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0,
+                "pinned_tokens": self.pin.num_tokens if _live(self.pin, scheduler) else 0}
+
+
+class Sessions:
+    """The open sessions (engine thread only, but `len()`). Ordered oldest use first."""
+
+    def __init__(self, retention_seconds: float = DEFAULT_RETENTION_SECONDS, clock=time.monotonic):
+        if retention_seconds <= 0:
+            raise RolloutError("--session-retention-seconds must be > 0")
+        self.retention_seconds = retention_seconds
+        self.max_pinned_tokens: int | None = None  # set once the engine knows its pool size
+        self._clock = clock
+        self._open: OrderedDict[str, Session] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def turn_finished(self, scheduler, session_id: str, computed_tokens: list[int], prompt_tokens: int,
+                      cached_tokens: int) -> dict:
+        """A turn's sample finished: move the session's pin to the KV of `computed_tokens` (prompt +
+        response but its last token). -> the session's statistics after this turn."""
+        session = self._open.pop(session_id, None) or Session(session_id)
+        self._open[session_id] = session  # now the most recently used
+        session.turns += 1
+        session.prompt_tokens += prompt_tokens
+        session.cached_tokens += cached_tokens
+        session.expires_at = self._clock() + self.retention_seconds
+        scheduler.unpin(session.pin)
+        session.pin = None
+        self._make_room(scheduler, len(computed_tokens))
+        session.pin = scheduler.pin_prefix(computed_tokens)
+        return session.stats(scheduler)
+
+    def close(self, scheduler, session_id: str) -> dict | None:
+        """End a session and release its pin; -> its statistics, None if no such session is open."""
+        session = self._open.pop(session_id, None)
+        if session is None:
+            return None
+        stats = session.stats(scheduler)
+        scheduler.unpin(session.pin)
+        session.pin = None
+        return stats
+
+    def expire(self, scheduler) -> int:
+        """Close every session past its retention time; -> how many."""
+        now = self._clock()
+        stale = [sid for sid, s in self._open.items() if s.expires_at <= now]
+        for sid in stale:
+            self.close(scheduler, sid)
+        return len(stale)
+
+    def _make_room(self, scheduler, wanted: int) -> None:
+        """Unpin the oldest sessions until `wanted` more pinned tokens fit under max_pinned_tokens."""
+        if self.max_pinned_tokens is None:
+            return
+        pinned = sum(s.pin.num_tokens for s in self._open.values() if _live(s.pin, scheduler))
+        for session in self._open.values():
+            if pinned + wanted <= self.max_pinned_tokens:
+                return
+            if _live(session.pin, scheduler):
+                pinned -= session.pin.num_tokens
+                scheduler.unpin(session.pin)
+                session.pin = None
+
+
+def _live(pin, scheduler) -> bool:
+    """A pin that still holds KV (not one from before a flush)."""
+    return pin is not None and pin.epoch == scheduler.cache_epoch
