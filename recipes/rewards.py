@@ -25,7 +25,14 @@ def digit_fraction(row: dict) -> float:
     return sum(ch.isdigit() for ch in text) / len(text) if text else 0.0
 
 
-REWARDS = {"answer_match": answer_match, "digit_fraction": digit_fraction}
+def env(row: dict) -> float:
+    """The environment's reward of a `rollout run --env` episode (its episode_reward column)."""
+    if "episode_reward" not in row:
+        raise SystemExit("error: --reward env reads episode_reward, which only rollout run --env writes")
+    return float(row["episode_reward"])
+
+
+REWARDS = {"answer_match": answer_match, "digit_fraction": digit_fraction, "env": env}
 
 
 def reward_function(name: str):

@@ -12,6 +12,10 @@ leaves a half-written checkpoint behind.
 Prints one JSON line: mean_reward, logprob_mismatch (mean |trainer - rollout| logprob on the
 same weights, before any update), train_seconds, loss.
 
+Episodes of `rollout run --env` (multi-turn, with tool results between the model's turns) train the
+same way: their `response_loss_mask` keeps the environment's tokens out of the loss and the mismatch,
+and `--reward env` reads each episode's reward.
+
 With --deterministic the trainer is rollout's own differentiable forward (rollout_cli.training), whose
 logprobs equal a `--deterministic` rollout's bit for bit: logprob_mismatch is exactly 0.0 and the
 importance weights exactly 1 on the first step. Without it, HF transformers' forward (float32).
@@ -154,18 +158,21 @@ def main() -> None:
     policy = RolloutPolicy(args.model, args.dtype) if args.deterministic else HFPolicy(args.model)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
     rollout_lp = [torch.tensor(r["response_logprobs"], dtype=torch.float32) for r in rows]
+    # 1 at the model's tokens; an episode's environment tokens (mask 0) are context, not actions
+    masks = [torch.tensor(r.get("response_loss_mask") or [1] * len(r["response_token_ids"]), dtype=torch.bool)
+             for r in rows]
 
     mismatch, loss_value = None, 0.0
     for step in range(args.steps):
         current = policy.batch_logprobs(rows, args.temperature)
         if step == 0:  # same weights as the rollout: the engine should be on-policy
-            diffs = torch.cat([(c.detach() - r).abs() for c, r in zip(current, rollout_lp)])
+            diffs = torch.cat([(c.detach() - r)[m].abs() for c, r, m in zip(current, rollout_lp, masks)])
             mismatch = float(diffs.mean())
-        tokens = sum(len(c) for c in current)
+        tokens = sum(int(m.sum()) for m in masks)
         loss = torch.zeros(())
-        for c, r, a in zip(current, rollout_lp, advantages):
+        for c, r, a, m in zip(current, rollout_lp, advantages, masks):
             weight = torch.exp(c.detach() - r).clamp(max=args.tis_cap)  # TIS: rollout -> trainer policy
-            loss = loss - (weight * a * c).sum() / tokens
+            loss = loss - (weight * a * c)[m].sum() / tokens
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

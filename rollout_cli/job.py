@@ -40,6 +40,7 @@ from rollout_cli.job_manifest import (
     merge_summaries,
     write_final_manifest,
 )
+from rollout_cli.episodes import EpisodeRunner, load_environment
 from rollout_cli.job_continue import drop_superseded_aborts, prepare_continuation
 from rollout_cli.job_resume import check_resume, fingerprints
 
@@ -74,6 +75,10 @@ class JobConfig:
     continue_aborted: bool = False
     """With resume: continue the samples written with finish_reason abort from their response so far
     (on the weights the engine holds now) instead of counting them done (job_continue.py)."""
+    env: str | None = None
+    """A Python file defining make_env(row): every sample is a multi-turn episode with it (episodes.py)."""
+    max_turns: int = 8
+    """With env: model turns per episode at most."""
 
     def __post_init__(self) -> None:
         # checked here, where the CLI and the daemon's /generate both build the job: before OUT exists
@@ -81,6 +86,13 @@ class JobConfig:
             raise RolloutError(f"--shard-rows must be at least 1, got {self.shard_rows}")
         if self.continue_aborted and not self.resume:
             raise RolloutError("--continue-aborted continues the aborted samples of a run in OUT: add --resume")
+        if self.env is not None:
+            if self.max_turns < 1:
+                raise RolloutError(f"--max-turns must be at least 1, got {self.max_turns}")
+            if self.continue_aborted:
+                raise RolloutError("--env runs whole episodes: --continue-aborted is not supported with it")
+            if self.capture_routing:
+                raise RolloutError("--capture-routing is not supported with --env yet; drop one of them")
         if not self.flush_seconds >= 0:  # also refuses NaN
             raise RolloutError(f"--flush-seconds must be 0 or more, got {self.flush_seconds}; "
                                "0 writes every finished row at once")
@@ -110,7 +122,9 @@ def check_job_inputs(job: JobConfig, engine: Engine | None = None) -> PromptSour
     """
     prepare_output_dir(job.out, job.resume)
     source = _prompt_source(job, engine)
-    trajectory_schema(source.passthrough_schema)
+    trajectory_schema(source.passthrough_schema, episodes=job.env is not None)
+    if job.env is not None:
+        load_environment(job.env)  # a missing or broken file is one line before anything is written
     return source
 
 
@@ -196,13 +210,15 @@ def run_job(
     writer = TrajectoryWriter(job.out, source.passthrough_schema, job.shard_rows, job.flush_seconds,
                               routing_dtype=routing_dtype,
                               routing_shape=(len(engine.model.moe_layers), engine.model.top_k) if routing_dtype else (0, 0),
-                              replica=None if group.alone else group.rank)
+                              replica=None if group.alone else group.rank, episodes=job.env is not None)
+    episodes = EpisodeRunner(engine, load_environment(job.env), job.max_turns) if job.env is not None else None
     finish_reasons: Counter[str] = Counter()
     stats_before = dataclasses.replace(engine.scheduler.stats)
     failure: BaseException | None = None
     try:
         skip = done | continuing.keys()  # a prompt row runs only its samples that neither finished nor continue
-        for trajectory in engine.stream(pending_prompts(), params, skip=skip, on_step=_step_hook(writer)):
+        stream = engine.stream if episodes is None else episodes.stream
+        for trajectory in stream(pending_prompts(), params, skip=skip, on_step=_step_hook(writer)):
             writer.add(trajectory.to_row(), trajectory.routed_experts)
             finish_reasons[trajectory.finish_reason] += 1
             progress.trajectories += 1
@@ -224,6 +240,8 @@ def run_job(
     # count what is on disk: a signal between writer.add and the counter update must not skew it
     progress.trajectories = already_done + writer.rows_written
     summary = job_summary(engine, progress, writer, finish_reasons, skipped, stats_before, status)
+    if episodes is not None:
+        summary["episodes"] = episodes.summary()
     if error is not None:
         summary["error"] = error
     if failure is not None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollout_cli.errors import JobInterrupted, RolloutError
 from rollout_cli.io.atomic_write import OutputWriteError
+from rollout_cli.io.fingerprints import file_digest
 from rollout_cli.io.output_dir import write_manifest
 
 if TYPE_CHECKING:
@@ -38,6 +40,8 @@ def job_settings(engine: Engine, job: JobConfig, params: SamplingParams) -> dict
         "deterministic": engine.config.deterministic,
         # fp8 and bf16 weights are two policies: a resume in the other one would mix them
         "quantization": engine.config.quantization,
+        # multi-turn episodes: another environment or turn limit makes other rows
+        "env": job.env and {"file": file_digest(Path(job.env)), "max_turns": job.max_turns},
     }
 
 

@@ -19,6 +19,7 @@ from rollout_cli.errors import RolloutError
 from rollout_cli.server.address import ENV_ENGINE
 
 DATA = "Input and output"
+EPISODES = "Multi-turn episodes"
 
 # launch(JobConfig's fields, sampling settings, quiet): runs the job where the flags put it
 Launcher = Callable[[dict, SamplingParams, bool], None]
@@ -46,6 +47,8 @@ def run_command(
     shard_rows: Annotated[int, typer.Option(help="Rows per output shard.", rich_help_panel=DATA)] = 1024,
     flush_seconds: Annotated[float, typer.Option(help="Close a shard when its oldest row waited this long.", rich_help_panel=DATA)] = 10.0,
     capture_routing: Annotated[bool, typer.Option("--capture-routing", help="MoE models: write every token's expert ids to OUT/routing/ (routing replay).", rich_help_panel=DATA)] = False,
+    env: Annotated[Optional[str], typer.Option(help="Multi-turn episodes: a Python file defining make_env(row) (see recipes/envs/calculator.py); every sample becomes an episode of model and environment turns, its row gains response_loss_mask, model_turns, episode_reward, turn_cached_tokens.", rich_help_panel=EPISODES)] = None,
+    max_turns: Annotated[int, typer.Option(help="With --env: model turns per episode at most (--max-new-tokens is per turn).", rich_help_panel=EPISODES)] = 8,
     dp: Annotated[int, typer.Option(help="Data parallel: run N engine replicas (one per GPU, or N processes on the CPU) that split the prompts and share OUT. Across machines, start `rollout run` with torchrun instead.", rich_help_panel=opt.ENGINE)] = 1,
     tp: Annotated[int, typer.Option(help="Tensor parallel: split the model over N GPUs (N processes on the CPU); dense Llama / Qwen2 / Qwen3, MoE Qwen2-MoE / Qwen3-MoE / Mixtral and hybrid Qwen3-Next / Qwen3.5 models. With --dp M: M such engines share the prompts.", rich_help_panel=opt.ENGINE)] = 1,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary table.")] = False,
@@ -67,6 +70,9 @@ def run_command(
         if continue_aborted and dp != 1:
             raise RolloutError("--continue-aborted runs on one engine for now; drop --dp")
         launch = _pick_launcher(model, engine, token_file, dp, tp, engine_options)
+        if env is not None and (launch.func is not embedded_run or dp != 1):
+            raise RolloutError("--env runs episodes on an engine in this process for now: give --model, "
+                               "without --engine, --dp or --tp")
         # one set of sampling settings for every launcher: a bad value is one line before a model loads or
         # a daemon is called
         params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -75,6 +81,8 @@ def run_command(
     job_fields = dict(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume,
                       continue_aborted=continue_aborted, skip_invalid=skip_invalid,
                       shard_rows=shard_rows, flush_seconds=flush_seconds, capture_routing=capture_routing)
+    if env is not None:
+        job_fields.update(env=env, max_turns=max_turns)
     launch(job_fields, params, quiet)
 
 

@@ -9,7 +9,7 @@ from rollout_cli.engine.sampling_params import SamplingParams
 
 
 # Trajectory fields that are not Parquet columns: metrics and the routing capture's side output.
-METRIC_FIELDS = ("passthrough", "ttft_seconds", "cached_prompt_tokens", "routed_experts")
+METRIC_FIELDS = ("passthrough", "ttft_seconds", "cached_prompt_tokens", "routed_experts", "episode")
 
 
 @dataclass
@@ -32,9 +32,12 @@ class Trajectory:
     # With routing capture: expert ids [len(prompt) + len(response) - 1, num_moe_layers, top_k]
     # (numpy, uint8 or int16); written to OUT/routing/, not a trajectory column.
     routed_experts: Any = None
+    # `rollout run --env`: the episode's columns (io.trajectories.EPISODE_FIELDS); None otherwise
+    episode: dict[str, Any] | None = None
 
     def to_row(self) -> dict[str, Any]:
         row = {k: v for k, v in self.__dict__.items() if k not in METRIC_FIELDS}
+        row.update(self.episode or {})
         row.update(self.passthrough)
         return row
 

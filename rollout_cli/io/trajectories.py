@@ -37,19 +37,28 @@ FIXED_FIELDS: tuple[pa.Field, ...] = (
     pa.field("response_weight_versions", pa.list_(pa.string())),
 )
 FIXED_NAMES: tuple[str, ...] = tuple(f.name for f in FIXED_FIELDS)
+# `rollout run --env` (rollout_cli/episodes.py): the response holds model and environment tokens
+EPISODE_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("response_loss_mask", pa.list_(pa.int8())),  # 1: a model token, 0: an environment token
+    pa.field("model_turns", pa.list_(pa.list_(pa.int32()))),  # [start, end) in the response of each model turn
+    pa.field("episode_reward", pa.float64()),  # the sum of the environment's rewards
+    pa.field("turn_cached_tokens", pa.list_(pa.int32())),  # per model turn: prompt tokens the prefix cache served
+)
 
 
-def trajectory_schema(passthrough_schema: pa.Schema) -> pa.Schema:
-    """The fixed columns in order, then the input's passthrough columns in input order."""
+def trajectory_schema(passthrough_schema: pa.Schema, episodes: bool = False) -> pa.Schema:
+    """The fixed columns in order (and the episode columns), then the input's passthrough columns in input order."""
+    fields = list(FIXED_FIELDS) + (list(EPISODE_FIELDS) if episodes else [])
+    names = [f.name for f in fields]
     for name in passthrough_schema.names:
-        if name in FIXED_NAMES:
+        if name in names:
             raise RolloutError(
                 f"input column {name!r} has the name of an output column "
-                f"({', '.join(FIXED_NAMES)}); rename it in the prompt file"
+                f"({', '.join(names)}); rename it in the prompt file"
             )
     # pa.schema(fields) carries no schema metadata: the input's pandas metadata
     # would describe columns the output does not have.
-    return pa.schema(list(FIXED_FIELDS) + list(passthrough_schema))
+    return pa.schema(fields + list(passthrough_schema))
 
 
 def routing_schema(dtype: str) -> pa.Schema:
@@ -195,10 +204,11 @@ class TrajectoryWriter(ShardWriter):
         routing_dtype: str | None = None,
         routing_shape: tuple[int, int] = (0, 0),
         replica: int | None = None,
+        episodes: bool = False,
     ) -> None:
         super().__init__(
             out_dir,
-            trajectory_schema(passthrough_schema),
+            trajectory_schema(passthrough_schema, episodes),
             shard_rows=shard_rows,
             flush_seconds=flush_seconds,
             subdir=subdir,

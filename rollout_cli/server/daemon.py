@@ -16,7 +16,7 @@ import threading
 
 from rollout_cli.errors import RolloutError
 from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES, is_socket_file, socket_is_live
-from rollout_cli.server.sessions import DEFAULT_RETENTION_SECONDS
+from rollout_cli.engine.sessions import DEFAULT_RETENTION_SECONDS
 
 log = logging.getLogger("rollout.serve")
 

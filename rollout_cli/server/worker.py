@@ -35,7 +35,7 @@ from rollout_cli.job import run_job
 from rollout_cli.process_gc import freeze_long_lived_objects
 from rollout_cli.server.online import LiveRequests, OnlineRequest
 from rollout_cli.server.served_job import JobAborted, JobEngine, JobHandle
-from rollout_cli.server.sessions import DEFAULT_RETENTION_SECONDS, Sessions
+from rollout_cli.engine.sessions import DEFAULT_RETENTION_SECONDS, Sessions
 
 log = logging.getLogger("rollout.serve")
 

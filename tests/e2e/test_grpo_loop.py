@@ -72,3 +72,19 @@ def test_killed_loop_leaves_no_daemon_and_no_partial_checkpoint(tmp_path):
         # checkpoints appear only by rename of a complete temp dir; a leftover temp dir is never loaded
         if not checkpoint.name.endswith(".tmp"):
             assert (checkpoint / "config.json").is_file() and (checkpoint / "model.safetensors").is_file()
+
+
+def test_tool_loop_trains_on_episodes_with_the_tool_results_masked(tmp_path):
+    """recipes/tool_loop.sh: calculator episodes, then the GRPO trainer on them; the engine's logprobs of
+    the model's tokens match the trainer's (the tool results, logprob 0 in the rows, are masked out:
+    counted, they would differ by several nats), and the next iteration runs on the new checkpoint."""
+    workdir = tmp_path / "tools"
+    subprocess.run(["bash", "recipes/tool_loop.sh"], cwd=REPO, check=True, capture_output=True, timeout=600,
+                   env=_loop_env(workdir, ITERATIONS=2, PROMPTS=4, GROUP_SIZE=2, MAX_TURNS=3, MAX_NEW_TOKENS=8,
+                                 TRAIN_STEPS=1))
+    metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [1, 2]
+    assert all(m["trajectories"] == 8 and m["logprob_mismatch"] <= 1e-4 for m in metrics)
+    assert all(m["episodes"]["turns"] == 8 * 3 and m["episodes"]["prefix_hit_rate"] > 0.5 for m in metrics)
+    manifest = json.loads((workdir / "episodes_2" / "manifest.json").read_text())
+    assert manifest["model"].endswith("ckpt_1")

@@ -8,7 +8,7 @@ import pytest
 
 from rollout_cli.engine.scheduler import Scheduler
 from rollout_cli.errors import RolloutError
-from rollout_cli.server.sessions import Sessions
+from rollout_cli.engine.sessions import Sessions
 
 from scheduler_oracle import FakeRunner, make_request
 

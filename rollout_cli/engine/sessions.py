@@ -1,6 +1,7 @@
-"""Multi-turn sessions of the daemon's online requests: a conversation's KV kept between its turns.
+"""Multi-turn conversations: a conversation's KV kept in the prefix cache between its turns.
 
-A request with a `session_id` is one turn of that conversation. When its sample finishes, the KV of
+Used by the daemon's online requests (a request with a `session_id` is one turn of that
+conversation) and by `rollout run --env` (every episode is one). When its sample finishes, the KV of
 everything computed (prompt and response but its last token) is already in the prefix cache; the
 session pins it there (Scheduler.pin_prefix), so no other request evicts it before the next turn,
 whose prompt starts with it: the next turn's prefill is only its new tokens (and the last response
@@ -10,8 +11,9 @@ memory release: KV of old weights is of no use).
 
 Pinned KV cannot make room for new requests, so pins together hold at most `max_pinned_tokens`
 (half the KV pool by default): a new pin past that releases the oldest sessions' pins first.
-Hybrid models: the linear-attention state at a turn's end is not kept (see the README), so their
-next turn recomputes the conversation; the KV pin still holds.
+Hybrid models pin nothing: their next turn needs the Gated DeltaNet state at the turn's end beside
+the KV, and that state is not snapshotted (with overlap scheduling the step that last advanced it is
+not known when the turn ends), so they recompute the conversation.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ class Sessions:
         session.expires_at = self._clock() + self.retention_seconds
         scheduler.unpin(session.pin)
         session.pin = None
-        self._make_room(scheduler, len(computed_tokens))
-        session.pin = scheduler.pin_prefix(computed_tokens)
+        if scheduler.linear is None:  # hybrid models: the KV alone cannot resume them (module docstring)
+            self._make_room(scheduler, len(computed_tokens))
+            session.pin = scheduler.pin_prefix(computed_tokens)
         return session.stats(scheduler)
 
     def close(self, scheduler, session_id: str) -> dict | None:

@@ -1,0 +1,251 @@
+"""`rollout run --env FILE`: multi-turn episodes in batch, a model turn and an environment turn at a time.
+
+An environment file defines `make_env(row) -> environment`, where `row` is the prompt row's other
+columns (the passthrough) and `prompt_token_ids`; the environment's `step(turn: ModelTurn) -> EnvStep`
+answers each model turn with an observation (text, tokenized as it is with no special tokens added,
+or token ids), a reward, and whether the episode is done. The environment owns the format of its
+observations (the chat template's turn markers included): the engine appends exactly those tokens, so
+nothing is re-tokenized between turns and the trainer sees the tokens the model saw.
+
+Every episode is a sample (prompt_index, sample_index) of the job, `--n` per prompt. Its turns run as
+requests in the engine's one stream, interleaved with every other episode's: when a model turn ends
+the environment answers it, and the next turn (the conversation so far as its prompt, continuing the
+sample's random stream at its positions) is queued at once. The conversation's KV stays pinned between
+turns (engine/sessions.py), so a turn prefills only its new tokens. An episode ends when the environment
+says done, after `--max-turns` model turns, or when the conversation reaches --max-model-len; its row
+holds the whole conversation after the prompt, with a loss mask (1 model tokens, 0 environment tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_cli.engine.request_maker import token_id_problem
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.sessions import Sessions
+from rollout_cli.engine.trajectory import NO_PROMPT_YET, PartialSample, PromptInput, Trajectory
+from rollout_cli.errors import RolloutError
+
+# Episodes keep their pins for as long as they run; the retention time only matters to the daemon.
+EPISODE_RETENTION_SECONDS = float("inf")
+
+
+@dataclass(frozen=True)
+class ModelTurn:
+    """What the environment sees of one model turn."""
+
+    text: str  # the turn's tokens decoded (special tokens skipped)
+    token_ids: list[int]
+    finish_reason: str  # "stop" (an eos token ended it: it is the last id) or "length"
+    turn: int  # 0 for the first model turn
+
+
+@dataclass
+class EnvStep:
+    """The environment's answer to a model turn."""
+
+    observation: str | list[int] | None = None  # appended after the model's turn; None or "" adds nothing
+    reward: float = 0.0
+    done: bool = False
+
+
+def load_environment(path: str) -> Callable[[dict], Any]:
+    """The `make_env` of an environment file; one line on anything wrong with it."""
+    if not os.path.isfile(path):
+        raise RolloutError(f"--env {path}: no such file; pass a Python file that defines make_env(row)")
+    spec = importlib.util.spec_from_file_location(f"rollout_env_{abs(hash(os.path.abspath(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # noqa: BLE001 - the user's file: say which and why, in one line
+        raise RolloutError(f"--env {path} failed to import: {type(err).__name__}: {err}") from err
+    make_env = getattr(module, "make_env", None)
+    if not callable(make_env):
+        raise RolloutError(f"--env {path} defines no make_env(row) function; see recipes/envs/calculator.py")
+    return make_env
+
+
+@dataclass
+class Episode:
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    env: Any
+    passthrough: dict
+    response: list[int] = field(default_factory=list)  # everything after the prompt: model and env tokens
+    logprobs: list[float] = field(default_factory=list)  # 0.0 at environment tokens
+    loss_mask: list[int] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    model_turns: list[list[int]] = field(default_factory=list)  # [start, end) in `response` of each model turn
+    turn_cached_tokens: list[int] = field(default_factory=list)  # per model turn: prompt tokens the cache served
+    reward: float = 0.0
+    finish_reason: str = ""  # done, max_turns, length or abort, once it ended
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.prompt_index, self.sample_index
+
+    @property
+    def session_id(self) -> str:
+        return f"episode-{self.prompt_index}-{self.sample_index}"
+
+    def next_turn(self, params: SamplingParams) -> PartialSample:
+        """The next model turn: the conversation so far is its prompt."""
+        return PartialSample(self.prompt_index, self.sample_index, self.prompt_token_ids + self.response, [], [], [],
+                             self.passthrough, params)
+
+
+class EpisodeRunner:
+    """Runs a job's samples as episodes; `stream` has Engine.stream's signature and yields one
+    Trajectory per finished episode, its `episode` columns filled."""
+
+    def __init__(self, engine, make_env: Callable[[dict], Any], max_turns: int):
+        if max_turns < 1:
+            raise RolloutError(f"--max-turns must be at least 1, got {max_turns}")
+        self.engine = engine
+        self.make_env = make_env
+        self.max_turns = max_turns
+        self.sessions = Sessions(EPISODE_RETENTION_SECONDS)
+        self.sessions.max_pinned_tokens = engine.num_kv_slots // 2
+        self.turns = 0
+        self.turn_prompt_tokens = 0
+        self.turn_cached_tokens = 0
+
+    def summary(self) -> dict:
+        """What the manifest records of the episodes' turns: how much each turn's prompt came from the cache."""
+        return {"turns": self.turns, "turn_prompt_tokens": self.turn_prompt_tokens,
+                "turn_cached_tokens": self.turn_cached_tokens,
+                "prefix_hit_rate": round(self.turn_cached_tokens / self.turn_prompt_tokens, 4)
+                if self.turn_prompt_tokens else 0.0}
+
+    def stream(self, prompts: Iterable[PromptInput | PartialSample], params: SamplingParams,
+               skip=frozenset(), on_step=None) -> Iterator[Trajectory]:
+        turn_params = dataclasses.replace(params, n=1)  # each turn is one request of its episode
+        rows = iter(prompts)
+        ready: deque[PromptInput | PartialSample] = deque()  # turns to queue: a row's first ones, or an episode's next
+        active: dict[tuple[int, int], Episode] = {}
+        finished: deque[Trajectory] = deque()
+        limit = 2 * self.engine.config.max_running  # episodes started ahead of the engine's room
+        exhausted = False
+
+        def source():
+            nonlocal exhausted
+            while True:
+                if ready:
+                    yield ready.popleft()
+                elif not exhausted and len(active) < limit:
+                    row = next(rows, None)
+                    if row is None:
+                        exhausted = True
+                    else:
+                        ready.extend(self._start(row, params, skip, active))
+                elif active:
+                    yield NO_PROMPT_YET  # turns in flight: their episodes go on once they finish
+                else:
+                    return
+
+        try:
+            for turn in self.engine.stream(source(), turn_params, skip=skip, on_step=on_step):
+                episode = active[(turn.prompt_index, turn.sample_index)]
+                follow_up = self._after_turn(episode, turn, turn_params)
+                if follow_up is None:
+                    del active[episode.key]
+                    self.sessions.close(self.engine.scheduler, episode.session_id)
+                    finished.append(self._trajectory(episode, turn))
+                else:
+                    ready.append(follow_up)
+                while finished:
+                    yield finished.popleft()
+        finally:
+            for episode in active.values():
+                self.sessions.close(self.engine.scheduler, episode.session_id)
+
+    def _start(self, row: PromptInput | PartialSample, params: SamplingParams, skip, active) -> list[PromptInput]:
+        """A prompt row's episodes (but those in `skip`); -> the row itself, whose n first turns run as
+        one group (the first computes the prompt, the others read it from the cache)."""
+        if isinstance(row, PartialSample):
+            raise RolloutError("--env runs whole episodes: --continue-aborted is not supported with it")
+        started = False
+        for sample in range(params.n):
+            if (row.prompt_index, sample) in skip:
+                continue
+            env = self.make_env({**row.passthrough, "prompt_token_ids": list(row.prompt_token_ids)})
+            episode = Episode(row.prompt_index, sample, list(row.prompt_token_ids), env, row.passthrough)
+            active[episode.key] = episode
+            started = True
+        return [dataclasses.replace(row, params=row.params or params)] if started else []
+
+    def _after_turn(self, episode: Episode, turn: Trajectory, turn_params: SamplingParams) -> PartialSample | None:
+        """Record a finished model turn and let the environment answer it; -> the next turn, or None
+        when the episode ended (its finish reason set in episode.finish_reason)."""
+        start = len(episode.response)
+        ids = turn.response_token_ids
+        episode.response += ids
+        episode.logprobs += turn.response_logprobs
+        episode.loss_mask += [1] * len(ids)
+        episode.versions += turn.response_weight_versions
+        episode.model_turns.append([start, start + len(ids)])
+        episode.turn_cached_tokens.append(turn.cached_prompt_tokens)
+        self.turns += 1
+        self.turn_prompt_tokens += len(turn.prompt_token_ids)
+        self.turn_cached_tokens += turn.cached_prompt_tokens
+        if turn.finish_reason == "abort":
+            episode.finish_reason = "abort"
+            return None
+        self.sessions.turn_finished(self.engine.scheduler, episode.session_id,
+                                    turn.prompt_token_ids + ids[:-1], len(turn.prompt_token_ids),
+                                    turn.cached_prompt_tokens)
+        step = episode.env.step(ModelTurn(turn.response_text, list(ids), turn.finish_reason,
+                                          len(episode.model_turns) - 1))
+        if not isinstance(step, EnvStep):
+            raise RolloutError(f"the environment's step returned {type(step).__name__}; return an EnvStep")
+        episode.reward += float(step.reward)
+        if step.done:
+            episode.finish_reason = "done"
+            return None
+        if len(episode.model_turns) >= self.max_turns:
+            episode.finish_reason = "max_turns"
+            return None
+        # an observation is kept only when a model turn follows it
+        observation = self._observation_ids(step.observation)
+        if len(episode.prompt_token_ids) + len(episode.response) + len(observation) > self.engine.requests.max_prompt_len:
+            episode.finish_reason = "length"  # no room left for a model token under --max-model-len
+            return None
+        episode.response += observation
+        episode.logprobs += [0.0] * len(observation)
+        episode.loss_mask += [0] * len(observation)
+        episode.versions += [turn.weight_version] * len(observation)
+        return episode.next_turn(turn_params)
+
+    def _observation_ids(self, observation) -> list[int]:
+        if observation is None or observation == "":
+            return []
+        if isinstance(observation, str):
+            tokenizer = self.engine.tokenizer
+            if tokenizer is None:
+                raise RolloutError("the environment answered with text but the model has no tokenizer files; "
+                                   "answer with token ids")
+            return [int(t) for t in tokenizer.encode(observation, add_special_tokens=False)]
+        ids = [int(t) for t in observation]
+        problem = token_id_problem(ids, self.engine.requests.vocab_size) if ids else None
+        if problem is not None:
+            raise RolloutError(f"the environment answered with token id {problem[1]}, outside the model's "
+                               f"vocabulary [0, {self.engine.requests.vocab_size})")
+        return ids
+
+    def _trajectory(self, episode: Episode, last: Trajectory) -> Trajectory:
+        return Trajectory(
+            prompt_index=episode.prompt_index, sample_index=episode.sample_index,
+            prompt_token_ids=episode.prompt_token_ids, response_token_ids=episode.response,
+            response_logprobs=episode.logprobs, response_text=self.engine.decode(episode.response),
+            finish_reason=episode.finish_reason, weight_version=last.weight_version,
+            response_weight_versions=episode.versions, passthrough=episode.passthrough,
+            episode={"response_loss_mask": episode.loss_mask, "model_turns": episode.model_turns,
+                     "episode_reward": episode.reward, "turn_cached_tokens": episode.turn_cached_tokens},
+        )

@@ -1,0 +1,202 @@
+"""`rollout run --env`: multi-turn episodes (issue 21), on the CPU.
+
+The calculator environment on the example model through the CLI (rows, loss masks, turn spans, the
+cache serving each turn's conversation so far, a kill and --resume); every model turn of an episode
+equals the same conversation sent as one prompt (tokens and logprobs), on a dense and a hybrid
+model; bad environments and flags get one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rollout_cli.engine.engine import Engine
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.trajectory import PromptInput
+from rollout_cli.episodes import EnvStep, EpisodeRunner
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / "recipes" / "example_model"
+CALCULATOR = REPO / "recipes" / "envs" / "calculator.py"
+CLI = [sys.executable, "-m", "rollout_cli.cli.main"]
+MAX_TURNS = 4
+ERROR_MESSAGE = "<error>no tool call or answer"
+
+
+def _cli(args, **env) -> subprocess.CompletedProcess:
+    environ = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env)
+    environ.pop("ROLLOUT_ENGINE", None)
+    if not env:
+        environ.pop("ROLLOUT_DEBUG_SIGNAL_AFTER_ROWS", None)
+    return subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=environ)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("episodes") / "calc.parquet"
+    subprocess.run([sys.executable, str(CALCULATOR), str(path), "--count", "6", "--seed", "0"], check=True,
+                   capture_output=True)
+    return path
+
+
+def _run_args(prompts: Path, out: Path) -> list:
+    return ["run", "--model", MODEL, "--device", "cpu", "--data", prompts, "--out", out, "--env", CALCULATOR,
+            "--max-turns", MAX_TURNS, "--n", 2, "--max-new-tokens", 12, "--seed", 5, "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def episodes(prompts, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("episodes_run") / "out"
+    result = _cli(_run_args(prompts, out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def _rows(out: Path) -> list[dict]:
+    table = pq.read_table(out / "trajectories")
+    return table.sort_by([("prompt_index", "ascending"), ("sample_index", "ascending")]).to_pylist()
+
+
+def test_episode_rows_hold_the_conversation_its_mask_and_its_turns(episodes):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
+    rows = _rows(episodes)
+    assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(p, s) for p in range(6) for s in range(2)]
+    turns = 0
+    for row in rows:
+        response, mask, spans = row["response_token_ids"], row["response_loss_mask"], row["model_turns"]
+        assert len(mask) == len(response) == len(row["response_logprobs"]) == len(row["response_weight_versions"])
+        # the untrained model never calls the tool: the environment answers every turn with an error
+        assert row["finish_reason"] == "max_turns" and len(spans) == MAX_TURNS and row["episode_reward"] == 0.0
+        assert spans[0][0] == 0 and spans[-1][1] == len(response)
+        for k, (start, end) in enumerate(spans):
+            assert mask[start:end] == [1] * (end - start) and end > start
+            if k + 1 < len(spans):  # between two model turns: the environment's tokens, logprob 0
+                observation = response[end:spans[k + 1][0]]
+                assert mask[end:spans[k + 1][0]] == [0] * len(observation)
+                assert row["response_logprobs"][end:spans[k + 1][0]] == [0.0] * len(observation)
+                assert ERROR_MESSAGE in tokenizer.decode(observation)
+        # the conversation so far came from the cache: all but the last model token of the turn before
+        cached = row["turn_cached_tokens"]
+        assert len(cached) == MAX_TURNS
+        for k in range(1, MAX_TURNS):
+            assert cached[k] == len(row["prompt_token_ids"]) + spans[k - 1][1] - 1
+        assert row["answer"] > 0  # the prompt file's columns pass through
+        turns += len(spans)
+    manifest = json.loads((episodes / "manifest.json").read_text())
+    stats = manifest["episodes"]
+    assert manifest["status"] == "complete" and stats["turns"] == turns
+    assert stats["turn_cached_tokens"] == sum(sum(r["turn_cached_tokens"]) for r in rows)
+    assert stats["prefix_hit_rate"] > 0.5
+    assert manifest["env"]["max_turns"] == MAX_TURNS
+
+
+def test_a_killed_episode_run_resumes_to_the_same_rows(episodes, prompts, tmp_path):
+    out = tmp_path / "killed"
+    killed = _cli(_run_args(prompts, out) + ["--flush-seconds", "3600", "--shard-rows", "2", "--max-running", "2"],
+                  ROLLOUT_DEBUG_SIGNAL_AFTER_ROWS="5:TERM")
+    assert killed.returncode != 0 and json.loads((out / "manifest.json").read_text())["status"] == "interrupted"
+    kept = pq.read_table(out / "trajectories").num_rows
+    assert 0 < kept < 12
+    resumed = _cli(_run_args(prompts, out) + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    got, want = _rows(out), _rows(episodes)
+    assert [{k: v for k, v in r.items() if k not in ("response_logprobs", "turn_cached_tokens")} for r in got] == \
+        [{k: v for k, v in r.items() if k not in ("response_logprobs", "turn_cached_tokens")} for r in want]
+    for a, b in zip(got, want):
+        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=1e-5)
+
+
+class _ScriptedEnv:
+    """Answers every model turn with fixed token ids; done after `turns` turns, reward = turns taken."""
+
+    def __init__(self, observation: list[int], turns: int):
+        self.observation = observation
+        self.turns = turns
+        self.seen = 0
+
+    def step(self, turn) -> EnvStep:
+        self.seen += 1
+        return EnvStep(observation=self.observation, reward=1.0, done=self.seen == self.turns)
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_every_turn_equals_the_conversation_sent_as_one_prompt(kind, tiny_hybrid_checkpoints):
+    """Five turns at T=1: each model turn's tokens (and logprobs, to the 1e-4 of float32 parity) are what the engine samples for the
+    conversation before it as one prompt (the random stream is keyed by position, so a turn draws what
+    the whole conversation draws at those positions)."""
+    model = str(MODEL) if kind == "dense" else tiny_hybrid_checkpoints["qwen3_next"]
+    engine = Engine(model, device="cpu", max_model_len=512, kv_cache_tokens=8192)
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=9, ignore_eos=True)
+    observation = [11, 12, 13, 14]
+    runner = EpisodeRunner(engine, lambda row: _ScriptedEnv(observation, 5), max_turns=8)
+    prompts = [PromptInput(0, [3, 4, 5, 6, 7, 8]), PromptInput(1, [9, 8, 7])]
+    episodes = sorted(runner.stream(prompts, params), key=lambda t: (t.prompt_index, t.sample_index))
+    assert len(episodes) == 4
+    for episode in episodes:
+        spans = episode.episode["model_turns"]
+        assert len(spans) == 5 and episode.finish_reason == "done" and episode.episode["episode_reward"] == 5.0
+        for k, (start, end) in enumerate(spans):
+            conversation = episode.prompt_token_ids + episode.response_token_ids[:start]
+            one = PromptInput(episode.prompt_index, conversation, params=SamplingParams(
+                n=episode.sample_index + 1, max_new_tokens=6, temperature=1.0, seed=9, ignore_eos=True))
+            alone = [t for t in engine.stream([one], params) if t.sample_index == episode.sample_index][0]
+            assert alone.response_token_ids == episode.response_token_ids[start:end]
+            assert alone.response_logprobs == pytest.approx(episode.response_logprobs[start:end], abs=1e-4)
+            if k + 1 < len(spans):
+                assert episode.response_token_ids[end:spans[k + 1][0]] == observation
+        if kind == "dense":  # the pinned conversation serves every later turn; hybrid models recompute
+            cached = episode.episode["turn_cached_tokens"]
+            assert all(cached[k] == len(episode.prompt_token_ids) + spans[k - 1][1] - 1 for k in range(1, 5))
+
+
+def _env_file(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "env.py"
+    path.write_text(body)
+    return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "no such file; pass a Python file that defines make_env(row)"),
+    ("no_make_env", "defines no make_env(row) function"),
+    ("broken", "failed to import: ZeroDivisionError"),
+    ("bad_step", "the environment's step returned NoneType; return an EnvStep"),
+    ("on_daemon", "--env runs episodes on an engine in this process for now"),
+    ("max_turns", "--max-turns must be at least 1"),
+])
+def test_bad_environments_and_flags_get_one_line(case, message, prompts, tmp_path):
+    bodies = {"no_make_env": "x = 1\n", "broken": "1 / 0\n",
+              "bad_step": "class E:\n    def step(self, turn):\n        return None\n\n"
+                          "def make_env(row):\n    return E()\n"}
+    env = tmp_path / "nope.py" if case == "missing" else _env_file(tmp_path, bodies[case]) if case in bodies else CALCULATOR
+    args = ["run", "--data", prompts, "--out", tmp_path / "out", "--env", env, "--max-new-tokens", 4, "--quiet"]
+    if case == "on_daemon":
+        args += ["--engine", tmp_path / "engine.sock"]
+    else:
+        args += ["--model", MODEL, "--device", "cpu"]
+    if case == "max_turns":
+        args += ["--max-turns", 0]
+    result = _cli(args)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    if case in ("missing", "no_make_env", "broken", "max_turns"):
+        assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_an_input_column_named_like_an_episode_column_is_refused(tmp_path):
+    data = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["hi"], "episode_reward": [1.0]}), data)
+    result = _cli(["run", "--model", MODEL, "--device", "cpu", "--data", data, "--out", tmp_path / "out",
+                   "--env", CALCULATOR, "--quiet"])
+    assert result.returncode != 0 and "input column 'episode_reward' has the name of an output column" in result.stderr
