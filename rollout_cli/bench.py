@@ -20,6 +20,7 @@ import torch
 
 from rollout_cli.engine.engine import Engine, PromptInput
 from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.episodes import EnvStep, EpisodeRunner
 from rollout_cli.errors import RolloutError
 
 
@@ -55,6 +56,11 @@ class BenchConfig:
     capture_routing: str = "off"
     """MoE models: off, on (the timed run records every token's experts), or compare (a run
     without, then one with, on the same engine: the cost of routing capture)."""
+    turns: int = 1
+    """Model turns per sample: above 1, every sample is a multi-turn episode (rollout run --env) with a
+    synthetic environment answering each turn with observation_len tokens."""
+    observation_len: int = 32
+    """With turns > 1: the environment's tokens between two model turns."""
 
     def __post_init__(self):
         if self.baseline not in ("none", "hf"):
@@ -65,8 +71,11 @@ class BenchConfig:
             value = getattr(self, name)
             if value is not None and not 1 <= value[0] <= value[1]:
                 raise RolloutError(f"--{name.replace('_', '-')} needs 1 <= LO <= HI")
-        if min(self.num_prompts, self.input_len, self.output_len, self.n) < 1:
-            raise RolloutError("--num-prompts, --input-len, --output-len and --n must be at least 1")
+        if min(self.num_prompts, self.input_len, self.output_len, self.n, self.turns, self.observation_len) < 1:
+            raise RolloutError("--num-prompts, --input-len, --output-len, --n, --turns and --observation-len "
+                               "must be at least 1")
+        if self.turns > 1 and self.capture_routing != "off":
+            raise RolloutError("--turns runs episodes, which --capture-routing does not support yet; drop one")
 
 
 @dataclass(frozen=True)
@@ -231,14 +240,19 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
     _sync(engine.device)
+    episodes = None
+    if cfg.turns > 1:
+        observation = [random.Random(cfg.seed).randrange(engine.requests.vocab_size) for _ in range(cfg.observation_len)]
+        episodes = EpisodeRunner(engine, lambda row: SyntheticEnv(observation), cfg.turns)
     start = time.monotonic()
-    results = list(engine.stream(inputs(), SamplingParams()))
+    results = list((engine if episodes is None else episodes).stream(inputs(), SamplingParams()))
     _sync(engine.device)
     seconds = time.monotonic() - start
     engine.runner.time_decode_steps = engine.runner.count_distinct_context = False
     traffic = engine.runner.traffic
     stats = engine.scheduler.stats
-    out_tokens = sum(len(r.response_token_ids) for r in results)
+    # an episode's response holds the environment's tokens too: count the model's
+    out_tokens = sum(sum(r.episode["response_loss_mask"]) if r.episode else len(r.response_token_ids) for r in results)
     in_tokens = sum(len(r.prompt_token_ids) for r in results)
     ttfts = sorted(r.ttft_seconds for r in results)
     prompt_tokens = stats.prompt_tokens - stats_before.prompt_tokens
@@ -266,7 +280,33 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
         "prefill_steps": traffic.prefill_steps,
         "prefill_step_ms": 1e3 * traffic.prefill_wall_seconds / traffic.prefill_steps if traffic.prefill_steps else None,
         "cuda_graph_capture_s": engine.cuda_graph_capture_seconds,
+        **({"episodes": episode_report(episodes, results)} if episodes is not None else {}),
     }
+
+
+class SyntheticEnv:
+    """--turns: answers every model turn with the same observation tokens, never done."""
+
+    def __init__(self, observation: list[int]):
+        self.observation = observation
+
+    def step(self, turn) -> EnvStep:
+        return EnvStep(observation=self.observation)
+
+
+def episode_report(runner: EpisodeRunner, results: list) -> dict:
+    """How much each later turn (the second on) prefilled against what was new in it: the environment's
+    tokens since the last model turn, plus that turn's last token (its KV is never computed)."""
+    prefilled, new = [], []
+    for r in results:
+        spans, cached = r.episode["model_turns"], r.episode["turn_cached_tokens"]
+        for k in range(1, len(spans)):
+            prefilled.append(len(r.prompt_token_ids) + spans[k][0] - cached[k])
+            new.append(spans[k][0] - spans[k - 1][1] + 1)
+    return {**runner.summary(),
+            "later_turn_prefill_tokens_mean": statistics.fmean(prefilled) if prefilled else 0.0,
+            "later_turn_new_tokens_mean": statistics.fmean(new) if new else 0.0,
+            "later_turns_prefilling_only_new_tokens": sum(p <= n for p, n in zip(prefilled, new)) / max(len(new), 1)}
 
 
 def profile_decode(engine: Engine, workload: Workload, cfg: BenchConfig, steps: int = 32, rows: int = 15) -> str:

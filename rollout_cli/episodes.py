@@ -78,6 +78,7 @@ class Episode:
     prompt_token_ids: list[int]
     env: Any
     passthrough: dict
+    params: SamplingParams  # of each model turn: the row's (or the job's), n = 1
     response: list[int] = field(default_factory=list)  # everything after the prompt: model and env tokens
     logprobs: list[float] = field(default_factory=list)  # 0.0 at environment tokens
     loss_mask: list[int] = field(default_factory=list)
@@ -86,6 +87,7 @@ class Episode:
     turn_cached_tokens: list[int] = field(default_factory=list)  # per model turn: prompt tokens the cache served
     reward: float = 0.0
     finish_reason: str = ""  # done, max_turns, length or abort, once it ended
+    ttft_seconds: float = 0.0  # the first turn's: queueing to the first model token
 
     @property
     def key(self) -> tuple[int, int]:
@@ -95,10 +97,10 @@ class Episode:
     def session_id(self) -> str:
         return f"episode-{self.prompt_index}-{self.sample_index}"
 
-    def next_turn(self, params: SamplingParams) -> PartialSample:
+    def next_turn(self) -> PartialSample:
         """The next model turn: the conversation so far is its prompt."""
         return PartialSample(self.prompt_index, self.sample_index, self.prompt_token_ids + self.response, [], [], [],
-                             self.passthrough, params)
+                             self.passthrough, self.params)
 
 
 class EpisodeRunner:
@@ -126,7 +128,6 @@ class EpisodeRunner:
 
     def stream(self, prompts: Iterable[PromptInput | PartialSample], params: SamplingParams,
                skip=frozenset(), on_step=None) -> Iterator[Trajectory]:
-        turn_params = dataclasses.replace(params, n=1)  # each turn is one request of its episode
         rows = iter(prompts)
         ready: deque[PromptInput | PartialSample] = deque()  # turns to queue: a row's first ones, or an episode's next
         active: dict[tuple[int, int], Episode] = {}
@@ -151,9 +152,9 @@ class EpisodeRunner:
                     return
 
         try:
-            for turn in self.engine.stream(source(), turn_params, skip=skip, on_step=on_step):
+            for turn in self.engine.stream(source(), params, skip=skip, on_step=on_step):
                 episode = active[(turn.prompt_index, turn.sample_index)]
-                follow_up = self._after_turn(episode, turn, turn_params)
+                follow_up = self._after_turn(episode, turn)
                 if follow_up is None:
                     del active[episode.key]
                     self.sessions.close(self.engine.scheduler, episode.session_id)
@@ -172,16 +173,18 @@ class EpisodeRunner:
         if isinstance(row, PartialSample):
             raise RolloutError("--env runs whole episodes: --continue-aborted is not supported with it")
         started = False
+        params = row.params or params
+        turn_params = dataclasses.replace(params, n=1)  # each later turn is one request of its episode
         for sample in range(params.n):
             if (row.prompt_index, sample) in skip:
                 continue
             env = self.make_env({**row.passthrough, "prompt_token_ids": list(row.prompt_token_ids)})
-            episode = Episode(row.prompt_index, sample, list(row.prompt_token_ids), env, row.passthrough)
+            episode = Episode(row.prompt_index, sample, list(row.prompt_token_ids), env, row.passthrough, turn_params)
             active[episode.key] = episode
             started = True
-        return [dataclasses.replace(row, params=row.params or params)] if started else []
+        return [dataclasses.replace(row, params=params)] if started else []
 
-    def _after_turn(self, episode: Episode, turn: Trajectory, turn_params: SamplingParams) -> PartialSample | None:
+    def _after_turn(self, episode: Episode, turn: Trajectory) -> PartialSample | None:
         """Record a finished model turn and let the environment answer it; -> the next turn, or None
         when the episode ended (its finish reason set in episode.finish_reason)."""
         start = len(episode.response)
@@ -192,6 +195,8 @@ class EpisodeRunner:
         episode.versions += turn.response_weight_versions
         episode.model_turns.append([start, start + len(ids)])
         episode.turn_cached_tokens.append(turn.cached_prompt_tokens)
+        if start == 0:
+            episode.ttft_seconds = turn.ttft_seconds
         self.turns += 1
         self.turn_prompt_tokens += len(turn.prompt_token_ids)
         self.turn_cached_tokens += turn.cached_prompt_tokens
@@ -221,7 +226,7 @@ class EpisodeRunner:
         episode.logprobs += [0.0] * len(observation)
         episode.loss_mask += [0] * len(observation)
         episode.versions += [turn.weight_version] * len(observation)
-        return episode.next_turn(turn_params)
+        return episode.next_turn()
 
     def _observation_ids(self, observation) -> list[int]:
         if observation is None or observation == "":
@@ -246,6 +251,7 @@ class EpisodeRunner:
             response_logprobs=episode.logprobs, response_text=self.engine.decode(episode.response),
             finish_reason=episode.finish_reason, weight_version=last.weight_version,
             response_weight_versions=episode.versions, passthrough=episode.passthrough,
+            ttft_seconds=episode.ttft_seconds,
             episode={"response_loss_mask": episode.loss_mask, "model_turns": episode.model_turns,
                      "episode_reward": episode.reward, "turn_cached_tokens": episode.turn_cached_tokens},
         )

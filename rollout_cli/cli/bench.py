@@ -29,6 +29,8 @@ def bench_command(
     data: Annotated[Optional[str], typer.Option(help="Take prompts from this Parquet file instead of random ids.", rich_help_panel=WORKLOAD)] = None,
     prompt_key: Annotated[str, typer.Option(help="Prompt column of --data.", rich_help_panel=WORKLOAD)] = "prompt",
     n: opt.N = 1,
+    turns: Annotated[int, typer.Option(help="Model turns per sample: above 1 every sample is a multi-turn episode (as rollout run --env), a synthetic environment answering each turn with --observation-len tokens; --output-len is per turn. Reports each later turn's prefill against its new tokens.", rich_help_panel=WORKLOAD)] = 1,
+    observation_len: Annotated[int, typer.Option(help="With --turns: the environment's tokens after each model turn.", rich_help_panel=WORKLOAD)] = 32,
     temperature: opt.Temperature = 1.0,
     seed: opt.Seed = 0,
     baseline: Annotated[str, typer.Option(help="none, or hf: also time transformers generate on the same prompts.")] = "none",
@@ -62,7 +64,7 @@ def bench_command(
                           input_len_range=input_len_range, output_len_range=output_len_range, n=n,
                           temperature=temperature, seed=seed, baseline=baseline, baseline_batch=baseline_batch,
                           baseline_time_limit=baseline_time_limit,
-                          capture_routing=capture_routing)
+                          capture_routing=capture_routing, turns=turns, observation_len=observation_len)
         engine_config = opt.engine_config(model=model, **engine_options)
         hf_config = load_model_config(engine_config.model)  # a hub id's snapshot directory
         if tp != 1:
@@ -245,6 +247,12 @@ def _table(report: dict) -> Table:
     table.add_row("requests / output tokens", f"{r['requests']} / {r['output_tokens']:,}")
     table.add_row("TTFT mean / p50 / p99", f"{r['ttft_mean_s']:.3f} / {r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f} s")
     table.add_row("prefix hit rate", f"{r['prefix_hit_rate']:.1%}")
+    if "episodes" in r:
+        e = r["episodes"]
+        table.add_row("episode turns / their hit rate", f"{e['turns']:,} / {e['prefix_hit_rate']:.1%}")
+        table.add_row("later turns: prefilled / new", f"{e['later_turn_prefill_tokens_mean']:.1f} / "
+                      f"{e['later_turn_new_tokens_mean']:.1f} tokens per turn "
+                      f"({e['later_turns_prefilling_only_new_tokens']:.0%} prefilled only new tokens)")
     if r["prefill_steps"]:
         table.add_row("prefill steps", f"{r['prefill_steps']} x {r['prefill_step_ms']:.1f} ms")
     if r["decode_gpu_idle_share"] is not None:

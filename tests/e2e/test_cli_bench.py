@@ -51,6 +51,27 @@ def test_mixed_lengths_follow_their_ranges(tmp_path):
     assert rollout["requests"] == 8 and 8 * 3 <= rollout["output_tokens"] <= 8 * 11
 
 
+def test_turns_run_episodes_whose_later_turns_prefill_only_new_tokens(tmp_path):
+    """--turns: multi-turn episodes with a synthetic environment; each later turn prefills only the
+    environment's tokens and the previous turn's last token (the conversation stays pinned)."""
+    report_path = tmp_path / "bench.json"
+    result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 4, "--n", 2, "--input-len", 20,
+                    "--output-len", 6, "--turns", 3, "--observation-len", 5, "--json", report_path)
+    assert result.returncode == 0, result.stderr
+    rollout = json.loads(report_path.read_text())["rollout"]
+    episodes = rollout["episodes"]
+    assert rollout["requests"] == 8 and rollout["output_tokens"] == 8 * 3 * 6  # model tokens only
+    assert episodes["turns"] == 8 * 3
+    assert episodes["later_turn_new_tokens_mean"] == 5 + 1
+    assert episodes["later_turn_prefill_tokens_mean"] == 5 + 1
+    assert episodes["later_turns_prefilling_only_new_tokens"] == 1.0
+    # turn 1: the second sample of a prompt reads 19 of its 20 prompt tokens; turns 2 and 3 read all but 6
+    prompt_tokens = 8 * 20 + 8 * (20 + 11) + 8 * (20 + 22)
+    cached = 4 * 19 + 8 * (20 + 11 - 6) + 8 * (20 + 22 - 6)
+    assert episodes["turn_prompt_tokens"] == prompt_tokens and episodes["turn_cached_tokens"] == cached
+    assert "later turns: prefilled / new" in result.stdout
+
+
 def test_routing_capture_compare_on_a_moe_model(tiny_moe_checkpoints, tmp_path):
     report_path = tmp_path / "bench.json"
     result = _bench("--model", tiny_moe_checkpoints["qwen3_moe"], "--device", "cpu", "--num-prompts", 4,
