@@ -32,7 +32,7 @@ from rollout_cli.engine.trajectory import NO_PROMPT_YET, PartialSample, PromptIn
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import (build_model, load_model_config, model_positions, resolve_attention_backend,
                                       resolve_device, resolve_dtype, resolve_max_model_len)
-from rollout_cli.models.fp8 import quantize_model
+from rollout_cli.models.fp8 import checkpoint_is_fp8
 from rollout_cli.models.hub import resolve_engine_config, resolve_model
 from rollout_cli.models.layers import enable_batch_invariant_kernels, enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
@@ -51,6 +51,8 @@ class Engine:
         self.config = resolve_engine_config(config)  # a hub id -> its snapshot directory (no-op once resolved)
         cfg = self.config
         self.hf_config = load_model_config(cfg.model)
+        if cfg.quantization is None and checkpoint_is_fp8(self.hf_config):  # the hub's *-FP8 checkpoints
+            self.config = cfg = _as_fp8_checkpoint(cfg)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.max_model_len = resolve_max_model_len(self.hf_config, cfg.max_model_len)
@@ -66,9 +68,8 @@ class Engine:
         self.memory = MemorySaver(self.device, cfg.weights_cpu_backup)
         with self.memory.region("weights"):
             self.model = build_model(cfg.model, self.hf_config, self.device, self.dtype,
-                                     max_positions=self.max_model_len, load_format=cfg.load_format)
-            if cfg.quantization is not None:  # inside the region: the fp8 weights are released with the rest
-                quantize_model(self.model, cfg.quantization)
+                                     max_positions=self.max_model_len, load_format=cfg.load_format,
+                                     quantization=cfg.quantization)
         self.memory.keep_only_parameters(self.model)
         if self.attention_backend == "triton":
             enable_triton_kernels(self.model)
@@ -431,6 +432,16 @@ class Engine:
             cached_prompt_tokens=request.cached_prompt_tokens,
             routed_experts=routed_experts,
         )
+
+
+def _as_fp8_checkpoint(cfg: EngineConfig) -> EngineConfig:
+    """An FP8 checkpoint runs as --quantization fp8 does, with its refusals worded for the checkpoint."""
+    if cfg.deterministic:
+        raise RolloutError(f"{cfg.model} is an FP8 checkpoint and --deterministic runs the model's dtype only "
+                           "(no batch-invariant FP8 GEMM yet); use its bf16 checkpoint")
+    if cfg.tensor_parallel_size > 1:
+        raise RolloutError(f"{cfg.model} is an FP8 checkpoint, which runs on one GPU for now (--tp 1)")
+    return dataclasses.replace(cfg, quantization="fp8")
 
 
 def _drain(items: list):

@@ -8,6 +8,7 @@ import os
 import torch
 
 from rollout_cli.errors import RolloutError
+from rollout_cli.models.fp8 import quantize_model
 from rollout_cli.models.loader import init_dummy_weights, load_checkpoint, safetensors_files
 from rollout_cli.models.registry import model_class_for
 
@@ -139,8 +140,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dtype, max_positions: int,
-                load_format: str = "auto"):
-    """Construct the model directly on `device` in `dtype`, then fill its weights."""
+                load_format: str = "auto", quantization: str | None = None):
+    """Construct the model directly on `device` in `dtype`, then fill its weights. With `quantization`
+    (fp8) the layers are quantized before the checkpoint streams in, each tensor as it arrives (an e4m3
+    one as it is): the whole model never sits in memory unquantized."""
     cls = model_class_for(hf_config)
     if load_format != "dummy":
         safetensors_files(model_dir)  # refuse pickle-only or empty dirs before allocating anything
@@ -153,6 +156,10 @@ def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dt
         torch.set_default_dtype(previous)
     if load_format == "dummy":
         init_dummy_weights(model)
+        if quantization is not None:
+            quantize_model(model, quantization)
     else:
+        if quantization is not None:
+            quantize_model(model, quantization, empty=True)
         load_checkpoint(model, model_dir)
     return model.eval()

@@ -15,6 +15,13 @@ state math. The MoE experts' fused GEMM stays in the model's dtype until its W8A
 Weight updates stay exact about what they hold: the weight's loader takes the incoming (bf16 or
 float32) tensor, quantizes it on the weight's device and writes the fp8 rows and their scale rows;
 no unquantized copy of the model is kept.
+
+Checkpoints already in FP8 (config.json's quantization_config: quant_method fp8, weight_block_size
+[128, 128], as the hub's *-FP8 checkpoints) load as they are: an e4m3 weight tensor is placed by the
+layer's own loader, and its `weight_scale_inv` [ceil(n / 128), ceil(k / 128)] goes through the same
+loader as one scale per row, then one per block of BN rows (BN divides 128, so each of our blocks lies
+in one of the checkpoint's; checked). No value is rounded twice: the bytes of the checkpoint are the
+bytes the GEMM reads. Such a checkpoint runs with --quantization fp8 without the flag.
 """
 
 from __future__ import annotations
@@ -31,12 +38,35 @@ from rollout_cli.models.layers import FusedLinear, Linear
 
 KEPT_IN_MODEL_DTYPE = ("lm_head", "shared_expert_gate", "in_proj_ba")  # module names, see the docstring
 BLOCK = 128
+CHECKPOINT_BLOCK = [BLOCK, BLOCK]  # the one FP8 checkpoint layout taken as it is
+
+
+def checkpoint_is_fp8(hf_config) -> bool:
+    """Whether config.json says the weights are blockwise FP8 (refused with one line: other quantizations)."""
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None:
+        return False
+    config = config if isinstance(config, dict) else config.to_dict()
+    method = config.get("quant_method")
+    if method != "fp8":
+        raise RolloutError(f"the checkpoint is quantized with {method!r}, which this engine does not load; "
+                           "use its bf16 checkpoint (add --quantization fp8 for FP8 rollouts)")
+    if list(config.get("weight_block_size") or []) != CHECKPOINT_BLOCK:
+        raise RolloutError(f"the checkpoint's FP8 weight_block_size is {config.get('weight_block_size')}; this "
+                           f"engine loads blockwise {CHECKPOINT_BLOCK} FP8 checkpoints only: use the bf16 checkpoint "
+                           "with --quantization fp8")
+    if config.get("activation_scheme", "dynamic") != "dynamic":
+        raise RolloutError("the checkpoint's FP8 activation_scheme is static; this engine quantizes activations "
+                           "per token (dynamic): use the bf16 checkpoint with --quantization fp8")
+    return True
 
 
 def scale_block_rows(module: Linear) -> int:
-    """BN: 128, or the largest power of two dividing every fused shard's row count."""
+    """BN: 128, or the largest power of two dividing every fused shard's row count (and the runs of rows
+    a regrouping loader moves whole)."""
     sizes = [size for _, size in module.shard_offsets.values()] if isinstance(module, FusedLinear) \
         else [module.weight.shape[0]]
+    sizes.append(getattr(module.weight.weight_loader, "row_granularity", BLOCK))
     common = functools.reduce(math.gcd, sizes)
     block = BLOCK
     while common % block:
@@ -47,9 +77,13 @@ def scale_block_rows(module: Linear) -> int:
 def _load_quantized(module: Linear, layer_loader, param: nn.Parameter, tensor: torch.Tensor, shard_id) -> None:
     """The fp8 weight's loader: the layer's own loader (shard placement, row regrouping) writes the
     tensor into a staging weight in the model's dtype (one layer's, freed after), whose rows of this
-    shard are quantized into the fp8 rows and their scale rows; other shards keep their bits."""
-    from rollout_kernels.fp8_blockwise import quantize_weight_blockwise
+    shard are quantized into the fp8 rows and their scale rows; other shards keep their bits.
+    An e4m3 tensor (an FP8 checkpoint's) is placed as it is; its scales come as their own tensor."""
+    from rollout_kernels.fp8_blockwise import FP8_DTYPE, quantize_weight_blockwise
 
+    if tensor.dtype == FP8_DTYPE:
+        layer_loader(param, tensor.to(param.device), shard_id)
+        return
     staging = nn.Parameter(torch.empty(param.shape, dtype=param.load_dtype, device=param.device), requires_grad=False)
     if hasattr(param, "shard_offsets"):
         staging.shard_offsets = param.shard_offsets
@@ -60,33 +94,63 @@ def _load_quantized(module: Linear, layer_loader, param: nn.Parameter, tensor: t
     module.weight_scale_inv.data.narrow(0, offset // module.fp8_block[0], scale.shape[0]).copy_(scale)
 
 
-def quantize_layer(module: Linear) -> None:
-    """Replace the layer's weight by its blockwise e4m3 form and scales (in place, same device)."""
-    from rollout_kernels.fp8_blockwise import quantize_weight_blockwise
+def _load_checkpoint_scales(module: Linear, layer_loader, param: nn.Parameter, tensor: torch.Tensor,
+                            shard_id) -> None:
+    """The loader of an FP8 checkpoint's weight_scale_inv [ceil(n / 128), KB] for n weight rows: one
+    scale per row, placed by the layer's own loader like the weight's rows, then one per BN-row block."""
+    weight = module.weight
+    n = weight.shape[0] if shard_id is None else module.shard_offsets[shard_id][1]
+    per_row = tensor.to(param.device, torch.float32).repeat_interleave(BLOCK, dim=0)[:n]  # [n, KB]
+    staging = nn.Parameter(torch.empty(weight.shape[0], tensor.shape[1], device=param.device), requires_grad=False)
+    if hasattr(weight, "shard_offsets"):
+        staging.shard_offsets = weight.shard_offsets
+    layer_loader(staging, per_row, shard_id)
+    offset, size = module.shard_offsets[shard_id] if shard_id is not None else (0, weight.shape[0])
+    rows = module.fp8_block[0]
+    blocks = staging.data.narrow(0, offset, size).view(size // rows, rows, -1)  # [blocks, BN, KB]
+    if not torch.equal(blocks, blocks[:, :1].expand_as(blocks)):
+        raise RolloutError(f"the checkpoint's 128-row scale blocks do not line up with {rows}-row blocks of this "
+                           "layer; load the bf16 checkpoint with --quantization fp8")
+    param.data.narrow(0, offset // rows, size // rows).copy_(blocks[:, 0])
+
+
+def quantize_layer(module: Linear, empty: bool = False) -> None:
+    """Replace the layer's weight by its blockwise e4m3 form and scales (in place, same device);
+    `empty`: allocate them only, for a checkpoint loaded next."""
+    from rollout_kernels.fp8_blockwise import FP8_DTYPE, quantize_weight_blockwise
 
     old = module.weight
     block = (scale_block_rows(module), BLOCK)
-    q, scale = quantize_weight_blockwise(old.data, block)
+    if empty:
+        n, k = old.shape
+        q = torch.empty(n, k, dtype=FP8_DTYPE, device=old.device)
+        scale = torch.ones(n // block[0], -(-k // BLOCK), dtype=torch.float32, device=old.device)
+    else:
+        q, scale = quantize_weight_blockwise(old.data, block)
     weight = nn.Parameter(q, requires_grad=False)
     weight.load_dtype = old.dtype  # updates arrive in the model's dtype, not e4m3 (loader.copy_into_parameters)
     weight.weight_loader = functools.partial(_load_quantized, module, old.weight_loader)
     if hasattr(old, "shard_offsets"):
         weight.shard_offsets = old.shard_offsets  # the loader checks shard shapes from it
     scales = nn.Parameter(scale, requires_grad=False)
-    scales.derived_from_weight = True  # not a checkpoint tensor: the weight's loader writes it
+    # not a checkpoint tensor of a bf16 checkpoint (the weight's loader writes it); an FP8 checkpoint's
+    # own scales load through this loader
+    scales.derived_from_weight = True
+    scales.weight_loader = functools.partial(_load_checkpoint_scales, module, old.weight_loader)
     module.fp8_block = block
     module.weight = weight
     module.weight_scale_inv = scales
 
 
-def quantize_model(model: nn.Module, quantization: str) -> int:
-    """Quantize every linear layer but those KEPT_IN_MODEL_DTYPE; -> how many were quantized."""
+def quantize_model(model: nn.Module, quantization: str, empty: bool = False) -> int:
+    """Quantize every linear layer but those KEPT_IN_MODEL_DTYPE (`empty`: allocate their fp8 weights and
+    scales only, for the checkpoint loaded next); -> how many were quantized."""
     if quantization not in QUANTIZATIONS:
         raise RolloutError(f"unknown --quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
     count = 0
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, Linear) and name.rsplit(".", 1)[-1] not in KEPT_IN_MODEL_DTYPE:
-                quantize_layer(module)
+                quantize_layer(module, empty)
                 count += 1
     return count

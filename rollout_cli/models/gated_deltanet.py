@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import functools
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,6 +69,9 @@ def grouped_row_loader(num_groups: int, parts: list[int]):
         part_major = torch.cat([p.reshape(-1, grouped.shape[-1]) for p in grouped.split(parts, dim=1)], dim=0)
         _copy_checked(param.data, part_major, "grouped projection")
 
+    # rows move in runs of whole parts: an fp8 scale block of this many rows (or a divisor) moves whole,
+    # so an FP8 checkpoint's scales can follow the regrouping (models/fp8.scale_block_rows)
+    load.row_granularity = functools.reduce(math.gcd, parts)
     return load
 
 

@@ -20,6 +20,10 @@ from rollout_cli.errors import RolloutError
 
 # Tensors some checkpoints carry that the model recomputes itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# An FP8 checkpoint's per-block weight scales, beside each e4m3 weight (models/fp8.py)
+SCALE_SUFFIX = "_scale_inv"
+FP8_CHECKPOINT_DTYPE = "F8_E4M3"
+FP8_BLOCK = 128
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 
 
@@ -171,22 +175,26 @@ def plan_tensors(model, headers, require_all: bool = True) -> tuple[list[TensorT
         if name.startswith(getattr(model, "checkpoint_ignored_prefixes", ())):  # Qwen3-Next's mtp.*
             continue
         key = _canonical(model, name)
+        scale = False
         if key in by_layout:  # stacked experts: one of several layouts
             param_name, shard_id, _ = by_layout[key]
         else:
             param_name, shard_id = _param_target(model, key)
-            if param_name not in params or key not in expected:
+            # an FP8 checkpoint's scales: for the layers that hold fp8 weights
+            scale = key.endswith(".weight" + SCALE_SUFFIX) and getattr(params.get(param_name), "derived_from_weight", False)
+            if param_name not in params or (key not in expected and not scale):
                 unexpected.append(name)
                 continue
-        want = model_shard_shape(params[param_name], shard_id)
+        want = (_checkpoint_scale_shape(params[param_name.removesuffix(SCALE_SUFFIX)], shard_id) if scale
+                else model_shard_shape(params[param_name], shard_id))
         if tuple(header.shape) != want:
             bad_shapes.append(f"{name} {tuple(header.shape)} (model: {want})")
         targets.append(TensorTarget(name, header.file, param_name, shard_id, header.dtype,
                                     *_tp_target_fields(params[param_name], shard_id)))
+    problems = _fp8_problems(params, targets)
     found = {_canonical(model, t.checkpoint_name) for t in targets}
     layout_missing, mixed = _layout_problems(model, found)
     missing = sorted(_as_checkpoint(model, n) for n in (expected - found) | set(layout_missing))
-    problems = []
     if missing and require_all:
         problems.append(f"missing tensors: {_short_list(missing)}")
     if unexpected:
@@ -200,6 +208,32 @@ def plan_tensors(model, headers, require_all: bool = True) -> tuple[list[TensorT
         where = "in more than one file" if any(t.file for t in targets) else "more than once"
         problems.append(f"{duplicates} tensors appear {where}")
     return targets, problems, missing
+
+
+def _checkpoint_scale_shape(weight, shard_id) -> tuple[int, int]:
+    """An FP8 checkpoint's weight_scale_inv shape for the weight tensor of `shard_id`: one scale per 128 x 128 block."""
+    n, k = model_shard_shape(weight, shard_id)
+    return -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+
+
+def _fp8_problems(params: dict, targets: list[TensorTarget]) -> list[str]:
+    """e4m3 weights come with their scales and go only where the engine keeps fp8 weights."""
+    names = {t.checkpoint_name for t in targets}
+    fp8 = [t for t in targets if t.dtype == FP8_CHECKPOINT_DTYPE]
+    kept = [t.checkpoint_name for t in fp8 if not hasattr(params[t.param_name], "load_dtype")]
+    unscaled = [t.checkpoint_name for t in fp8 if t.checkpoint_name + SCALE_SUFFIX not in names]
+    fp8_names = {t.checkpoint_name for t in fp8}
+    orphans = [t.checkpoint_name for t in targets if t.checkpoint_name.endswith(SCALE_SUFFIX)
+               and t.checkpoint_name.removesuffix(SCALE_SUFFIX) not in fp8_names]
+    problems = []
+    if kept:
+        problems.append(f"FP8 tensors for layers this engine keeps in the model's dtype (the LM head, MoE experts "
+                        f"until their W8A8 kernel): {_short_list(sorted(kept))}")
+    if unscaled:
+        problems.append(f"FP8 weights without their weight_scale_inv: {_short_list(sorted(unscaled))}")
+    if orphans:
+        problems.append(f"weight_scale_inv without its FP8 (e4m3) weight: {_short_list(sorted(orphans))}")
+    return problems
 
 
 def plan_checkpoint(model, model_dir: str) -> list[TensorTarget]:
@@ -288,8 +322,9 @@ def copy_into_parameters(params: dict, target: TensorTarget, tensor: torch.Tenso
         if tensor.shape[dim] != size * target.tp_blocks:
             tensor = _cat([tensor.narrow(dim, start, n) for start, n in _rank_ranges(target, tensor.shape[dim])], dim)
     with torch.no_grad():
-        # an fp8 weight takes the model's dtype and quantizes it itself (models/fp8.py)
-        param.weight_loader(param, tensor.to(getattr(param, "load_dtype", param.dtype)), target.shard_id)
+        # an fp8 weight takes the model's dtype and quantizes it itself, or e4m3 as it is (models/fp8.py)
+        dtype = param.dtype if tensor.dtype == param.dtype else getattr(param, "load_dtype", param.dtype)
+        param.weight_loader(param, tensor.to(dtype), target.shard_id)
 
 
 def load_checkpoint(model, model_dir: str) -> None:
