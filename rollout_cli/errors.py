@@ -11,6 +11,10 @@ class RolloutError(Exception):
     """A user-facing error: `str(err)` is one line with the problem and the fix."""
 
 
+class Conflict(RolloutError):
+    """The request is valid but cannot run in the engine's current state (the daemon answers 409)."""
+
+
 class JobInterrupted(Exception):
     """Ends a job on request (the daemon's abort or shutdown) after its finished rows were written:
     the manifest says `interrupted`, and --resume completes the rest."""

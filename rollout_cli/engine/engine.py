@@ -9,7 +9,6 @@ caller's iterator, so a million-row prompt file never sits in memory.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -26,9 +25,10 @@ from rollout_cli.engine.request_maker import RequestMaker
 from rollout_cli.engine.routing_capture import RoutingCapture
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduler import Scheduler
+from rollout_cli.engine.step_loop import StepLoop
 from rollout_cli.engine.tensor_parallel import TensorParallelRanks, TensorParallelRunner, min_over_ranks
 from rollout_cli.engine.tokenizer import checkpoint_eos_token_ids, load_tokenizer
-from rollout_cli.engine.trajectory import NO_PROMPT_YET, PartialSample, PromptInput, Score, ScoreInput, Trajectory
+from rollout_cli.engine.trajectory import PartialSample, PromptInput, Score, ScoreInput, Trajectory
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import (build_model, load_model_config, model_positions, resolve_attention_backend,
                                       resolve_device, resolve_dtype, resolve_max_model_len)
@@ -305,98 +305,11 @@ class Engine:
             self.scheduler.abort_all()
 
     def _stream(self, prompts, add, on_step) -> Iterator[Trajectory | Score]:
-        """The step loop. With overlap (the default), while a decode step runs on the GPU the next one
-        is scheduled ahead of its results (Scheduler.schedule_ahead) and launched behind it; then the
-        running step's results are post-processed. Otherwise: schedule, launch, post-process."""
-        source = iter(prompts)
-        exhausted = False
-        queue_target = 2 * self.config.max_running  # requests kept waiting: enough to fill the batch
-        scheduler, runner = self.scheduler, self.runner
-        inflight = None  # the launched step not yet post-processed (a model_runner.StepHandle)
-        uncommitted = None  # a step scheduled ahead whose commit_ahead has not run yet
-        self._last_step_done = time.perf_counter()
-        try:
-            while True:
-                while not exhausted and len(scheduler.waiting) < queue_target:
-                    prompt = next(source, None)
-                    if prompt is None:
-                        exhausted = True
-                        break
-                    if prompt is NO_PROMPT_YET:  # a live source: more may come at a later step
-                        break
-                    add(prompt)
-                ahead = None
-                if inflight is not None and self.config.overlap_schedule:
-                    ahead = scheduler.schedule_ahead(inflight.out)
-                if ahead is not None:
-                    uncommitted = ahead  # its slots are outside every request until commit_ahead
-                    handle = runner.launch(ahead, prev=inflight)
-                    finished = self._complete(inflight)
-                    scheduler.commit_ahead(ahead)
-                    uncommitted = None
-                    yield from finished
-                elif inflight is not None:
-                    yield from self._complete(inflight)
-                    inflight = None
-                    continue  # plan the next step on the post-processed state
-                elif not scheduler.has_work():
-                    yield from self._trajectories(self.routing.flush())
-                    return
-                else:
-                    out = scheduler.schedule()
-                    if not out:
-                        if scheduler.admit_new or scheduler.running or on_step is None:
-                            raise RuntimeError("scheduler produced an empty step with work pending")
-                        on_step()  # admission closed (pause finish) and the running samples done: hold
-                        continue
-                    handle = runner.launch(out)
-                inflight = handle
-                if on_step is not None:
-                    self.step_in_flight = True
-                    on_step()
-                    self.step_in_flight = False
-                    if self.hold_requested:
-                        # a pause that may change the weights wants no step on the device: finish this
-                        # one, then call again with nothing in flight (the caller holds there)
-                        yield from self._complete(inflight)
-                        inflight = None
-                        on_step()
-        except Exception:
-            # finished samples whose routing is still on its way: hand them out before the error
-            # (best effort: a device error fails the copies too, and --resume redoes them)
-            try:
-                pending = self._trajectories(self.routing.flush())
-            except Exception:  # noqa: BLE001 - the first error is the one to report
-                pending = []
-            yield from pending
-            raise
-        finally:
-            self.routing.drop_pending()
-            if uncommitted is not None:
-                scheduler.cancel_ahead(uncommitted)
-            if inflight is not None:  # an abandoned or failed job: let its last step finish on the device
-                runner.collect(inflight)
+        """The step loop over `prompts` (engine/step_loop.py); `add` queues one as requests."""
+        return StepLoop(self, add, on_step).run(prompts)
 
-    def _complete(self, handle) -> list[Trajectory]:
-        """Post-process a launched step (waiting for its results); returns the trajectories it finished."""
-        tokens, logprobs = self.runner.collect(handle)
-        # no update runs while a step is in flight (it needs no running request): the step's version is the current one
-        finished = self.scheduler.postprocess(handle.out, tokens, logprobs, handle.scores, handle.score_tops,
-                                              self.weight_version)
-        now = time.perf_counter()
-        wall = now - max(handle.launch_time, self._last_step_done)  # the step's share of wall time
-        self._last_step_done = now
-        traffic = self.runner.traffic
-        if handle.timing is not None:
-            traffic.wall_seconds += wall
-        elif handle.prefilled:
-            traffic.prefill_steps += 1
-            traffic.prefill_wall_seconds += wall
-        # Finished requests' routing is gathered before a later step can reuse their slots (the step
-        # in flight writes only slots it was given); with capture on they come back one call later.
-        return self._trajectories(self.routing.finish(finished))
-
-    def _trajectories(self, finished: list[tuple[Request, Any]]) -> list[Trajectory | Score]:
+    def results_of(self, finished: list[tuple[Request, Any]]) -> list[Trajectory | Score]:
+        """What the caller gets for finished requests (with their routing): trajectories, or scores."""
         return [self._score(request) if request.is_scoring else self.trajectory(request, routed)
                 for request, routed in finished]
 

@@ -25,12 +25,12 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.errors import RolloutError
+from rollout_cli.errors import Conflict, RolloutError
 from rollout_cli.server import http_errors
 from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES
 from rollout_cli.server.http_errors import clip
 from rollout_cli.server.openai_api import register_openai_routes
-from rollout_cli.server.worker import Conflict, EngineWorker
+from rollout_cli.server.worker import EngineWorker
 
 log = logging.getLogger("rollout.serve")
 

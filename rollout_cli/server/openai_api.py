@@ -5,10 +5,10 @@ these routes take its requests unchanged, with the extensions RL needs (vLLM's n
 them): `return_token_ids` (the prompt's and each choice's token ids, and the weight version of every
 token), token ids as the completions prompt, `stop_token_ids`, `top_k`, `min_p`, `ignore_eos`,
 `request_id` (abort it with POST /abort_request {"request_id": ...}), `session_id` (one turn of a
-multi-turn conversation whose KV stays pinned for the next turn, server/sessions.py) and
+multi-turn conversation whose KV stays pinned for the next turn, engine/sessions.py) and
 `chat_template_kwargs`.
 
-Each request becomes an OnlineRequest (server/online.py) served by the engine thread together with
+The request bodies and their translation are in openai_requests.py. Each request becomes an OnlineRequest (server/online.py) served by the engine thread together with
 every other request in flight. A sample's random stream is keyed as in `rollout run`: with the same
 `seed`, prompt i of a request draws what row i of a prompt file draws. Without a seed each request
 draws a fresh one, as OpenAI's API does.
@@ -18,158 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.tokenizer import load_tokenizer
-from rollout_cli.errors import RolloutError
+from rollout_cli.errors import Conflict, RolloutError
 from rollout_cli.io.prompt_encoding import InvalidPrompt, encode_prompt
 from rollout_cli.server.http_errors import OPENAI_PREFIX, engine_error
 from rollout_cli.server.online import Choice, OnlineRequest
-from rollout_cli.server.worker import Conflict, EngineWorker
+from rollout_cli.server.openai_requests import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
+                                                SamplingKeys, chat_messages, check_session, refuse_unsupported,
+                                                sampling_params, stop_strings)
+from rollout_cli.server.worker import EngineWorker
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_SECONDS = 1.0  # how often a non-streaming request checks that its client is still there
-
-
-class _OpenAIBody(BaseModel):
-    """Unknown keys are refused (with the nearest valid one), as on every route of the daemon."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-class StreamOptions(_OpenAIBody):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
-
-
-class _Sampling(_OpenAIBody):
-    """The keys both generation routes share: OpenAI's, then the extensions."""
-
-    model: str
-    n: int = 1
-    temperature: Optional[float] = None  # None: OpenAI's default, 1
-    top_p: Optional[float] = None
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None
-    # extensions (vLLM's names)
-    top_k: int = 0
-    min_p: float = 0.0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
-    return_token_ids: bool = False
-    request_id: Optional[str] = Field(None, max_length=256)
-    session_id: Optional[str] = Field(None, max_length=256)
-    logprobs_mode: Literal["processed", "raw"] = "processed"
-
-
-class CompletionRequest(_Sampling):
-    prompt: Union[list[int], list[list[int]], str, list[str]]
-    max_tokens: Optional[int] = COMPLETIONS_DEFAULT_MAX_TOKENS
-    logprobs: Optional[int] = None
-    echo: bool = False
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
-
-
-class ChatMessage(BaseModel):
-    """A chat message as the template reads it; keys beyond role and content (tool_calls, name,
-    reasoning_content, ...) go to the chat template as they are."""
-
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_tokens: Optional[int] = None  # None: up to --max-model-len
-    max_completion_tokens: Optional[int] = None
-    logprobs: bool = False
-    top_logprobs: Optional[int] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    response_format: Optional[dict[str, Any]] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-
-
-def _refuse_unsupported(body: _Sampling) -> None:
-    """Keys the engine cannot honour are refused by name rather than ignored."""
-    if body.presence_penalty or body.frequency_penalty:
-        raise RolloutError("presence_penalty and frequency_penalty are not supported; leave them at 0")
-    if body.logit_bias:
-        raise RolloutError("logit_bias is not supported; leave it out")
-    if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise RolloutError("echo is not supported; with return_token_ids the response carries prompt_token_ids")
-        if body.suffix:
-            raise RolloutError("suffix is not supported; leave it out")
-        if body.best_of not in (None, body.n):
-            raise RolloutError("best_of is not supported; use n and pick among the choices")
-        if body.logprobs not in (None, 0):
-            raise RolloutError(f"logprobs {body.logprobs} asks for the top alternatives, which the sampler does "
-                               "not compute; pass logprobs 0 for the logprob of each sampled token")
-    else:
-        if body.top_logprobs:
-            raise RolloutError(f"top_logprobs {body.top_logprobs} asks for alternatives the sampler does not "
-                               "compute; pass logprobs true (and top_logprobs 0) for each sampled token's logprob")
-        if body.tools or body.tool_choice not in (None, "none", "auto"):
-            raise RolloutError("tools are not supported by the chat API yet; put the tool descriptions in the "
-                               "messages, or run tool episodes offline with rollout run --env")
-        if body.response_format and body.response_format.get("type") not in (None, "text"):
-            raise RolloutError("response_format other than text is not supported; leave it out")
-
-
-def _check_session(body: _Sampling, prompts: list[list[int]]) -> None:
-    if body.session_id is not None and (body.n != 1 or len(prompts) != 1):
-        raise RolloutError("a session_id request is one turn of one conversation: pass one prompt and n 1 "
-                           "(several samples of a turn branch the conversation; send them without session_id)")
-
-
-def _sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
-    return SamplingParams(
-        n=body.n, max_new_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, min_p=body.min_p,
-        seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
-        ignore_eos=body.ignore_eos, logprobs_mode=body.logprobs_mode,
-    )
-
-
-def _stop_strings(body: _Sampling) -> tuple[str, ...]:
-    if body.stop is None:
-        return ()
-    return (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
-
-
-def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages for the chat template: content parts of type text are joined; other parts are refused."""
-    out = []
-    for k, message in enumerate(messages):
-        item = message.model_dump(exclude_none=True)
-        content = item.get("content")
-        if isinstance(content, list):
-            kinds = {part.get("type") for part in content}
-            if kinds - {"text"}:
-                raise RolloutError(f"message {k} has content parts of type {sorted(kinds - {'text'})}; "
-                                   "this engine takes text only")
-            item["content"] = "".join(part.get("text", "") for part in content)
-        item.setdefault("content", "")
-        out.append(item)
-    return out
 
 
 class OpenAIRoutes:
@@ -236,7 +102,7 @@ def register_openai_routes(app: FastAPI, worker: EngineWorker, served_model_name
         return await _serve(routes, body, http, chat=True)
 
 
-async def _serve(routes: OpenAIRoutes, body: _Sampling, http: Request, chat: bool):
+async def _serve(routes: OpenAIRoutes, body: SamplingKeys, http: Request, chat: bool):
     worker = routes.worker
     if not worker.ready.is_set():
         return _error(503, "the engine is still loading; retry in a moment")
@@ -247,9 +113,9 @@ async def _serve(routes: OpenAIRoutes, body: _Sampling, http: Request, chat: boo
     except LookupError as err:
         return _error(404, str(err))
     try:
-        _refuse_unsupported(body)
+        refuse_unsupported(body)
         if chat:
-            prompts = [routes.encode(_chat_messages(body.messages), body.chat_template_kwargs)]
+            prompts = [routes.encode(chat_messages(body.messages), body.chat_template_kwargs)]
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:  # up to the context length, as vLLM does
                 max_tokens = max(1, worker.engine.max_model_len - len(prompts[0]))
@@ -258,12 +124,12 @@ async def _serve(routes: OpenAIRoutes, body: _Sampling, http: Request, chat: boo
             many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
             prompts = [routes.encode(p) for p in (prompt if many else [prompt])]
             max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        _check_session(body, prompts)
-        params = _sampling_params(body, max_tokens)
-        if _stop_strings(body) and routes.tokenizer is None:
+        check_session(body, prompts)
+        params = sampling_params(body, max_tokens)
+        if stop_strings(body) and routes.tokenizer is None:
             raise RolloutError("stop strings need the model's tokenizer files; pass stop_token_ids instead")
         request_id = body.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        request = OnlineRequest(request_id, prompts, params, worker.engine.tokenizer, _stop_strings(body),
+        request = OnlineRequest(request_id, prompts, params, worker.engine.tokenizer, stop_strings(body),
                                 tuple(body.stop_token_ids), stream=body.stream, session_id=body.session_id)
         await asyncio.wrap_future(worker.submit_online(request))
     except Conflict as err:
@@ -331,7 +197,7 @@ def from_chunk(payload: dict) -> str:
 class _ResponseShape:
     """Builds OpenAI's response objects (whole, or streamed chunks) for one request."""
 
-    def __init__(self, routes: OpenAIRoutes, body: _Sampling, request: OnlineRequest, chat: bool):
+    def __init__(self, routes: OpenAIRoutes, body: SamplingKeys, request: OnlineRequest, chat: bool):
         self.routes = routes
         self.request = request
         self.chat = chat

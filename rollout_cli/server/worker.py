@@ -9,6 +9,9 @@ Online requests (the OpenAI API, server/online.py) are served by a live engine s
 runs while any is in flight; pauses, aborts and weight updates reach it between steps as they reach a
 job. A /generate job and online requests do not run at the same time: each is refused while the other runs.
 
+The commands for online requests and for weight updates are in online_commands.py and
+weight_commands.py, parts of EngineWorker.
+
 Every operation on the engine goes through its control API (`engine.control`, engine/control.py),
 as the CLI's and the Python Engine's do. Under `serve --tp N` this is rank 0: its engine's steps,
 weight updates and memory releases reach the other ranks through that API; at shutdown it
@@ -20,22 +23,21 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_cli.engine.engine import Engine
-from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.engine.trajectory import NO_PROMPT_YET
-from rollout_cli.errors import RolloutError
+from rollout_cli.engine.sessions import DEFAULT_RETENTION_SECONDS, Sessions
+from rollout_cli.errors import Conflict, RolloutError
 from rollout_cli.io.output_dir import read_manifest
 from rollout_cli.job import run_job
 from rollout_cli.process_gc import freeze_long_lived_objects
-from rollout_cli.server.online import LiveRequests, OnlineRequest
+from rollout_cli.server.online import LiveRequests
+from rollout_cli.server.online_commands import OnlineCommands
 from rollout_cli.server.served_job import JobAborted, JobEngine, JobHandle
-from rollout_cli.engine.sessions import DEFAULT_RETENTION_SECONDS, Sessions
+from rollout_cli.server.weight_commands import WeightCommands
 
 log = logging.getLogger("rollout.serve")
 
@@ -46,14 +48,6 @@ log = logging.getLogger("rollout.serve")
 # accept weight updates (every sample still comes from one version)
 PAUSE_MODES = ("abort", "wait", "keep", "finish")
 SESSION_SWEEP_SECONDS = 1.0  # how often an idle worker looks for sessions past their retention time
-IN_JOB_HINT = ("an update would mix two weight versions in it: wait for the job to finish, stop it with "
-               "rollout abort, or hold it with rollout pause --mode keep (its samples then record the "
-               "version of every token), then update")
-
-
-class Conflict(RolloutError):
-    """The request is valid but cannot run in the engine's current state (HTTP 409)."""
-
 
 @dataclass
 class Command:
@@ -62,7 +56,7 @@ class Command:
     future: Future = field(default_factory=Future)
 
 
-class EngineWorker(threading.Thread):
+class EngineWorker(OnlineCommands, WeightCommands, threading.Thread):
     def __init__(self, engine_config, weights_path: str, session_retention_seconds: float = DEFAULT_RETENTION_SECONDS):
         super().__init__(name="engine", daemon=True)
         self.engine_config = engine_config
@@ -133,10 +127,6 @@ class EngineWorker(threading.Thread):
             handle = self.job = JobHandle(job, params)
         self.commands.put(Command("generate", {"handle": handle}))
         return handle
-
-    def submit_online(self, request: OnlineRequest) -> Future:
-        """Queue an online request; the future answers once the engine thread accepted or refused it."""
-        return self.submit("online", request=request)
 
     # ---- worker thread -----------------------------------------------------------
 
@@ -224,72 +214,6 @@ class EngineWorker(threading.Thread):
         else:
             command.future.set_result(result)
 
-    def _update_allowed_in_job(self) -> bool:
-        """Under pause keep (running samples are retracted first), or pause finish once nothing runs
-        (every later sample runs on the new weights)."""
-        return self.pause_mode == "keep" or (self.pause_mode == "finish" and not self.engine.scheduler.running)
-
-    def _before_update_in_job(self, in_job: bool) -> None:
-        """An update inside a job only where _update_allowed_in_job: under keep its running samples
-        leave the device first (retracted, to recompute on the new weights); refused otherwise (Conflict)."""
-        if not in_job:
-            return
-        if not self._update_allowed_in_job():
-            raise Conflict(f"a job is running; {IN_JOB_HINT}")
-        retracted = self.engine.retract_running()
-        if retracted:
-            log.info("pause keep: %d running samples retracted; they recompute on the new weights", retracted)
-
-    def _do_update_weights(self, in_job: bool, path: str, version: str | None) -> dict:
-        self._before_update_in_job(in_job)
-        started = time.perf_counter()
-        old = self.engine.weight_version
-        new = self.control.reload_weights(path, version)
-        seconds = time.perf_counter() - started
-        log.info("reloaded weights from %s: version %s -> %s in %.2f s", path, old, new, seconds)
-        self._publish(weight_version=new, weights_path=path, memory=self.control.memory_held())
-        return {"success": True, "message": f"weights loaded from {path}", "weight_version": new,
-                "previous_weight_version": old, "seconds": round(seconds, 3)}
-
-    # ---- updates from a trainer's tensors (engine/weight_updates.py) -----------------------------
-
-    def _updated(self, old: str, new: str, started: float, source: str) -> dict:
-        seconds = time.perf_counter() - started
-        log.info("weights updated from %s: version %s -> %s in %.2f s", source, old, new, seconds)
-        self._publish(weight_version=new, weights_path=source, memory=self.control.memory_held())
-        return {"success": True, "message": f"weights updated from {source}", "weight_version": new,
-                "previous_weight_version": old, "seconds": round(seconds, 3)}
-
-    def _do_update_weights_from_tensor(self, in_job: bool, serialized: str, version: str | None,
-                                       partial: bool) -> dict:
-        self._before_update_in_job(in_job)
-        started, old = time.perf_counter(), self.engine.weight_version
-        new = self.control.update_weights_from_tensor(serialized, version, partial)
-        return self._updated(old, new, started, "tensors (update_weights_from_tensor)")
-
-    def _do_init_weights_update_group(self, in_job: bool, **group) -> dict:
-        if in_job:
-            raise Conflict("a job is running; join the weight update group between jobs")
-        self.control.init_weights_update_group(**group)
-        log.info("joined weight update group %r as rank %d of %d (%s)", group["group_name"], group["rank_offset"],
-                 group["world_size"], self.engine.weight_update_groups[group["group_name"]].backend)
-        return {"success": True, "message": f"joined weight update group {group['group_name']}"}
-
-    def _do_update_weights_from_distributed(self, in_job: bool, names, dtypes, shapes, group_name: str,
-                                            version: str | None, partial: bool) -> dict:
-        if in_job and not self._update_allowed_in_job():
-            # receive and drop the broadcast (on every rank), so the trainer is not left hanging in it
-            self.control.drain_broadcast(group_name, names, dtypes, shapes)
-            raise Conflict(f"a job is running; the broadcast was received and dropped; {IN_JOB_HINT}")
-        self._before_update_in_job(in_job)
-        started, old = time.perf_counter(), self.engine.weight_version
-        new = self.control.update_weights_from_distributed(names, dtypes, shapes, group_name, version, partial)
-        return self._updated(old, new, started, f"broadcast of group {group_name}")
-
-    def _do_destroy_weights_update_group(self, in_job: bool, group_name: str) -> dict:
-        self.control.destroy_weights_update_group(group_name)
-        return {"success": True, "message": f"destroyed weight update group {group_name}"}
-
     def _do_release_memory(self, in_job: bool, tags) -> dict:
         if in_job:
             raise Conflict("a job is running; stop it first (rollout pause --mode abort, or rollout abort), "
@@ -339,37 +263,6 @@ class EngineWorker(threading.Thread):
         aborted = self._abort_in_flight() if in_job else self.live.abort_queued()
         return {"success": True, "aborted": aborted, "job_aborted": job}
 
-    def _do_online(self, in_job: bool, request: OnlineRequest) -> dict:
-        if self.job is not None:
-            raise Conflict(f"a /generate job is running (out {self.job.job.out}); online requests are served "
-                           "between jobs: wait for it, or stop it with rollout abort")
-        if self._stopping:
-            raise Conflict("the engine is shutting down")
-        if request.request_id in self.live.by_id:
-            raise Conflict(f"request id {request.request_id!r} is already in flight; give each request its own id")
-        try:
-            self.engine.memory.check_can_generate()
-        except RolloutError as err:
-            raise Conflict(str(err)) from err
-        for index, ids in enumerate(request.prompts):  # refused here, not inside the stream other requests share
-            self.engine.requests.check_prompt(index, ids)
-        self.sessions.expire(self.engine.scheduler)
-        self.live.add(request)  # paused: it waits for rollout continue
-        return {"success": True}
-
-    def _do_close_session(self, in_job: bool, session_id: str) -> dict:
-        stats = self.sessions.close(self.engine.scheduler, session_id)
-        if stats is None:
-            raise RolloutError(f"no open session {session_id!r} (closed, expired after "
-                               f"{self.sessions.retention_seconds:g} s, or never opened)")
-        return {"success": True, **stats}
-
-    def _session_turn(self, request: OnlineRequest, choice) -> dict:
-        """A session's turn finished: its KV (prompt + response, but the last token) stays pinned for the next."""
-        prompt = request.prompts[choice.prompt]
-        return self.sessions.turn_finished(self.engine.scheduler, request.session_id, prompt + choice.token_ids[:-1],
-                                           len(prompt), choice.cached_prompt_tokens)
-
     def _do_shutdown(self, in_job: bool) -> dict:
         # Like Ctrl-C of an embedded run: unfinished samples are dropped, not written, so
         # `rollout run --resume` generates them later; finished rows are already in shards.
@@ -411,47 +304,6 @@ class EngineWorker(threading.Thread):
         else:
             log.info("job interrupted by shutdown: %d unfinished samples left for --resume", len(aborted))
         return len(aborted)
-
-    # ---- online requests (server/online.py) --------------------------------------------
-
-    def _run_live(self) -> None:
-        """Serve the online requests in flight with one engine stream; it ends when none is left (or
-        on an abort), and the next request starts another."""
-        engine, live = self.engine, self.live
-        with self._lock:
-            self._live_running = True
-        self.stop_requested = False
-
-        def source():
-            while not self.stop_requested:
-                prompt = live.next_prompt()
-                if prompt is not None:
-                    yield prompt
-                elif engine.scheduler.has_work():
-                    yield NO_PROMPT_YET
-                else:
-                    return
-
-        def step_hook():
-            live.after_step(self.control, engine.scheduler.running)
-            self.between_steps(None)
-
-        try:
-            # each prompt carries its request's sampling settings; the stream's own are never used
-            for trajectory in engine.stream(source(), SamplingParams(), on_step=step_hook):
-                live.finish(trajectory)
-            if not live.inbox and len(live):  # never expected: no caller may wait forever
-                live.fail_all("internal error: the engine stream ended before every request finished")
-        except RolloutError as err:
-            live.fail_all(str(err))
-        except Exception as err:  # noqa: BLE001 - the daemon keeps serving; the callers get the reason
-            log.error("online requests failed:\n%s", traceback.format_exc())
-            live.fail_all(f"internal error: {type(err).__name__}: {err}")
-        finally:
-            self.stop_requested = False
-            self._answer_finishing()
-            with self._lock:
-                self._live_running = False
 
     # ---- one job -------------------------------------------------------------------
 

@@ -1,0 +1,121 @@
+"""The engine's step loop: schedule, launch, post-process, until the prompts and the work run out.
+
+With overlap (the default), while a decode step runs on the GPU the next one is scheduled ahead of its
+results (Scheduler.schedule_ahead, engine/overlap_schedule.py: its input tokens are PENDING until the
+step before is post-processed, then read on the device from that step's output rows) and launched
+behind it; then the running step's results are post-processed and the step ahead committed. Without
+overlap: schedule, launch, post-process. Between steps `on_step` (the caller's hook: the daemon's
+commands, shard flushes) runs; under a pause that may change the weights (`engine.hold_requested`) the
+loop finishes its step in flight and calls the hook again with none.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from rollout_cli.engine.trajectory import NO_PROMPT_YET
+
+
+class StepLoop:
+    """One stream's loop over engine steps (Engine.stream and Engine.score run one each)."""
+
+    def __init__(self, engine, add: Callable, on_step: Callable[[], None] | None):
+        self.engine = engine
+        self.add = add  # queues one prompt (or sample to score) as requests
+        self.on_step = on_step
+        self.last_step_done = 0.0  # perf_counter at the last post-process: steps' wall time is split there
+
+    def run(self, prompts) -> Iterator:
+        """The step loop. With overlap (the default), while a decode step runs on the GPU the next one
+        is scheduled ahead of its results (Scheduler.schedule_ahead) and launched behind it; then the
+        running step's results are post-processed. Otherwise: schedule, launch, post-process."""
+        engine, add, on_step = self.engine, self.add, self.on_step
+        source = iter(prompts)
+        exhausted = False
+        queue_target = 2 * engine.config.max_running  # requests kept waiting: enough to fill the batch
+        scheduler, runner = engine.scheduler, engine.runner
+        inflight = None  # the launched step not yet post-processed (a model_runner.StepHandle)
+        uncommitted = None  # a step scheduled ahead whose commit_ahead has not run yet
+        self.last_step_done = time.perf_counter()
+        try:
+            while True:
+                while not exhausted and len(scheduler.waiting) < queue_target:
+                    prompt = next(source, None)
+                    if prompt is None:
+                        exhausted = True
+                        break
+                    if prompt is NO_PROMPT_YET:  # a live source: more may come at a later step
+                        break
+                    add(prompt)
+                ahead = None
+                if inflight is not None and engine.config.overlap_schedule:
+                    ahead = scheduler.schedule_ahead(inflight.out)
+                if ahead is not None:
+                    uncommitted = ahead  # its slots are outside every request until commit_ahead
+                    handle = runner.launch(ahead, prev=inflight)
+                    finished = self._complete(inflight)
+                    scheduler.commit_ahead(ahead)
+                    uncommitted = None
+                    yield from finished
+                elif inflight is not None:
+                    yield from self._complete(inflight)
+                    inflight = None
+                    continue  # plan the next step on the post-processed state
+                elif not scheduler.has_work():
+                    yield from engine.results_of(engine.routing.flush())
+                    return
+                else:
+                    out = scheduler.schedule()
+                    if not out:
+                        if scheduler.admit_new or scheduler.running or on_step is None:
+                            raise RuntimeError("scheduler produced an empty step with work pending")
+                        on_step()  # admission closed (pause finish) and the running samples done: hold
+                        continue
+                    handle = runner.launch(out)
+                inflight = handle
+                if on_step is not None:
+                    engine.step_in_flight = True
+                    on_step()
+                    engine.step_in_flight = False
+                    if engine.hold_requested:
+                        # a pause that may change the weights wants no step on the device: finish this
+                        # one, then call again with nothing in flight (the caller holds there)
+                        yield from self._complete(inflight)
+                        inflight = None
+                        on_step()
+        except Exception:
+            # finished samples whose routing is still on its way: hand them out before the error
+            # (best effort: a device error fails the copies too, and --resume redoes them)
+            try:
+                pending = engine.results_of(engine.routing.flush())
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pending = []
+            yield from pending
+            raise
+        finally:
+            engine.routing.drop_pending()
+            if uncommitted is not None:
+                scheduler.cancel_ahead(uncommitted)
+            if inflight is not None:  # an abandoned or failed job: let its last step finish on the device
+                runner.collect(inflight)
+
+    def _complete(self, handle) -> list:
+        """Post-process a launched step (waiting for its results); returns the trajectories it finished."""
+        engine = self.engine
+        tokens, logprobs = engine.runner.collect(handle)
+        # no update runs while a step is in flight (it needs no running request): the step's version is the current one
+        finished = engine.scheduler.postprocess(handle.out, tokens, logprobs, handle.scores, handle.score_tops,
+                                                engine.weight_version)
+        now = time.perf_counter()
+        wall = now - max(handle.launch_time, self.last_step_done)  # the step's share of wall time
+        self.last_step_done = now
+        traffic = engine.runner.traffic
+        if handle.timing is not None:
+            traffic.wall_seconds += wall
+        elif handle.prefilled:
+            traffic.prefill_steps += 1
+            traffic.prefill_wall_seconds += wall
+        # Finished requests' routing is gathered before a later step can reuse their slots (the step
+        # in flight writes only slots it was given); with capture on they come back one call later.
+        return engine.results_of(engine.routing.finish(finished))

@@ -1,0 +1,148 @@
+"""The OpenAI API's request bodies (pydantic, unknown keys refused) and their translation into the
+engine's terms: sampling settings, stop rules, chat messages; keys the engine cannot honour are refused
+by name (server/openai_api.py serves them)."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.errors import RolloutError
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class OpenAIBody(BaseModel):
+    """Unknown keys are refused (with the nearest valid one), as on every route of the daemon."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(OpenAIBody):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingKeys(OpenAIBody):
+    """The keys both generation routes share: OpenAI's, then the extensions."""
+
+    model: str
+    n: int = 1
+    temperature: Optional[float] = None  # None: OpenAI's default, 1
+    top_p: Optional[float] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # extensions (vLLM's names)
+    top_k: int = 0
+    min_p: float = 0.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    return_token_ids: bool = False
+    request_id: Optional[str] = Field(None, max_length=256)
+    session_id: Optional[str] = Field(None, max_length=256)
+    logprobs_mode: Literal["processed", "raw"] = "processed"
+
+
+class CompletionRequest(SamplingKeys):
+    prompt: Union[list[int], list[list[int]], str, list[str]]
+    max_tokens: Optional[int] = COMPLETIONS_DEFAULT_MAX_TOKENS
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    """A chat message as the template reads it; keys beyond role and content (tool_calls, name,
+    reasoning_content, ...) go to the chat template as they are."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+
+
+class ChatCompletionRequest(SamplingKeys):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None  # None: up to --max-model-len
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    response_format: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+def refuse_unsupported(body: SamplingKeys) -> None:
+    """Keys the engine cannot honour are refused by name rather than ignored."""
+    if body.presence_penalty or body.frequency_penalty:
+        raise RolloutError("presence_penalty and frequency_penalty are not supported; leave them at 0")
+    if body.logit_bias:
+        raise RolloutError("logit_bias is not supported; leave it out")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise RolloutError("echo is not supported; with return_token_ids the response carries prompt_token_ids")
+        if body.suffix:
+            raise RolloutError("suffix is not supported; leave it out")
+        if body.best_of not in (None, body.n):
+            raise RolloutError("best_of is not supported; use n and pick among the choices")
+        if body.logprobs not in (None, 0):
+            raise RolloutError(f"logprobs {body.logprobs} asks for the top alternatives, which the sampler does "
+                               "not compute; pass logprobs 0 for the logprob of each sampled token")
+    else:
+        if body.top_logprobs:
+            raise RolloutError(f"top_logprobs {body.top_logprobs} asks for alternatives the sampler does not "
+                               "compute; pass logprobs true (and top_logprobs 0) for each sampled token's logprob")
+        if body.tools or body.tool_choice not in (None, "none", "auto"):
+            raise RolloutError("tools are not supported by the chat API yet; put the tool descriptions in the "
+                               "messages, or run tool episodes offline with rollout run --env")
+        if body.response_format and body.response_format.get("type") not in (None, "text"):
+            raise RolloutError("response_format other than text is not supported; leave it out")
+
+
+def check_session(body: SamplingKeys, prompts: list[list[int]]) -> None:
+    if body.session_id is not None and (body.n != 1 or len(prompts) != 1):
+        raise RolloutError("a session_id request is one turn of one conversation: pass one prompt and n 1 "
+                           "(several samples of a turn branch the conversation; send them without session_id)")
+
+
+def sampling_params(body: SamplingKeys, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        n=body.n, max_new_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, min_p=body.min_p,
+        seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
+        ignore_eos=body.ignore_eos, logprobs_mode=body.logprobs_mode,
+    )
+
+
+def stop_strings(body: SamplingKeys) -> tuple[str, ...]:
+    if body.stop is None:
+        return ()
+    return (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages for the chat template: content parts of type text are joined; other parts are refused."""
+    out = []
+    for k, message in enumerate(messages):
+        item = message.model_dump(exclude_none=True)
+        content = item.get("content")
+        if isinstance(content, list):
+            kinds = {part.get("type") for part in content}
+            if kinds - {"text"}:
+                raise RolloutError(f"message {k} has content parts of type {sorted(kinds - {'text'})}; "
+                                   "this engine takes text only")
+            item["content"] = "".join(part.get("text", "") for part in content)
+        item.setdefault("content", "")
+        out.append(item)
+    return out
