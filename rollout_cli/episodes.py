@@ -97,10 +97,10 @@ class Episode:
     def session_id(self) -> str:
         return f"episode-{self.prompt_index}-{self.sample_index}"
 
-    def next_turn(self) -> PartialSample:
+    def next_turn(self, previous_prompt_len: int) -> PartialSample:
         """The next model turn: the conversation so far is its prompt."""
         return PartialSample(self.prompt_index, self.sample_index, self.prompt_token_ids + self.response, [], [], [],
-                             self.passthrough, self.params)
+                             self.passthrough, self.params, conversation=previous_prompt_len)
 
 
 class EpisodeRunner:
@@ -182,7 +182,7 @@ class EpisodeRunner:
             episode = Episode(row.prompt_index, sample, list(row.prompt_token_ids), env, row.passthrough, turn_params)
             active[episode.key] = episode
             started = True
-        return [dataclasses.replace(row, params=params)] if started else []
+        return [dataclasses.replace(row, params=params, conversation=0)] if started else []
 
     def _after_turn(self, episode: Episode, turn: Trajectory) -> PartialSample | None:
         """Record a finished model turn and let the environment answer it; -> the next turn, or None
@@ -203,8 +203,7 @@ class EpisodeRunner:
         if turn.finish_reason == "abort":
             episode.finish_reason = "abort"
             return None
-        self.sessions.turn_finished(self.engine.scheduler, episode.session_id,
-                                    turn.prompt_token_ids + ids[:-1], len(turn.prompt_token_ids),
+        self.sessions.turn_finished(self.engine.scheduler, episode.session_id, turn.prompt_token_ids, ids,
                                     turn.cached_prompt_tokens)
         step = episode.env.step(ModelTurn(turn.response_text, list(ids), turn.finish_reason,
                                           len(episode.model_turns) - 1))
@@ -226,7 +225,7 @@ class EpisodeRunner:
         episode.logprobs += [0.0] * len(observation)
         episode.loss_mask += [0] * len(observation)
         episode.versions += [turn.weight_version] * len(observation)
-        return episode.next_turn()
+        return episode.next_turn(len(turn.prompt_token_ids))
 
     def _observation_ids(self, observation) -> list[int]:
         if observation is None or observation == "":

@@ -50,9 +50,14 @@ class PrefixReuse:
 
     def _match_snapshot(self, request: Request):
         """Hybrid models: the prompt's first len - 1 tokens, if both their KV and their state snapshot
-        are cached -> (slots, radix node, snapshot slot); else nothing -> ([], root, None)."""
-        end = request.cacheable_prefix(request.num_prompt_tokens - 1)
-        if end > 0:
+        are cached -> (slots, radix node, snapshot slot); else, for a conversation turn, the previous
+        turn's prompt but its last token (its snapshot point); else nothing -> ([], root, None)."""
+        ends = [request.cacheable_prefix(request.num_prompt_tokens - 1)]
+        if request.conversation:
+            ends.append(min(request.conversation - 1, ends[0]))
+        for end in ends:
+            if end <= 0:
+                continue
             prefix = request.prompt_token_ids[:end]
             slots, node = self.cache.match_prefix(prefix)
             if len(slots) == end:
@@ -62,8 +67,10 @@ class PrefixReuse:
         return [], self.cache.root, None
 
     def _snapshots_prompt(self, request: Request) -> bool:
-        """Whether this request's prompt state is worth a snapshot: hybrid, prefix cache on, n > 1."""
-        return (self.linear is not None and self.cache is not None and request.params.n > 1
+        """Whether this request's prompt state is worth a snapshot: hybrid, prefix cache on, and other
+        samples of the prompt (n > 1) or the conversation's next turn will fork it."""
+        return (self.linear is not None and self.cache is not None
+                and (request.params.n > 1 or request.conversation is not None)
                 and request.num_prompt_tokens > 1 and not request.is_scoring)
 
     def _stop_at_snapshot(self, request: Request, count: int) -> int:

@@ -65,7 +65,7 @@ class RequestMaker:
             request = Request(request_id=next(self._ids), prompt_index=prompt.prompt_index, sample_index=sample_index,
                               prompt_token_ids=list(prompt.prompt_token_ids), params=params,
                               eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                              group_leader=leader, payload=prompt.passthrough)
+                              group_leader=leader, payload=prompt.passthrough, conversation=prompt.conversation)
             leader = leader or request
             requests.append(request)
         return requests
@@ -86,7 +86,7 @@ class RequestMaker:
         request = Request(request_id=next(self._ids), prompt_index=sample.prompt_index,
                           sample_index=sample.sample_index, prompt_token_ids=list(sample.prompt_token_ids),
                           params=params, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                          payload=sample.passthrough, output_token_ids=response,
+                          payload=sample.passthrough, conversation=sample.conversation, output_token_ids=response,
                           output_logprobs=list(sample.response_logprobs))
         for i, version in enumerate(sample.response_weight_versions):
             if not request.version_spans or request.version_spans[-1][1] != version:

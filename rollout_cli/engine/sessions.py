@@ -11,9 +11,11 @@ memory release: KV of old weights is of no use).
 
 Pinned KV cannot make room for new requests, so pins together hold at most `max_pinned_tokens`
 (half the KV pool by default): a new pin past that releases the oldest sessions' pins first.
-Hybrid models pin nothing: their next turn needs the Gated DeltaNet state at the turn's end beside
-the KV, and that state is not snapshotted (with overlap scheduling the step that last advanced it is
-not known when the turn ends), so they recompute the conversation.
+Hybrid models need the Gated DeltaNet state beside the KV, and the state at a turn's end is not
+snapshotted (with overlap scheduling the step that last advanced it is not known when the turn ends).
+A turn's prompt state is (engine/prefix_reuse.py): the pin keeps the KV of the prompt but its last
+token, and the next turn resumes there, recomputing the last prompt token, the response and its
+new tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Session:
     prompt_tokens: int = 0  # over all turns
     cached_tokens: int = 0  # of those, served by the prefix cache
     pin: object = None  # Scheduler's PrefixPin of the last turn, or None
+    last_prompt_len: int = 0
     expires_at: float = field(default=0.0)
 
     def stats(self, scheduler) -> dict:
@@ -57,22 +60,29 @@ class Sessions:
     def __len__(self) -> int:
         return len(self._open)
 
-    def turn_finished(self, scheduler, session_id: str, computed_tokens: list[int], prompt_tokens: int,
+    def turn_finished(self, scheduler, session_id: str, prompt: list[int], response: list[int],
                       cached_tokens: int) -> dict:
-        """A turn's sample finished: move the session's pin to the KV of `computed_tokens` (prompt +
-        response but its last token). -> the session's statistics after this turn."""
+        """A turn's sample finished: move the session's pin to the KV its next turn starts from: prompt +
+        response but its last token (hybrid models: the prompt but its last token, where the turn's state
+        snapshot is). -> the session's statistics after this turn."""
         session = self._open.pop(session_id, None) or Session(session_id)
         self._open[session_id] = session  # now the most recently used
         session.turns += 1
-        session.prompt_tokens += prompt_tokens
+        session.prompt_tokens += len(prompt)
+        session.last_prompt_len = len(prompt)
         session.cached_tokens += cached_tokens
         session.expires_at = self._clock() + self.retention_seconds
         scheduler.unpin(session.pin)
         session.pin = None
-        if scheduler.linear is None:  # hybrid models: the KV alone cannot resume them (module docstring)
-            self._make_room(scheduler, len(computed_tokens))
-            session.pin = scheduler.pin_prefix(computed_tokens)
+        kept = prompt + response[:-1] if scheduler.linear is None else prompt[:-1]
+        self._make_room(scheduler, len(kept))
+        session.pin = scheduler.pin_prefix(kept)
         return session.stats(scheduler)
+
+    def previous_prompt_len(self, session_id: str) -> int:
+        """The last turn's prompt length (0: a new session): a hybrid turn resumes at its snapshot."""
+        session = self._open.get(session_id)
+        return session.last_prompt_len if session is not None else 0
 
     def close(self, scheduler, session_id: str) -> dict | None:
         """End a session and release its pin; -> its statistics, None if no such session is open."""

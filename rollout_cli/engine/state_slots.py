@@ -7,9 +7,11 @@ len(prompt) - 1 tokens, the same prefix the KV radix cache serves (the last
 prompt token always runs, to produce the first sample's logits). The sample
 that computes a prompt stops a prefill chunk at P, snapshots its state into
 a free slot, and the other samples of that prompt fork the snapshot (copy it
-into their own slot) instead of recomputing the prompt. Any other prefix hit
-(a shorter shared system prompt, a multi-turn continuation) is recomputed for
-hybrid models: the KV alone does not give the linear layers their state.
+into their own slot) instead of recomputing the prompt. A turn of a multi-turn
+conversation snapshots its prompt the same way, and the next turn forks that
+snapshot (the previous turn's prompt but its last token, engine/prefix_reuse.py).
+Any other prefix hit (a shorter shared system prompt) is recomputed for hybrid
+models: the KV alone does not give the linear layers their state.
 
 A snapshot pairs with the radix node holding the KV of the same P tokens;
 it is used only while the tree still holds that very node (so a flushed or

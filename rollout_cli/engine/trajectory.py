@@ -55,6 +55,10 @@ class PromptInput:
     """Every input column except the prompt column, as Python values, copied to the output rows."""
     params: SamplingParams | None = None
     """Overrides the job's sampling settings for this prompt (bench: mixed lengths); None: the job's."""
+    conversation: int | None = None
+    """A turn of a multi-turn conversation (`rollout run --env`, a daemon session): the previous turn's
+    prompt length (0 for the first turn); None: not a turn. Hybrid models snapshot a turn's prompt state
+    for the next turn and resume from the previous turn's snapshot (engine/prefix_reuse.py)."""
 
 
 # Yielded by a live prompt source (Engine.stream) that has no prompt now but may have one at a later
@@ -80,6 +84,10 @@ class PartialSample:
     passthrough: dict[str, Any] = field(default_factory=dict)
     params: SamplingParams | None = None
     """Overrides the job's sampling settings for this sample; None: the job's (n is not used)."""
+    conversation: int | None = None
+    """A turn of a multi-turn conversation (`rollout run --env`, a daemon session): the previous turn's
+    prompt length (0 for the first turn); None: not a turn. Hybrid models snapshot a turn's prompt state
+    for the next turn and resume from the previous turn's snapshot (engine/prefix_reuse.py)."""
 
     @classmethod
     def of(cls, trajectory: Trajectory, params: SamplingParams | None = None) -> PartialSample:

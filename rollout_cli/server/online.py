@@ -52,6 +52,7 @@ class OnlineRequest:
                  session_id: str | None = None):
         self.request_id = request_id
         self.session_id = session_id  # one turn of this conversation (one prompt, n = 1)
+        self.conversation: int | None = None  # with a session: the previous turn's prompt length (set on admission)
         self.prompts = prompts
         self.params = params
         self.stream = stream
@@ -74,7 +75,7 @@ class OnlineRequest:
     def prompt_inputs(self) -> list[PromptInput]:
         # prompt i keys its samples' random streams like row i of a prompt file: the same seed gives
         # the same samples as `rollout run` over these prompts
-        return [PromptInput(i, ids, {ONLINE_KEY: (self.request_id, i)}, self.params)
+        return [PromptInput(i, ids, {ONLINE_KEY: (self.request_id, i)}, self.params, self.conversation)
                 for i, ids in enumerate(self.prompts)]
 
     # ---- engine thread -------------------------------------------------------------

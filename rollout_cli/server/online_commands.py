@@ -42,6 +42,8 @@ class OnlineCommands:
             raise Conflict(str(err)) from err
         for index, ids in enumerate(request.prompts):  # refused here, not inside the stream other requests share
             self.engine.requests.check_prompt(index, ids)
+        if request.session_id is not None:  # a hybrid model's turn resumes at the previous turn's snapshot
+            request.conversation = self.sessions.previous_prompt_len(request.session_id)
         self.sessions.expire(self.engine.scheduler)
         self.live.add(request)  # paused: it waits for rollout continue
         return {"success": True}
@@ -54,10 +56,9 @@ class OnlineCommands:
         return {"success": True, **stats}
 
     def _session_turn(self, request: OnlineRequest, choice) -> dict:
-        """A session's turn finished: its KV (prompt + response, but the last token) stays pinned for the next."""
-        prompt = request.prompts[choice.prompt]
-        return self.sessions.turn_finished(self.engine.scheduler, request.session_id, prompt + choice.token_ids[:-1],
-                                           len(prompt), choice.cached_prompt_tokens)
+        """A session's turn finished: the KV its next turn starts from stays pinned (engine/sessions.py)."""
+        return self.sessions.turn_finished(self.engine.scheduler, request.session_id, request.prompts[choice.prompt],
+                                           choice.token_ids, choice.cached_prompt_tokens)
 
 
     # ---- online requests (server/online.py) --------------------------------------------

@@ -155,9 +155,11 @@ def test_every_turn_equals_the_conversation_sent_as_one_prompt(kind, tiny_hybrid
             assert alone.response_logprobs == pytest.approx(episode.response_logprobs[start:end], abs=1e-4)
             if k + 1 < len(spans):
                 assert episode.response_token_ids[end:spans[k + 1][0]] == observation
-        if kind == "dense":  # the pinned conversation serves every later turn; hybrid models recompute
-            cached = episode.episode["turn_cached_tokens"]
+        cached = episode.episode["turn_cached_tokens"]
+        if kind == "dense":  # the pinned conversation serves every later turn: all but the last model token
             assert all(cached[k] == len(episode.prompt_token_ids) + spans[k - 1][1] - 1 for k in range(1, 5))
+        else:  # a hybrid turn resumes at the previous turn's prompt state: its prompt but the last token
+            assert all(cached[k] == len(episode.prompt_token_ids) + spans[k - 1][0] - 1 for k in range(1, 5))
 
 
 def _env_file(tmp_path: Path, body: str) -> Path:

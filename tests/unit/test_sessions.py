@@ -49,7 +49,7 @@ def test_a_pinned_conversation_survives_cache_pressure_and_an_unpinned_one_does_
     s = Scheduler(num_kv_slots=64, max_running=2, max_batch_tokens=64)
     sessions = Sessions(60.0, clock=Clock())
     pinned = _turn(s, 0, list(range(1, 21)))
-    stats = sessions.turn_finished(s, "pinned", pinned, prompt_tokens=20, cached_tokens=0)
+    stats = sessions.turn_finished(s, "pinned", pinned[:20], pinned[20:] + [0], cached_tokens=0)
     assert stats == {"session_id": "pinned", "turns": 1, "prompt_tokens": 20, "cached_tokens": 0, "hit_rate": 0.0,
                      "pinned_tokens": len(pinned)}
     loose = _turn(s, 1, list(range(21, 31)))  # cached too, but no session holds it
@@ -59,7 +59,8 @@ def test_a_pinned_conversation_survives_cache_pressure_and_an_unpinned_one_does_
     # the next turn starts from the pinned KV, and the pin moves to it
     second = _turn(s, 20, pinned + [1, 2])
     assert _cached(s, second) == len(second)
-    stats = sessions.turn_finished(s, "pinned", second, prompt_tokens=len(pinned) + 2, cached_tokens=len(pinned))
+    stats = sessions.turn_finished(s, "pinned", pinned + [1, 2], second[len(pinned) + 2:] + [0],
+                                   cached_tokens=len(pinned))
     assert stats["turns"] == 2 and stats["hit_rate"] == pytest.approx(len(pinned) / (20 + len(pinned) + 2), abs=1e-4)
     closed = sessions.close(s, "pinned")
     assert closed["turns"] == 2 and len(sessions) == 0
@@ -74,11 +75,11 @@ def test_pins_stay_under_their_budget_oldest_released_first():
     sessions = Sessions(60.0, clock=Clock())
     sessions.max_pinned_tokens = 50
     first = _turn(s, 0, list(range(1, 21)))
-    sessions.turn_finished(s, "a", first, 20, 0)
+    sessions.turn_finished(s, "a", first[:20], first[20:] + [0], 0)
     second = _turn(s, 1, list(range(30, 50)))
-    sessions.turn_finished(s, "b", second, 20, 0)
+    sessions.turn_finished(s, "b", second[:20], second[20:] + [0], 0)
     third = _turn(s, 2, list(range(60, 80)))
-    stats = sessions.turn_finished(s, "c", third, 20, 0)  # 3 x 23 > 50: "a", the oldest, lets go
+    stats = sessions.turn_finished(s, "c", third[:20], third[20:] + [0], 0)  # 3 x 23 > 50: "a", the oldest, lets go
     assert stats["pinned_tokens"] == 23
     assert sessions.close(s, "a")["pinned_tokens"] == 0
     assert sessions.close(s, "b")["pinned_tokens"] == 23
@@ -89,9 +90,11 @@ def test_sessions_expire_after_their_retention_time_and_a_flush_drops_their_pins
     s = Scheduler(num_kv_slots=200, max_running=2, max_batch_tokens=64)
     clock = Clock()
     sessions = Sessions(10.0, clock=clock)
-    sessions.turn_finished(s, "old", _turn(s, 0, list(range(1, 11))), 10, 0)
+    old = _turn(s, 0, list(range(1, 11)))
+    sessions.turn_finished(s, "old", old[:10], old[10:] + [0], 0)
     clock.now = 6.0
-    sessions.turn_finished(s, "new", _turn(s, 1, list(range(20, 31))), 11, 0)
+    new = _turn(s, 1, list(range(20, 31)))
+    sessions.turn_finished(s, "new", new[:11], new[11:] + [0], 0)
     clock.now = 11.0
     assert sessions.expire(s) == 1 and len(sessions) == 1
     assert s.cache.protected_size == 14  # only "new" is pinned: 11 prompt + 4 response tokens - 1
@@ -103,3 +106,15 @@ def test_sessions_expire_after_their_retention_time_and_a_flush_drops_their_pins
 def test_retention_must_be_positive():
     with pytest.raises(RolloutError, match="must be > 0"):
         Sessions(0)
+
+
+def test_a_hybrid_session_pins_its_prompt_where_the_next_turn_resumes():
+    """Hybrid models: the next turn resumes from the turn's prompt state snapshot, so the pin keeps
+    the KV of the prompt but its last token (the snapshot's point), not the response."""
+    s = Scheduler(num_kv_slots=200, max_running=2, max_batch_tokens=64, linear_state_slots=8)
+    sessions = Sessions(60.0, clock=Clock())
+    computed = _turn(s, 0, list(range(1, 21)))
+    assert sessions.previous_prompt_len("h") == 0
+    stats = sessions.turn_finished(s, "h", computed[:20], computed[20:] + [0], cached_tokens=0)
+    assert stats["pinned_tokens"] == 19 and s.cache.protected_size == 19
+    assert sessions.previous_prompt_len("h") == 20
