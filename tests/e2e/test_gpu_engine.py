@@ -31,7 +31,7 @@ def test_triton_and_graphs_match_hf_in_float32(arch, hf_ref):
         prompt = prompts[result.prompt_index]
         assert result.response_token_ids == hf_ref.greedy(model_dir, prompt, 12), name
         ref = hf_ref.logprobs(model_dir, prompt, result.response_token_ids)
-        assert max(abs(a - b) for a, b in zip(ref, result.response_logprobs)) < 1e-3, name
+        assert max(abs(a - b) for a, b in zip(ref, result.response_logprobs, strict=True)) < 1e-3, name
     assert engine.scheduler.stats.prefix_hit_rate > 0
 
 
@@ -57,7 +57,8 @@ def test_triton_backend_agrees_with_torch_backend_bfloat16(tiny_checkpoints):
         engine = _engine(model_dir, dtype="bfloat16", attention_backend=backend)
         prompts = _prompts(engine.hf_config.vocab_size, 5, seed=3)
         runs[backend] = engine.generate(prompts, params)
-    agree = sum(a.response_token_ids[:4] == b.response_token_ids[:4] for a, b in zip(runs["torch"], runs["triton"]))
+    agree = sum(a.response_token_ids[:4] == b.response_token_ids[:4]
+                for a, b in zip(runs["torch"], runs["triton"], strict=True))
     assert agree >= 4  # bf16 rounding may flip a near-tie late; the first tokens must agree
 
 

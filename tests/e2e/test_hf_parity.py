@@ -59,7 +59,7 @@ def test_shared_prefixes_hit_cache_and_match(arch, hf_ref):
     plain = make_engine(model_dir, max_batch_tokens=64, enable_prefix_cache=False)
     without = plain.generate(prompts, params)
     assert plain.scheduler.stats.prefix_hit_rate == 0
-    for a, b in zip(with_cache, without):
+    for a, b in zip(with_cache, without, strict=True):
         assert (a.prompt_index, a.sample_index) == (b.prompt_index, b.sample_index)
         assert a.response_token_ids == b.response_token_ids
         assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=TOL)
@@ -132,7 +132,7 @@ def test_example_model_matches_hf(example_model_dir, hf_ref):
     prompts = [[5, 17, 99, 230, 7, 64], [2, 2]]  # greedy continues the second with eos 2
     kept = engine.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, **GREEDY))
     stopped = engine.generate(prompts, SamplingParams(max_new_tokens=10, **GREEDY))
-    for prompt, k, s in zip(prompts, kept, stopped):
+    for prompt, k, s in zip(prompts, kept, stopped, strict=True):
         want = hf_ref.greedy(example_model_dir, prompt, 10)  # no eos
         assert k.response_token_ids == want and k.finish_reason == "length"
         assert k.response_logprobs == pytest.approx(hf_ref.logprobs(example_model_dir, prompt, want), abs=TOL)
