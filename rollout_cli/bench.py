@@ -61,6 +61,14 @@ class BenchConfig:
     synthetic environment answering each turn with observation_len tokens."""
     observation_len: int = 32
     """With turns > 1: the environment's tokens between two model turns."""
+    long_tail: float | None = None
+    """A long-tailed output length: this share of the prompts run to output_len, the others to lengths
+    uniform in [output_len / 16, output_len / 4] (seeded)."""
+    carry_over: int = 0
+    """Above 0: also compare waiting for every sample with carrying the unfinished over, on this many
+    rounds of the workload (bench_long_tail.py)."""
+    carry_at: float = 0.9
+    """With carry_over: the share of a round's samples after which the rest are carried over."""
 
     def __post_init__(self):
         if self.baseline not in ("none", "hf"):
@@ -74,6 +82,12 @@ class BenchConfig:
         if min(self.num_prompts, self.input_len, self.output_len, self.n, self.turns, self.observation_len) < 1:
             raise RolloutError("--num-prompts, --input-len, --output-len, --n, --turns and --observation-len "
                                "must be at least 1")
+        if self.long_tail is not None and not 0 < self.long_tail <= 1:
+            raise RolloutError("--long-tail is a share of the prompts: in (0, 1]")
+        if self.long_tail is not None and self.output_len_range is not None:
+            raise RolloutError("--long-tail and --output-len-range each set the output lengths; give one")
+        if self.carry_over < 0 or not 0 < self.carry_at < 1:
+            raise RolloutError("--carry-over needs a round count >= 0 and --carry-at in (0, 1)")
         if self.turns > 1 and self.capture_routing != "off":
             raise RolloutError("--turns runs episodes, which --capture-routing does not support yet; drop one")
 
@@ -95,7 +109,11 @@ def make_workload(cfg: BenchConfig, vocab_size: int, data_prompts: list[list[int
     else:
         prompts = [[rng.randrange(vocab_size) for _ in range(length(cfg.input_len, cfg.input_len_range))]
                    for _ in range(cfg.num_prompts)]
-    output_lens = [length(cfg.output_len, cfg.output_len_range) for _ in prompts]
+    if cfg.long_tail is not None:
+        short = (max(1, cfg.output_len // 16), max(1, cfg.output_len // 4))
+        output_lens = [cfg.output_len if rng.random() < cfg.long_tail else rng.randint(*short) for _ in prompts]
+    else:
+        output_lens = [length(cfg.output_len, cfg.output_len_range) for _ in prompts]
     return Workload(prompts, output_lens)
 
 

@@ -31,6 +31,9 @@ def bench_command(
     n: opt.N = 1,
     turns: Annotated[int, typer.Option(help="Model turns per sample: above 1 every sample is a multi-turn episode (as rollout run --env), a synthetic environment answering each turn with --observation-len tokens; --output-len is per turn. Reports each later turn's prefill against its new tokens.", rich_help_panel=WORKLOAD)] = 1,
     observation_len: Annotated[int, typer.Option(help="With --turns: the environment's tokens after each model turn.", rich_help_panel=WORKLOAD)] = 32,
+    long_tail: Annotated[Optional[float], typer.Option(help="Long-tailed output lengths: this share of the prompts run to --output-len, the rest to lengths uniform in [output-len/16, output-len/4].", rich_help_panel=WORKLOAD)] = None,
+    carry_over: Annotated[int, typer.Option(help="Above 0: also run this many rounds of the workload twice, waiting for every sample of a round, then carrying the unfinished samples over to the next round once --carry-at of them finished (partial rollouts); prints the tail's share of the time and the throughput gain.", rich_help_panel=WORKLOAD)] = 0,
+    carry_at: Annotated[float, typer.Option(help="With --carry-over: the share of a round's samples after which the rest are carried over.", rich_help_panel=WORKLOAD)] = 0.9,
     temperature: opt.Temperature = 1.0,
     seed: opt.Seed = 0,
     baseline: Annotated[str, typer.Option(help="none, or hf: also time transformers generate on the same prompts.")] = "none",
@@ -64,7 +67,8 @@ def bench_command(
                           input_len_range=input_len_range, output_len_range=output_len_range, n=n,
                           temperature=temperature, seed=seed, baseline=baseline, baseline_batch=baseline_batch,
                           baseline_time_limit=baseline_time_limit,
-                          capture_routing=capture_routing, turns=turns, observation_len=observation_len)
+                          capture_routing=capture_routing, turns=turns, observation_len=observation_len,
+                          long_tail=long_tail, carry_over=carry_over, carry_at=carry_at)
         engine_config = opt.engine_config(model=model, **engine_options)
         hf_config = load_model_config(engine_config.model)  # a hub id's snapshot directory
         if tp != 1:
@@ -112,6 +116,7 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
     """The timed runs on a loaded engine, then the report (rank 0 of --tp N: the followers run the same steps)."""
     from rollout_cli.bench import profile_decode, run_engine  # heavy: torch
     from rollout_cli.bench_limits import bandwidth_limit
+    from rollout_cli.bench_long_tail import compare_carry_over
 
     capture_routing = cfg.capture_routing
     report["engine_settings"] = {"device": str(engine.device), "dtype": str(engine.dtype),
@@ -132,6 +137,9 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
     else:
         with console.status("engine"):
             report["rollout"] = run_engine(engine, workload, cfg)
+    if cfg.carry_over:
+        with console.status(f"long tail: {cfg.carry_over} rounds waiting, then carrying over"):
+            report["long_tail"] = compare_carry_over(engine, workload, cfg, cfg.carry_over, cfg.carry_at)
     report["bandwidth"] = bandwidth_limit(engine, report["rollout"]["output_tokens_per_s"], hbm, flops)
     if "hf" in report:
         report["speedup_vs_hf"] = report["rollout"]["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"]
@@ -294,5 +302,11 @@ def _table(report: dict) -> Table:
         table.add_row("default, on-policy, on-policy, default", f"{runs} tok/s")
         table.add_row("on-policy cost", f"{report['deterministic_cost']:.1%} fewer output tok/s (ABBA)"
                       + _spread_note(report["mode_runs"]))
+    if "long_tail" in report:
+        lt = report["long_tail"]
+        table.add_row(f"wait for all, {lt['rounds']} rounds", f"{lt['wait']['output_tokens_per_s']:,.1f} tok/s; the last "
+                      f"{1 - lt['carry_at']:.0%} of samples took {lt['wait']['tail_share_of_time']:.0%} of the time")
+        table.add_row(f"carry over at {lt['carry_at']:.0%}", f"{lt['carry']['output_tokens_per_s']:,.1f} tok/s "
+                      f"({lt['throughput_gain']:+.1%})")
     table.add_row("wall time", f"{r['seconds']:.1f} s")
     return table

@@ -72,6 +72,35 @@ def test_turns_run_episodes_whose_later_turns_prefill_only_new_tokens(tmp_path):
     assert "later turns: prefilled / new" in result.stdout
 
 
+def test_carry_over_compares_waiting_with_carrying_the_tail(tmp_path):
+    """--long-tail and --carry-over: rounds of a long-tailed workload, waited out, then carried over
+    at 75%; waiting generates every token of every round, carrying no more than that."""
+    report_path = tmp_path / "bench.json"
+    result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 8, "--n", 2, "--input-len", 10,
+                    "--output-len", 32, "--long-tail", 0.25, "--carry-over", 2, "--carry-at", 0.75,
+                    "--seed", 1, "--json", report_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    lengths = report["rollout"]["output_tokens"]  # one pass over the workload: its lengths, n = 2
+    tail = report["long_tail"]
+    assert tail["wait"]["output_tokens"] == 2 * lengths
+    assert 0 < tail["carry"]["output_tokens"] <= 2 * lengths
+    assert len(tail["wait"]["rounds"]) == 2 and 0 < tail["wait"]["tail_share_of_time"] < 1
+    assert tail["carry"]["unfinished_after_last_round"] >= 0
+    assert tail["throughput_gain"] == pytest.approx(
+        tail["carry"]["output_tokens_per_s"] / tail["wait"]["output_tokens_per_s"] - 1)
+    assert "carry over at 75%" in result.stdout
+
+
+def test_long_tail_lengths():
+    from rollout_cli.bench import BenchConfig, make_workload
+
+    workload = make_workload(BenchConfig(num_prompts=400, output_len=160, long_tail=0.1, seed=3), vocab_size=50)
+    long = sum(n == 160 for n in workload.output_lens)
+    assert 20 <= long <= 60  # about 10% at the maximum
+    assert all(n == 160 or 10 <= n <= 40 for n in workload.output_lens)
+
+
 def test_routing_capture_compare_on_a_moe_model(tiny_moe_checkpoints, tmp_path):
     report_path = tmp_path / "bench.json"
     result = _bench("--model", tiny_moe_checkpoints["qwen3_moe"], "--device", "cpu", "--num-prompts", 4,
