@@ -30,6 +30,7 @@ from rollout_cli.errors import Conflict, RolloutError
 from rollout_cli.io.prompt_encoding import InvalidPrompt, encode_prompt
 from rollout_cli.server.http_errors import OPENAI_PREFIX, engine_error
 from rollout_cli.server.online import Choice, OnlineRequest
+from rollout_cli.server.tool_calls import parse_tool_calls, template_takes_tools
 from rollout_cli.server.openai_requests import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
                                                 SamplingKeys, chat_messages, check_session, refuse_unsupported,
                                                 sampling_params, stop_strings)
@@ -115,7 +116,14 @@ async def _serve(routes: OpenAIRoutes, body: SamplingKeys, http: Request, chat: 
     try:
         refuse_unsupported(body)
         if chat:
-            prompts = [routes.encode(chat_messages(body.messages), body.chat_template_kwargs)]
+            template_kwargs = dict(body.chat_template_kwargs or {})
+            if body.tools and body.tool_choice != "none":
+                if not template_takes_tools(routes.tokenizer):
+                    raise RolloutError("this model's chat template does not render tools, so the model would never "
+                                       "see them; use a checkpoint whose template takes tools, or describe them in "
+                                       "the messages")
+                template_kwargs["tools"] = body.tools
+            prompts = [routes.encode(chat_messages(body.messages), template_kwargs)]
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:  # up to the context length, as vLLM does
                 max_tokens = max(1, worker.engine.max_model_len - len(prompts[0]))
@@ -205,6 +213,8 @@ class _ResponseShape:
         self.want_logprobs = body.logprobs is not None if not chat else bool(body.logprobs)
         self.return_token_ids = body.return_token_ids
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # chat with tools: Hermes-style <tool_call> blocks become tool_calls (server/tool_calls.py)
+        self.parse_tools = chat and bool(body.tools) and body.tool_choice != "none"
         self.created = int(time.time())
         self._sent: dict[int, tuple[int, int]] = {}  # choice index -> (tokens, characters) streamed
         self._completion_tokens = 0
@@ -268,6 +278,12 @@ class _ResponseShape:
                                     "logprobs": self._logprobs(c.token_ids, c.logprobs, 0)}
             if self.chat:
                 item["message"] = {"role": "assistant", "content": c.text}
+                if self.parse_tools:
+                    parsed = parse_tool_calls(c.text)
+                    if parsed.tool_calls:
+                        item["message"] = {"role": "assistant", "content": parsed.content,
+                                           "tool_calls": parsed.tool_calls}
+                        item["finish_reason"] = "tool_calls"
             else:
                 item["text"] = c.text
             self._ids(item, c, c.token_ids)

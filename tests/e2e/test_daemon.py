@@ -70,9 +70,9 @@ def _assert_same_samples(got: list[dict], want: list[dict]) -> None:
 
 
 class Daemon:
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, model: Path = MODEL):
         self.log = log
-        self.proc = subprocess.Popen(CLI + ["serve", "--model", str(MODEL), "--device", "cpu",
+        self.proc = subprocess.Popen(CLI + ["serve", "--model", str(model), "--device", "cpu",
                                             "--kv-cache-tokens", "65536", *args],
                                      stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=REPO, env=_env())
 
