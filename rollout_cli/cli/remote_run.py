@@ -46,6 +46,8 @@ def remote_run(job_fields: dict, params: SamplingParams, quiet: bool, *, engine:
                                "or pass --model DIR to run without one")
         body = dict(job_fields, data=os.path.abspath(job_fields["data"]), out=os.path.abspath(job_fields["out"]),
                     sampling_params=dataclasses.asdict(params))
+        if job_fields.get("env"):  # the daemon imports it: a path on its machine, as data and out are
+            body["env"] = os.path.abspath(job_fields["env"])
         with EngineClient(resolve_address(engine), token_file) as client, RunProgressBar(console) as update:
             try:
                 for event in client.stream("/generate", body):

@@ -72,6 +72,9 @@ class GenerateRequest(_Body):
     shard_rows: int = 1024
     flush_seconds: float = 10.0
     capture_routing: bool = False
+    env: Optional[str] = Field(None, max_length=PATH_CHARS,
+                               description="rollout run --env: an environment file (absolute path), run on the engine.")
+    max_turns: int = 8
 
 
 class UpdateWeightsRequest(_Body):
@@ -248,9 +251,9 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
     async def generate(body: GenerateRequest):
         from rollout_cli.job import JobConfig
 
-        for name in ("data", "out"):
+        for name in ("data", "out", "env"):
             path = getattr(body, name)
-            if not os.path.isabs(path):
+            if path is not None and not os.path.isabs(path):
                 return _error(400, f"{name} {clip(path)} must be absolute (the engine has its own working directory)")
         if not worker.ready.is_set():
             return _error(503, "the engine is still loading; retry in a moment")
@@ -259,7 +262,8 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
             job = JobConfig(data=body.data, out=body.out, prompt_key=body.prompt_key, limit=body.limit,
                             resume=body.resume, continue_aborted=body.continue_aborted,
                             skip_invalid=body.skip_invalid, shard_rows=body.shard_rows,
-                            flush_seconds=body.flush_seconds, capture_routing=body.capture_routing)
+                            flush_seconds=body.flush_seconds, capture_routing=body.capture_routing,
+                            env=body.env, max_turns=body.max_turns)
             handle = worker.submit_job(job, params)
         except Conflict as err:
             return _error(409, str(err))

@@ -173,7 +173,7 @@ def _env_file(tmp_path: Path, body: str) -> Path:
     ("no_make_env", "defines no make_env(row) function"),
     ("broken", "failed to import: ZeroDivisionError"),
     ("bad_step", "the environment's step returned NoneType; return an EnvStep"),
-    ("on_daemon", "--env runs episodes on an engine in this process for now"),
+    ("data_parallel", "--env runs episodes on one engine, in this process or on a daemon: drop --dp and --tp"),
     ("max_turns", "--max-turns must be at least 1"),
 ])
 def test_bad_environments_and_flags_get_one_line(case, message, prompts, tmp_path):
@@ -182,10 +182,9 @@ def test_bad_environments_and_flags_get_one_line(case, message, prompts, tmp_pat
                           "def make_env(row):\n    return E()\n"}
     env = tmp_path / "nope.py" if case == "missing" else _env_file(tmp_path, bodies[case]) if case in bodies else CALCULATOR
     args = ["run", "--data", prompts, "--out", tmp_path / "out", "--env", env, "--max-new-tokens", 4, "--quiet"]
-    if case == "on_daemon":
-        args += ["--engine", tmp_path / "engine.sock"]
-    else:
-        args += ["--model", MODEL, "--device", "cpu"]
+    args += ["--model", MODEL, "--device", "cpu"]
+    if case == "data_parallel":
+        args += ["--dp", 2]
     if case == "max_turns":
         args += ["--max-turns", 0]
     result = _cli(args)
@@ -202,3 +201,28 @@ def test_an_input_column_named_like_an_episode_column_is_refused(tmp_path):
     result = _cli(["run", "--model", MODEL, "--device", "cpu", "--data", data, "--out", tmp_path / "out",
                    "--env", CALCULATOR, "--quiet"])
     assert result.returncode != 0 and "input column 'episode_reward' has the name of an output column" in result.stderr
+
+
+def test_episodes_run_on_the_daemon_as_they_run_here(episodes, prompts, tmp_path):
+    """`rollout run --engine SOCK --env FILE`: the daemon imports the environment (a path on its machine)
+    and writes the same episode rows as the embedded run."""
+    from test_daemon import Daemon
+
+    sock = tmp_path / "engine.sock"
+    daemon = Daemon(["--socket", sock], tmp_path / "daemon.log")
+    try:
+        import httpx
+
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://rollout") as client:
+            daemon.wait_ready(client)
+        args = [a for a in _run_args(prompts, tmp_path / "out") if a not in ("--model", MODEL, "--device", "cpu")]
+        result = _cli(args + ["--engine", sock])
+        assert result.returncode == 0, result.stderr
+    finally:
+        daemon.kill()
+    got, want = _rows(tmp_path / "out"), _rows(episodes)
+    assert [{k: v for k, v in r.items() if k not in ("response_logprobs", "turn_cached_tokens")} for r in got] == \
+        [{k: v for k, v in r.items() if k not in ("response_logprobs", "turn_cached_tokens")} for r in want]
+    for a, b in zip(got, want, strict=True):
+        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=1e-5)
+
