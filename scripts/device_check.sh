@@ -82,7 +82,7 @@ for part in $PARTS; do
                timeout 480 python3 scripts/tune_batch_invariant_matmul.py --model $model --write 2>&1 \
                | tee "$OUT/$part.log" | tail -12  # a tar: the JSON names hold "=" and ",", which $OUT does not return
                tar -C kernels/configs -cf "$OUT/$part.tar" batch_invariant_matmul ;;
-    fp8) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_blockwise.py 2>&1 \
+    fp8) timeout 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_blockwise.py tests/kernels/test_fused_moe_fp8.py 2>&1 \
                | tee "$OUT/gpu_fp8_tests.log" | grep -E "^FAILED|passed|failed" | tail -8
            timeout 400 python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.log" | tail -12 ;;
     fidelity) timeout 500 python3 scripts/fidelity_check.py --model $Q06 --random-weights /tmp/q06_random \

@@ -10,7 +10,8 @@ update of one shard (q, or gate) re-quantizes exactly the blocks it owns.
 Left in the model's dtype, as the hub's FP8 checkpoints leave them: the LM head (the logits and
 logprobs an RL trainer compares), embeddings, norms, the MoE router and shared-expert gate, Gated
 DeltaNet's small b/a projections (they set the decay and write strength of the state) and its
-state math. The MoE experts' fused GEMM stays in the model's dtype until its W8A8 kernel exists.
+state math. The MoE experts run the W8A8 fused MoE (kernels/fused_moe_fp8.py): e4m3 w13 / w2 with a
+scale per (BN x 128) block of each expert, quantized as they load.
 
 Weight updates stay exact about what they hold: the weight's loader takes the incoming (bf16 or
 float32) tensor, quantizes it on the weight's device and writes the fp8 rows and their scale rows;
@@ -35,6 +36,7 @@ from torch import nn
 from rollout_cli.config import QUANTIZATIONS
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.layers import FusedLinear, Linear
+from rollout_cli.models.moe import FusedExperts
 
 KEPT_IN_MODEL_DTYPE = ("lm_head", "shared_expert_gate", "in_proj_ba")  # module names, see the docstring
 BLOCK = 128
@@ -67,6 +69,10 @@ def scale_block_rows(module: Linear) -> int:
     sizes = [size for _, size in module.shard_offsets.values()] if isinstance(module, FusedLinear) \
         else [module.weight.shape[0]]
     sizes.append(getattr(module.weight.weight_loader, "row_granularity", BLOCK))
+    return _largest_block_dividing(sizes)
+
+
+def _largest_block_dividing(sizes: list[int]) -> int:
     common = functools.reduce(math.gcd, sizes)
     block = BLOCK
     while common % block:
@@ -153,4 +159,74 @@ def quantize_model(model: nn.Module, quantization: str, empty: bool = False) -> 
             if isinstance(module, Linear) and name.rsplit(".", 1)[-1] not in KEPT_IN_MODEL_DTYPE:
                 quantize_layer(module, empty)
                 count += 1
+            elif isinstance(module, FusedExperts):
+                quantize_experts(module, empty)
+                count += 1
     return count
+
+
+# ---- MoE experts (W8A8 fused MoE, kernels/fused_moe_fp8.py) -------------------------------------
+
+def quantize_experts(module: FusedExperts, empty: bool = False) -> None:
+    """w13 [E, 2I, H] and w2 [E, H, I] to e4m3 with one scale per (BN x 128) block of each expert,
+    BN the largest power of two up to 128 dividing I and H (a block never spans gate and up rows);
+    `empty`: allocate only, for a checkpoint loaded next."""
+    from rollout_kernels.fp8_blockwise import FP8_DTYPE
+
+    block_rows = _largest_block_dividing([module.intermediate_size, module.w2.shape[1]])
+    module.fp8_block_rows = block_rows
+    for name in ("w13", "w2"):
+        old = getattr(module, name)
+        num_experts, n, k = old.shape
+        scale = torch.ones(num_experts, n // block_rows, -(-k // BLOCK), dtype=torch.float32, device=old.device)
+        weight = torch.empty(old.shape, dtype=FP8_DTYPE, device=old.device)
+        if not empty:
+            for expert in range(num_experts):
+                weight[expert], scale[expert] = _quantized(old.data[expert], block_rows)
+        param = nn.Parameter(weight, requires_grad=False)
+        for attr in ("checkpoint_layouts", "shard_rows", "shard_shape"):
+            setattr(param, attr, getattr(old, attr))
+        param.load_dtype = old.dtype  # updates arrive in the model's dtype (loader.copy_into_parameters)
+        scales = nn.Parameter(scale, requires_grad=False)
+        scales.derived_from_weight = True  # written by the weight's loader: no checkpoint tensor of its own
+        param.weight_loader = functools.partial(_load_quantized_experts, module, scales)
+        setattr(module, name, param)
+        setattr(module, f"{name}_weight_scale_inv", scales)
+
+
+def _quantized(weight: torch.Tensor, block_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from rollout_kernels.fp8_blockwise import quantize_weight_blockwise
+
+    return quantize_weight_blockwise(weight, (block_rows, BLOCK))
+
+
+def _load_quantized_experts(module: FusedExperts, scales: nn.Parameter, param: nn.Parameter, tensor: torch.Tensor,
+                            shard_id) -> None:
+    """An expert weight's loader: one expert's gate, up or down rows (shard (expert, part)) or all
+    experts stacked (None), quantized as they arrive; the other rows keep their bits."""
+    from rollout_kernels.fp8_blockwise import FP8_DTYPE
+
+    if tensor.dtype == FP8_DTYPE:
+        raise RolloutError("e4m3 expert weights load only from the model's dtype for now; use the bf16 checkpoint")
+    block_rows = module.fp8_block_rows
+    tensor = tensor.to(param.device)
+    if shard_id is None:
+        _copy_shape_checked(param, tensor, "stacked experts")
+        for expert in range(param.shape[0]):
+            param.data[expert], scales.data[expert] = _quantized(tensor[expert], block_rows)
+        return
+    expert, part = shard_id
+    rows = param.shard_rows
+    want = (rows, param.shape[2])
+    if tuple(tensor.shape) != want:
+        raise RolloutError(f"expert {expert} part {part} has shape {tuple(tensor.shape)}, the model expects {want}; "
+                           "the checkpoint does not match config.json")
+    q, scale = _quantized(tensor, block_rows)
+    param.data[expert].narrow(0, part * rows, rows).copy_(q)
+    scales.data[expert].narrow(0, part * rows // block_rows, rows // block_rows).copy_(scale)
+
+
+def _copy_shape_checked(param: nn.Parameter, tensor: torch.Tensor, what: str) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise RolloutError(f"{what} have shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}; "
+                           "the checkpoint does not match config.json")

@@ -221,14 +221,19 @@ def _fp8_problems(params: dict, targets: list[TensorTarget]) -> list[str]:
     names = {t.checkpoint_name for t in targets}
     fp8 = [t for t in targets if t.dtype == FP8_CHECKPOINT_DTYPE]
     kept = [t.checkpoint_name for t in fp8 if not hasattr(params[t.param_name], "load_dtype")]
+    experts = [t.checkpoint_name for t in fp8 if getattr(params[t.param_name], "checkpoint_layouts", None)
+               and t.checkpoint_name not in kept]
     unscaled = [t.checkpoint_name for t in fp8 if t.checkpoint_name + SCALE_SUFFIX not in names]
     fp8_names = {t.checkpoint_name for t in fp8}
     orphans = [t.checkpoint_name for t in targets if t.checkpoint_name.endswith(SCALE_SUFFIX)
                and t.checkpoint_name.removesuffix(SCALE_SUFFIX) not in fp8_names]
     problems = []
     if kept:
-        problems.append(f"FP8 tensors for layers this engine keeps in the model's dtype (the LM head, MoE experts "
-                        f"until their W8A8 kernel): {_short_list(sorted(kept))}")
+        problems.append(f"FP8 tensors for layers this engine keeps in the model's dtype (the LM head, norms, "
+                        f"routers): {_short_list(sorted(kept))}")
+    if experts:
+        problems.append(f"e4m3 MoE expert weights, which load only from the model's dtype for now (the bf16 "
+                        f"checkpoint with --quantization fp8): {_short_list(sorted(experts))}")
     if unscaled:
         problems.append(f"FP8 weights without their weight_scale_inv: {_short_list(sorted(unscaled))}")
     if orphans:

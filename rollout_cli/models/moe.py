@@ -166,6 +166,7 @@ class FusedExperts(nn.Module):
     """
 
     use_triton = False  # kernels/fused_moe.py (needs the Triton router's float32 weights, int32 ids)
+    fp8_block_rows: int | None = None  # --quantization fp8: e4m3 weights, scales per block of this many rows (models/fp8.py)
     batch_invariant = False  # one launch config for every batch (layers.enable_batch_invariant_kernels)
     # the token count whose tuned launch config the batch-invariant mode uses at every batch size: a
     # decode batch of 256, where on-policy rollouts spend their time
@@ -209,6 +210,12 @@ class FusedExperts(nn.Module):
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], topk_weights/topk_ids [T, k] -> [T, H]."""
+        if self.fp8_block_rows is not None:  # W8A8: needs float32 routing weights and int32 ids on both paths
+            from rollout_kernels.fused_moe_fp8 import fused_experts_fp8, fused_experts_fp8_ref
+
+            run = fused_experts_fp8 if self.use_triton else fused_experts_fp8_ref
+            return run(hidden, self.w13, self.w13_weight_scale_inv, self.w2, self.w2_weight_scale_inv,
+                       topk_weights.float(), topk_ids.int(), self.fp8_block_rows)
         if self.use_triton:
             from rollout_kernels.fused_moe import fused_experts
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import HFReference
+from fp8_reference import expert_block_rows, patch_experts
 from parity import TOL, make_engine, prompts_of
 from rollout_cli import PromptInput, SamplingParams
 from rollout_cli.errors import RolloutError
@@ -39,6 +40,8 @@ class QuantizedHF(HFReference):
         super().__init__()
         self.blocks = {name: m.fp8_block for name, m in engine.model.named_modules()
                        if getattr(m, "fp8_block", None) is not None}
+        # the W8A8 experts' block rows, in layer order (HF's stacked experts run the same math)
+        self.expert_blocks = expert_block_rows(engine)
         # rows our layer holds in another order than the checkpoint (Qwen3-Next's in_proj_qkvz,
         # regrouped at load): ours[i] = checkpoint[order[i]], from the layer's own loader
         self.row_orders = {}
@@ -63,6 +66,7 @@ class QuantizedHF(HFReference):
                 patched += 1
             assert patched == len(self.blocks) + sum(  # fused layers stand for 2 or 3 HF layers
                 (".qkv_proj" in n) * 2 + (".gate_up_proj" in n) for n in self.blocks)
+            patch_experts(model, self.expert_blocks)
         return self._models[model_dir]
 
 
@@ -192,3 +196,24 @@ def test_cli_run_with_fp8_records_it(example_model_dir, tmp_path):
                              capture_output=True, text=True, timeout=300, cwd=REPO)
     assert resumed.returncode == 2 and len(resumed.stderr.strip().splitlines()) == 1, resumed.stderr
     assert "quantization='fp8'" in resumed.stderr  # a bf16 resume of an fp8 run is refused
+
+
+def test_a_partial_update_of_one_expert_requantizes_only_its_rows(tiny_moe_checkpoints, tmp_path):
+    """The W8A8 experts: an update of expert 1's up rows quantizes those rows and their scale rows;
+    every other expert and part keeps its bits."""
+    base = tiny_moe_checkpoints["qwen3_moe"]
+    new = perturbed_checkpoint(base, tmp_path / "new", seed=3)
+    engine = make_engine(base, quantization="fp8")
+    experts = engine.model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == experts.w2.dtype == FP8_DTYPE and experts.fp8_block_rows is not None
+    before_w, before_s = experts.w13.float().clone(), experts.w13_weight_scale_inv.clone()
+    name = "model.layers.0.mlp.experts.1.up_proj.weight"
+    engine.update_weights_from_tensor({name: checkpoint_tensors(new)[name]}, partial=True)
+    rows, block_rows = experts.intermediate_size, experts.fp8_block_rows
+    want_q, want_s = quantize_weight_blockwise(checkpoint_tensors(new)[name], (block_rows, 128))
+    assert torch.equal(experts.w13[1, rows:].float(), want_q.float())
+    assert torch.equal(experts.w13_weight_scale_inv[1, rows // block_rows:], want_s)
+    changed = torch.zeros_like(before_w, dtype=torch.bool)
+    changed[1, rows:] = True
+    assert torch.equal(experts.w13.float()[~changed], before_w[~changed])
+    assert torch.equal(experts.w13_weight_scale_inv[0], before_s[0])

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import HFReference
+from fp8_reference import expert_block_rows, patch_experts
 from parity import TOL, make_engine, prompts_of
 from rollout_cli import PromptInput, SamplingParams
 from rollout_cli.errors import RolloutError
@@ -65,9 +66,10 @@ class CheckpointFP8HF(HFReference):
     """HF transformers on the bf16 source, every layer the checkpoint holds in e4m3 running W8A8 on the
     checkpoint's own e4m3 weight and scales (HF's rows are the checkpoint's rows: no reordering)."""
 
-    def __init__(self, fp8_dir: Path):
+    def __init__(self, fp8_dir: Path, expert_blocks: list[int]):
         super().__init__()
         self.tensors = load_file(str(fp8_dir / "model.safetensors"))
+        self.expert_blocks = expert_blocks  # the experts: bf16 in the checkpoint, W8A8 once loaded
 
     def model(self, model_dir: str):
         if model_dir not in self._models:
@@ -76,6 +78,7 @@ class CheckpointFP8HF(HFReference):
                 q = self.tensors.get(name + ".weight")
                 if isinstance(module, torch.nn.Linear) and q is not None and q.dtype == FP8_DTYPE:
                     _patch(module, q, self.tensors[name + ".weight_scale_inv"])
+            patch_experts(model, self.expert_blocks)
         return self._models[model_dir]
 
 
@@ -123,7 +126,7 @@ def test_an_fp8_checkpoint_runs_on_its_own_bytes_and_equals_hf_on_them(arch, fp8
             assert torch.equal(per_row[rows], staging[rows]), checkpoint_name
             checked += 1
     assert checked == sum(1 for n, t in tensors.items() if t.dtype == FP8_DTYPE)
-    reference = CheckpointFP8HF(fp8_dir)
+    reference = CheckpointFP8HF(fp8_dir, expert_block_rows(engine))
     for traj in engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], GREEDY):
         prompt = PROMPTS[traj.prompt_index]
         assert traj.response_token_ids == reference.greedy(source, prompt, 8)
@@ -194,7 +197,7 @@ def test_fp8_checkpoint_refusals_are_one_line(tiny_checkpoints, tiny_moe_checkpo
     fp8 = save_fp8_checkpoint(dense, tmp_path / "ok")
     with pytest.raises(RolloutError, match="is an FP8 checkpoint and --deterministic"):
         make_engine(str(fp8), deterministic=True)
-    # MoE experts stay in the model's dtype: e4m3 experts are refused by name
+    # e4m3 MoE experts do not load as they are yet: refused by name
     moe = tiny_moe_checkpoints["qwen3_moe"]
     moe_fp8 = save_fp8_checkpoint(moe, tmp_path / "moe")
     tensors = load_file(str(moe_fp8 / "model.safetensors"))
@@ -202,7 +205,7 @@ def test_fp8_checkpoint_refusals_are_one_line(tiny_checkpoints, tiny_moe_checkpo
     q, scale = quantize_weight_blockwise(tensors[expert], BLOCK)
     tensors[expert], tensors[expert + "_scale_inv"] = q, scale
     save_file(tensors, str(moe_fp8 / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(RolloutError, match="FP8 tensors for layers this engine keeps in the model's dtype"):
+    with pytest.raises(RolloutError, match="e4m3 MoE expert weights, which load only from the model's dtype"):
         make_engine(str(moe_fp8))
 
 

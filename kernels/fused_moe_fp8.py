@@ -1,0 +1,167 @@
+"""The fused MoE MLP in W8A8 blockwise FP8 (issue 20): fused_moe.py's two grouped GEMMs on e4m3.
+
+    out[t] = sum_j w[t, j] * W2[e_tj] @ (silu(G[e_tj] @ h[t]) * (U[e_tj] @ h[t]))
+
+Weights e4m3 with one float32 scale per block: w13 [E, 2I, H] with w13_scale [E, 2I / BN, ceil(H / 128)]
+and w2 [E, H, I] with w2_scale [E, H / BN, ceil(I / 128)], where BN (a power of two up to 128) divides
+I and H, so a block never spans the gate and the up rows (the layout of the hub's FP8 MoE checkpoints
+when BN = 128). Activations are quantized per row and 128-channel group, as kernels/fp8_blockwise.py
+does: the hidden state before gate/up, the SiLU-and-mul product before down. Each K step of 128 sums
+its e4m3 products in float32 and scales them by the row's and the weight block's scales; the steps
+add in K order. Slot layout, the gated epilogue, the weighted down rows and the fixed-order sum over
+the k choices are fused_moe.py's (moe_align_block_size, moe_sum).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rollout_kernels.fp8_blockwise import (BLOCK, FP8_DTYPE, fp8_blockwise_matmul_ref, quantize_activation,
+                                           quantize_activation_ref)
+from rollout_kernels.fused_moe import moe_sum, moe_sum_ref
+from rollout_kernels.moe_align import moe_align_block_size
+
+DEFAULT_CONFIG = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, GROUP_SIZE_M=8, num_warps=4, num_stages=3)
+
+
+@triton.jit(do_not_specialize=["numel", "num_blocks_m"])
+def _moe_gemm_fp8_kernel(
+    A, AScale, B, BScale, C, TopkWeights, SortedIds, ExpertIds, NumPostPadded,
+    N, K, numel, num_blocks_m,
+    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+    SLOTS_PER_ROW: tl.constexpr,  # A row of slot s is s // SLOTS_PER_ROW: top_k for gate/up, 1 for down
+    GATED: tl.constexpr,  # B holds 2N rows (gate, up); write silu(gate) * up
+    MUL_WEIGHT: tl.constexpr,  # scale row s by TopkWeights[s]
+    SCALE_BLOCK_N: tl.constexpr,  # BN: weight rows per scale row
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    if pid_m * BLOCK_M >= tl.load(NumPostPadded):
+        return  # past the last expert's blocks (the grid is sized for the worst case)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(SortedIds + offs_m)  # [BLOCK_M] int32; numel marks padding
+    mask_m = slots < numel
+    rows = (slots // SLOTS_PER_ROW).to(tl.int64)
+    expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_bn = (offs_n % N).to(tl.int64)  # wrap, not mask: loads stay in bounds, the store masks
+    scale_rows = offs_bn // SCALE_BLOCK_N  # [BLOCK_N]
+    offs_k = tl.arange(0, BLOCK_K)
+    b_base = B + expert * stride_be
+    s_base = BScale + expert * stride_bse
+    up_rows = N * stride_bn  # the up half of w13: N rows below the gate rows
+    up_scales = (N // SCALE_BLOCK_N) * stride_bsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + offs_k
+        mask_k = k < K
+        a = tl.load(A + rows[:, None] * stride_am + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a_scale = tl.load(AScale + rows * stride_asm + kb, mask=mask_m, other=0.0)  # [BLOCK_M]
+        b_ptrs = b_base + offs_bn[None, :] * stride_bn + k[:, None]  # [BLOCK_K, BLOCK_N]
+        b = tl.load(b_ptrs, mask=mask_k[:, None], other=0.0)
+        b_scale = tl.load(s_base + scale_rows * stride_bsn + kb)  # [BLOCK_N]
+        acc += tl.dot(a, b, out_dtype=tl.float32) * a_scale[:, None] * b_scale[None, :]
+        if GATED:
+            b_up = tl.load(b_ptrs + up_rows, mask=mask_k[:, None], other=0.0)
+            up_scale = tl.load(s_base + up_scales + scale_rows * stride_bsn + kb)
+            acc_up += tl.dot(a, b_up, out_dtype=tl.float32) * a_scale[:, None] * up_scale[None, :]
+
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(TopkWeights + slots, mask=mask_m, other=0.0)[:, None]
+    c_ptrs = C + slots.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < N))
+
+
+def _launch(a_q, a_scale, b_q, b_scale, c, weights, layout, numel: int, n: int, k: int, slots_per_row: int,
+            gated: bool, block_rows: int, config: dict) -> None:
+    sorted_ids, expert_ids, num_post_padded = layout
+    block_n = min(config["BLOCK_SIZE_N"], block_rows)
+    num_blocks_m = expert_ids.numel()
+    grid = (num_blocks_m * triton.cdiv(n, block_n),)
+    _moe_gemm_fp8_kernel[grid](
+        a_q, a_scale, b_q, b_scale, c, weights if weights is not None else a_scale, sorted_ids, expert_ids,
+        num_post_padded, n, k, numel, num_blocks_m,
+        a_q.stride(0), a_scale.stride(0), b_q.stride(0), b_q.stride(1), b_scale.stride(0), b_scale.stride(1),
+        c.stride(0),
+        SLOTS_PER_ROW=slots_per_row, GATED=gated, MUL_WEIGHT=weights is not None, SCALE_BLOCK_N=block_rows,
+        BLOCK_M=config["BLOCK_SIZE_M"], BLOCK_N=block_n, BLOCK_K=BLOCK, GROUP_M=config["GROUP_SIZE_M"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+
+
+def _check(hidden, w13, w13_scale, w2, w2_scale, topk_ids, block_rows: int) -> tuple[int, int, int, int]:
+    num_experts, two_i, hidden_size = w13.shape
+    inter = two_i // 2
+    assert w13.dtype == w2.dtype == FP8_DTYPE, f"w13 / w2 must be e4m3, got {w13.dtype} / {w2.dtype}"
+    assert w2.shape == (num_experts, hidden_size, inter), f"w2 {tuple(w2.shape)} vs w13 {tuple(w13.shape)}"
+    assert inter % block_rows == 0 and hidden_size % block_rows == 0, (
+        f"block rows {block_rows} must divide I {inter} and H {hidden_size}")
+    assert w13_scale.shape == (num_experts, two_i // block_rows, triton.cdiv(hidden_size, BLOCK)), tuple(w13_scale.shape)
+    assert w2_scale.shape == (num_experts, hidden_size // block_rows, triton.cdiv(inter, BLOCK)), tuple(w2_scale.shape)
+    assert hidden.dim() == 2 and hidden.shape[1] == hidden_size and hidden.stride(1) == 1
+    assert topk_ids.shape[0] == hidden.shape[0]
+    return num_experts, hidden_size, inter, topk_ids.shape[1]
+
+
+def fused_experts_fp8(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                      w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, block_rows: int,
+                      config: dict | None = None) -> torch.Tensor:
+    """hidden [T, H] (bf16 / fp16 / fp32), e4m3 experts with their block scales (module docstring),
+    topk_weights [T, k] float32, topk_ids [T, k] int32 -> [T, H] in hidden's dtype."""
+    num_experts, hidden_size, inter, top_k = _check(hidden, w13, w13_scale, w2, w2_scale, topk_ids, block_rows)
+    config = config or DEFAULT_CONFIG
+    num_tokens, numel = hidden.shape[0], hidden.shape[0] * top_k
+    out = torch.empty((numel, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    if numel == 0:
+        return out.view(num_tokens, top_k, hidden_size).sum(1)
+    layout = moe_align_block_size(topk_ids, num_experts, config["BLOCK_SIZE_M"])
+    h_q, h_scale = quantize_activation(hidden)  # [T, H] e4m3, [T, HB]
+    mid = torch.empty((numel, inter), dtype=hidden.dtype, device=hidden.device)
+    _launch(h_q, h_scale, w13, w13_scale, mid, None, layout, numel, inter, hidden_size, top_k, True,
+            block_rows, config)
+    mid_q, mid_scale = quantize_activation(mid)  # [T * k, I] e4m3, [T * k, IB]
+    _launch(mid_q, mid_scale, w2, w2_scale, out, topk_weights.reshape(-1).contiguous(), layout, numel, hidden_size,
+            inter, 1, False, block_rows, config)
+    return moe_sum(out.view(num_tokens, top_k, hidden_size))
+
+
+def fused_experts_fp8_ref(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                          w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                          block_rows: int) -> torch.Tensor:
+    """fused_experts_fp8 in torch, expert by expert, with the kernels' roundings: the gated product
+    and the weighted down rows rounded to hidden's dtype, the k choices summed in float32."""
+    _check(hidden, w13, w13_scale, w2, w2_scale, topk_ids, block_rows)
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()
+    weights = topk_weights.reshape(-1).float()
+    inter = w13.shape[1] // 2
+    block = (block_rows, BLOCK)
+    h_q, h_scale = quantize_activation_ref(hidden)
+    mid = torch.zeros((flat.numel(), inter), dtype=hidden.dtype, device=hidden.device)
+    for expert in flat.unique().tolist():
+        slots = (flat == expert).nonzero().squeeze(1)
+        rows = slots // top_k
+        gate_up = fp8_blockwise_matmul_ref(h_q[rows], h_scale[rows], w13[expert], w13_scale[expert],
+                                           torch.float32, None, block)  # [n, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        mid[slots] = (gate / (1.0 + torch.exp(-gate)) * up).to(hidden.dtype)
+    mid_q, mid_scale = quantize_activation_ref(mid)
+    down = torch.zeros((flat.numel(), w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    for expert in flat.unique().tolist():
+        slots = (flat == expert).nonzero().squeeze(1)
+        y = fp8_blockwise_matmul_ref(mid_q[slots], mid_scale[slots], w2[expert], w2_scale[expert], torch.float32,
+                                     None, block)
+        down[slots] = (y * weights[slots, None]).to(hidden.dtype)
+    return moe_sum_ref(down.view(num_tokens, top_k, -1))
