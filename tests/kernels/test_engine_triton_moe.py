@@ -29,3 +29,16 @@ def test_triton_moe_matches_torch_path_with_routing(tiny_moe_checkpoints, name):
     for a, b in zip(runs["torch"], runs["triton"]):
         assert a.routed_experts.shape == b.routed_experts.shape
         assert np.array_equal(a.routed_experts, b.routed_experts)
+
+
+@interpreter_only
+def test_triton_fp8_moe_matches_the_torch_fp8_path(tiny_moe_checkpoints):
+    """--quantization fp8 on the Triton backend: the W8A8 fused MoE kernel and the blockwise FP8
+    GEMMs give the torch references' tokens and logprobs."""
+    prompts = prompts_with_shared_prefix(seed=2, prefix_len=10, count=2, longest_tail=7)
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=4)
+    runs, engine = generate_on_both_backends(tiny_moe_checkpoints["qwen3_moe"], prompts, params,
+                                             quantization="fp8", max_model_len=64, max_batch_tokens=16)
+    experts = [m for m in engine.model.modules() if isinstance(m, FusedExperts)]
+    assert experts and all(m.use_triton and m.fp8_block_rows for m in experts)
+    assert_same_samples(runs)
