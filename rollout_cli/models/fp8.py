@@ -188,7 +188,12 @@ def quantize_experts(module: FusedExperts, empty: bool = False) -> None:
             setattr(param, attr, getattr(old, attr))
         param.load_dtype = old.dtype  # updates arrive in the model's dtype (loader.copy_into_parameters)
         scales = nn.Parameter(scale, requires_grad=False)
-        scales.derived_from_weight = True  # written by the weight's loader: no checkpoint tensor of its own
+        # written by the weight's loader from a bf16 checkpoint; an FP8 checkpoint's per-expert scales
+        # (optional names, loader.scale_names) load through their own loader
+        scales.derived_from_weight = True
+        scales.checkpoint_scale_names = {rel.removesuffix(".weight") + ".weight_scale_inv": (shard, name)
+                                         for rel, shard in old.checkpoint_layouts[0].items()}
+        scales.weight_loader = functools.partial(_load_expert_scales, module, param)
         param.weight_loader = functools.partial(_load_quantized_experts, module, scales)
         setattr(module, name, param)
         setattr(module, f"{name}_weight_scale_inv", scales)
@@ -206,8 +211,6 @@ def _load_quantized_experts(module: FusedExperts, scales: nn.Parameter, param: n
     experts stacked (None), quantized as they arrive; the other rows keep their bits."""
     from rollout_kernels.fp8_blockwise import FP8_DTYPE
 
-    if tensor.dtype == FP8_DTYPE:
-        raise RolloutError("e4m3 expert weights load only from the model's dtype for now; use the bf16 checkpoint")
     block_rows = module.fp8_block_rows
     tensor = tensor.to(param.device)
     if shard_id is None:
@@ -221,9 +224,22 @@ def _load_quantized_experts(module: FusedExperts, scales: nn.Parameter, param: n
     if tuple(tensor.shape) != want:
         raise RolloutError(f"expert {expert} part {part} has shape {tuple(tensor.shape)}, the model expects {want}; "
                            "the checkpoint does not match config.json")
+    if tensor.dtype == FP8_DTYPE:  # an FP8 checkpoint's: placed as it is, its scales come on their own
+        param.data[expert].narrow(0, part * rows, rows).copy_(tensor)
+        return
     q, scale = _quantized(tensor, block_rows)
     param.data[expert].narrow(0, part * rows, rows).copy_(q)
     scales.data[expert].narrow(0, part * rows // block_rows, rows // block_rows).copy_(scale)
+
+
+def _load_expert_scales(module: FusedExperts, weight: nn.Parameter, param: nn.Parameter, tensor: torch.Tensor,
+                        shard_id) -> None:
+    """An FP8 checkpoint's expert scales [ceil(rows / 128), KB] for one expert part: one per 128 rows,
+    spread over this layer's blocks of BN rows (BN divides 128 and the part's rows)."""
+    expert, part = shard_id
+    rows, block_rows = weight.shard_rows, module.fp8_block_rows
+    per_row = tensor.to(param.device, torch.float32).repeat_interleave(BLOCK, dim=0)[:rows]  # [rows, KB]
+    param.data[expert].narrow(0, part * rows // block_rows, rows // block_rows).copy_(per_row[::block_rows])
 
 
 def _copy_shape_checked(param: nn.Parameter, tensor: torch.Tensor, what: str) -> None:

@@ -90,6 +90,18 @@ def layout_names(model) -> dict[str, tuple[str, object, int]]:
     return names
 
 
+def scale_names(model) -> dict[str, tuple[str, object, str]]:
+    """checkpoint name -> (scale param name, shard id, weight param name) of an FP8 checkpoint's per-expert
+    weight scales: optional tensors (a bf16 checkpoint has none), listed by the scale parameters of
+    W8A8 experts as `checkpoint_scale_names` (models/fp8.quantize_experts)."""
+    names = {}
+    for param_name, param in model.named_parameters():
+        prefix = param_name.rsplit(".", 1)[0] + "."
+        for rel, (shard_id, weight) in getattr(param, "checkpoint_scale_names", {}).items():
+            names[prefix + rel] = (param_name, shard_id, prefix + weight)
+    return names
+
+
 def _layout_problems(model, found: set[str]) -> tuple[list[str], list[str]]:
     """(missing names, params mixing layouts) of the layout parameters, given the names found.
 
@@ -166,6 +178,7 @@ def plan_tensors(model, headers, require_all: bool = True) -> tuple[list[TensorT
     params = dict(model.named_parameters())
     expected = expected_checkpoint_names(model)
     by_layout = layout_names(model)
+    expert_scales = scale_names(model)
     tied = getattr(model, "tie_word_embeddings", False)
     targets, unexpected, bad_shapes = [], [], []
     for header in headers:
@@ -178,6 +191,13 @@ def plan_tensors(model, headers, require_all: bool = True) -> tuple[list[TensorT
         scale = False
         if key in by_layout:  # stacked experts: one of several layouts
             param_name, shard_id, _ = by_layout[key]
+        elif key in expert_scales:  # an FP8 checkpoint's expert scales
+            param_name, shard_id, weight_name = expert_scales[key]
+            want = _checkpoint_scale_shape(params[weight_name], shard_id)
+            if tuple(header.shape) != want:
+                bad_shapes.append(f"{name} {tuple(header.shape)} (model: {want})")
+            targets.append(TensorTarget(name, header.file, param_name, shard_id, header.dtype))
+            continue
         else:
             param_name, shard_id = _param_target(model, key)
             # an FP8 checkpoint's scales: for the layers that hold fp8 weights
@@ -221,8 +241,8 @@ def _fp8_problems(params: dict, targets: list[TensorTarget]) -> list[str]:
     names = {t.checkpoint_name for t in targets}
     fp8 = [t for t in targets if t.dtype == FP8_CHECKPOINT_DTYPE]
     kept = [t.checkpoint_name for t in fp8 if not hasattr(params[t.param_name], "load_dtype")]
-    experts = [t.checkpoint_name for t in fp8 if getattr(params[t.param_name], "checkpoint_layouts", None)
-               and t.checkpoint_name not in kept]
+    stacked = [t.checkpoint_name for t in fp8 if t.shard_id is None
+               and getattr(params[t.param_name], "checkpoint_layouts", None)]
     unscaled = [t.checkpoint_name for t in fp8 if t.checkpoint_name + SCALE_SUFFIX not in names]
     fp8_names = {t.checkpoint_name for t in fp8}
     orphans = [t.checkpoint_name for t in targets if t.checkpoint_name.endswith(SCALE_SUFFIX)
@@ -231,9 +251,9 @@ def _fp8_problems(params: dict, targets: list[TensorTarget]) -> list[str]:
     if kept:
         problems.append(f"FP8 tensors for layers this engine keeps in the model's dtype (the LM head, norms, "
                         f"routers): {_short_list(sorted(kept))}")
-    if experts:
-        problems.append(f"e4m3 MoE expert weights, which load only from the model's dtype for now (the bf16 "
-                        f"checkpoint with --quantization fp8): {_short_list(sorted(experts))}")
+    if stacked:
+        problems.append(f"stacked e4m3 MoE experts, which load per expert only (experts.E.gate_proj.weight with its "
+                        f"weight_scale_inv): {_short_list(sorted(stacked))}")
     if unscaled:
         problems.append(f"FP8 weights without their weight_scale_inv: {_short_list(sorted(unscaled))}")
     if orphans:

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import HFReference
-from fp8_reference import expert_block_rows, patch_experts
+from fp8_reference import expert_block_rows, patch_experts, patch_experts_with
 from parity import TOL, make_engine, prompts_of
 from rollout_cli import PromptInput, SamplingParams
 from rollout_cli.errors import RolloutError
@@ -39,17 +39,18 @@ PROMPTS = prompts_of([6, 11, 3], seed=4)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
 
-def _quantized(name: str, tensor: torch.Tensor) -> bool:
+def _quantized(name: str, tensor: torch.Tensor, experts: bool) -> bool:
     leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-    return tensor.dim() == 2 and leaf in QUANTIZED and ".experts." not in name
+    return tensor.dim() == 2 and leaf in QUANTIZED and (experts or ".experts." not in name)
 
 
-def save_fp8_checkpoint(src: str, dst: Path, block_size=(128, 128), **config_extra) -> Path:
-    """`src` quantized as the hub's FP8 checkpoints are: each linear weight in e4m3 with its scales."""
+def save_fp8_checkpoint(src: str, dst: Path, block_size=(128, 128), experts: bool = False, **config_extra) -> Path:
+    """`src` quantized as the hub's FP8 checkpoints are: each linear weight (with `experts`, each MoE
+    expert's too) in e4m3 with its scales."""
     shutil.copytree(src, dst)
     tensors = {}
     for name, tensor in load_file(str(Path(src) / "model.safetensors")).items():
-        if _quantized(name, tensor):
+        if _quantized(name, tensor, experts):
             q, scale = quantize_weight_blockwise(tensor, BLOCK)
             tensors[name], tensors[name + "_scale_inv"] = q, scale
         else:
@@ -66,10 +67,11 @@ class CheckpointFP8HF(HFReference):
     """HF transformers on the bf16 source, every layer the checkpoint holds in e4m3 running W8A8 on the
     checkpoint's own e4m3 weight and scales (HF's rows are the checkpoint's rows: no reordering)."""
 
-    def __init__(self, fp8_dir: Path, expert_blocks: list[int]):
+    def __init__(self, fp8_dir: Path, expert_blocks: list[int], expert_stacks: list | None = None):
         super().__init__()
         self.tensors = load_file(str(fp8_dir / "model.safetensors"))
         self.expert_blocks = expert_blocks  # the experts: bf16 in the checkpoint, W8A8 once loaded
+        self.expert_stacks = expert_stacks  # or e4m3 in the checkpoint: ([w13, w13 scales, w2, w2 scales], block rows)
 
     def model(self, model_dir: str):
         if model_dir not in self._models:
@@ -78,7 +80,10 @@ class CheckpointFP8HF(HFReference):
                 q = self.tensors.get(name + ".weight")
                 if isinstance(module, torch.nn.Linear) and q is not None and q.dtype == FP8_DTYPE:
                     _patch(module, q, self.tensors[name + ".weight_scale_inv"])
-            patch_experts(model, self.expert_blocks)
+            if self.expert_stacks is None:
+                patch_experts(model, self.expert_blocks)
+            else:
+                patch_experts_with(model, self.expert_stacks)
         return self._models[model_dir]
 
 
@@ -197,16 +202,52 @@ def test_fp8_checkpoint_refusals_are_one_line(tiny_checkpoints, tiny_moe_checkpo
     fp8 = save_fp8_checkpoint(dense, tmp_path / "ok")
     with pytest.raises(RolloutError, match="is an FP8 checkpoint and --deterministic"):
         make_engine(str(fp8), deterministic=True)
-    # e4m3 MoE experts do not load as they are yet: refused by name
-    moe = tiny_moe_checkpoints["qwen3_moe"]
-    moe_fp8 = save_fp8_checkpoint(moe, tmp_path / "moe")
+    # an e4m3 expert without its scales is refused by name
+    moe_fp8 = save_fp8_checkpoint(tiny_moe_checkpoints["qwen3_moe"], tmp_path / "moe", experts=True)
     tensors = load_file(str(moe_fp8 / "model.safetensors"))
-    expert = next(n for n in tensors if ".experts.0.gate_proj.weight" in n)
-    q, scale = quantize_weight_blockwise(tensors[expert], BLOCK)
-    tensors[expert], tensors[expert + "_scale_inv"] = q, scale
+    expert = next(n for n in tensors if ".experts.0.gate_proj.weight_scale_inv" in n)
+    del tensors[expert]
     save_file(tensors, str(moe_fp8 / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(RolloutError, match="e4m3 MoE expert weights, which load only from the model's dtype"):
+    with pytest.raises(RolloutError, match="FP8 weights without their weight_scale_inv: .*experts.0.gate_proj.weight"):
         make_engine(str(moe_fp8))
+
+
+def test_an_fp8_moe_checkpoint_runs_its_experts_on_their_own_bytes(tiny_moe_checkpoints, tmp_path):
+    """Experts in e4m3 with per-expert scales (Qwen3-30B-A3B-FP8's layout) load as they are into the
+    W8A8 fused MoE, and the engine equals HF whose experts run that math on the checkpoint's bytes."""
+    source = tiny_moe_checkpoints["qwen3_moe"]
+    fp8_dir = save_fp8_checkpoint(source, tmp_path / "moe", experts=True)
+    engine = make_engine(str(fp8_dir))
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    layers = [(i, m) for i, m in enumerate(engine.model.model.layers) if hasattr(m.mlp, "experts")]
+    stacks = []
+    for i, layer in layers:
+        experts, rows = layer.mlp.experts, layer.mlp.experts.intermediate_size
+        block = experts.fp8_block_rows
+        prefix = f"model.layers.{i}.mlp.experts"
+        w13, w13_s, w2, w2_s = [], [], [], []
+        for e in range(experts.num_experts):
+            parts = [tensors[f"{prefix}.{e}.{p}.weight"] for p in ("gate_proj", "up_proj")]
+            w13.append(torch.cat(parts))
+            w13_s.append(torch.cat([_block_scales(tensors[f"{prefix}.{e}.{p}.weight_scale_inv"], rows, block)
+                                    for p in ("gate_proj", "up_proj")]))
+            w2.append(tensors[f"{prefix}.{e}.down_proj.weight"])
+            w2_s.append(_block_scales(tensors[f"{prefix}.{e}.down_proj.weight_scale_inv"], w2[-1].shape[0], block))
+        stack = [torch.stack(w13), torch.stack(w13_s), torch.stack(w2), torch.stack(w2_s)]
+        assert torch.equal(experts.w13.view(torch.uint8), stack[0].view(torch.uint8))
+        assert torch.equal(experts.w13_weight_scale_inv, stack[1]) and torch.equal(experts.w2_weight_scale_inv, stack[3])
+        stacks.append((stack, block))
+    reference = CheckpointFP8HF(fp8_dir, [], expert_stacks=stacks)
+    for traj in engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], GREEDY):
+        prompt = PROMPTS[traj.prompt_index]
+        assert traj.response_token_ids == reference.greedy(source, prompt, 8)
+        assert traj.response_logprobs == pytest.approx(reference.logprobs(source, prompt, traj.response_token_ids),
+                                                       abs=TOL)
+
+
+def _block_scales(scale: torch.Tensor, rows: int, block: int) -> torch.Tensor:
+    """A checkpoint part's 128-row scales as one per `block` rows."""
+    return scale.repeat_interleave(128, dim=0)[:rows][::block]
 
 
 def test_a_bf16_engine_reloads_an_fp8_checkpoint_and_the_cli_records_fp8(fp8_dirs, tmp_path):
