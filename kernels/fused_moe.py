@@ -34,6 +34,43 @@ from rollout_kernels.moe_align import moe_align_block_size
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+@triton.jit
+def expert_tile(pid, N, num_blocks_m, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of a grouped GEMM program in grouped ordering: GROUP_M consecutive M blocks share
+    each B tile while it is in L2 (this kernel's and kernels/fused_moe_fp8.py's)."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
+def block_slots(SortedIds, pid_m, numel, SLOTS_PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The BLOCK_M slots of M block pid_m: (slot ids, which are real, not padding, their rows of A)."""
+    slots = tl.load(SortedIds + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M] int32; numel marks padding
+    return slots, slots < numel, (slots // SLOTS_PER_ROW).to(tl.int64)
+
+
+@triton.jit
+def tile_columns(pid_n, N, BLOCK_N: tl.constexpr):
+    """(output columns of tile pid_n, the same wrapped into [0, N): loads stay in bounds, stores mask)."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_n, (offs_n % N).to(tl.int64)
+
+
+@triton.jit
+def store_tile(C, acc, acc_up, TopkWeights, slots, mask_m, offs_n, N, stride_cm,
+               GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr):
+    """The epilogue: silu(gate) * up (GATED), times the slot's routing weight (MUL_WEIGHT), to C's rows."""
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(TopkWeights + slots, mask=mask_m, other=0.0)[:, None]
+    c_ptrs = C + slots.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < N))
+
+
 # batch-size dependent ints are not specialised: one compile serves every bucket (and the tuner's
 # compile workers)
 @triton.jit(do_not_specialize=["numel", "num_blocks_m"])
@@ -47,24 +84,13 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # grouped ordering: GROUP_M consecutive M blocks share each B tile while it is in L2
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = expert_tile(tl.program_id(0), N, num_blocks_m, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(NumPostPadded):
         return  # past the last expert's blocks (the grid is sized for the worst case)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(SortedIds + offs_m)  # [BLOCK_M] int32; numel marks padding
-    mask_m = slots < numel
-    rows = (slots // SLOTS_PER_ROW).to(tl.int64)
+    slots, mask_m, rows = block_slots(SortedIds, pid_m, numel, SLOTS_PER_ROW, BLOCK_M)
     expert = tl.load(ExpertIds + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_bn = (offs_n % N).to(tl.int64)  # wrap, not mask: loads stay in bounds, the store masks
+    offs_n, offs_bn = tile_columns(pid_n, N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
@@ -89,13 +115,7 @@ def _moe_gemm_kernel(
             acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-
-    if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if MUL_WEIGHT:
-        acc = acc * tl.load(TopkWeights + slots, mask=mask_m, other=0.0)[:, None]
-    c_ptrs = C + slots.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < N))
+    store_tile(C, acc, acc_up, TopkWeights, slots, mask_m, offs_n, N, stride_cm, GATED, MUL_WEIGHT)
 
 
 @triton.jit

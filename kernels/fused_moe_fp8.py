@@ -20,7 +20,7 @@ import triton.language as tl
 
 from rollout_kernels.fp8_blockwise import (BLOCK, FP8_DTYPE, fp8_blockwise_matmul_ref, quantize_activation,
                                            quantize_activation_ref)
-from rollout_kernels.fused_moe import moe_sum, moe_sum_ref
+from rollout_kernels.fused_moe import block_slots, expert_tile, moe_sum, moe_sum_ref, store_tile, tile_columns
 from rollout_kernels.moe_align import moe_align_block_size
 
 DEFAULT_CONFIG = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, GROUP_SIZE_M=8, num_warps=4, num_stages=3)
@@ -37,23 +37,13 @@ def _moe_gemm_fp8_kernel(
     SCALE_BLOCK_N: tl.constexpr,  # BN: weight rows per scale row
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = expert_tile(tl.program_id(0), N, num_blocks_m, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(NumPostPadded):
         return  # past the last expert's blocks (the grid is sized for the worst case)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(SortedIds + offs_m)  # [BLOCK_M] int32; numel marks padding
-    mask_m = slots < numel
-    rows = (slots // SLOTS_PER_ROW).to(tl.int64)
+    slots, mask_m, rows = block_slots(SortedIds, pid_m, numel, SLOTS_PER_ROW, BLOCK_M)
     expert = tl.load(ExpertIds + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_bn = (offs_n % N).to(tl.int64)  # wrap, not mask: loads stay in bounds, the store masks
+    offs_n, offs_bn = tile_columns(pid_n, N, BLOCK_N)
     scale_rows = offs_bn // SCALE_BLOCK_N  # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)
     b_base = B + expert * stride_be
@@ -75,13 +65,7 @@ def _moe_gemm_fp8_kernel(
             b_up = tl.load(b_ptrs + up_rows, mask=mask_k[:, None], other=0.0)
             up_scale = tl.load(s_base + up_scales + scale_rows * stride_bsn + kb)
             acc_up += tl.dot(a, b_up, out_dtype=tl.float32) * a_scale[:, None] * up_scale[None, :]
-
-    if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if MUL_WEIGHT:
-        acc = acc * tl.load(TopkWeights + slots, mask=mask_m, other=0.0)[:, None]
-    c_ptrs = C + slots.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < N))
+    store_tile(C, acc, acc_up, TopkWeights, slots, mask_m, offs_n, N, stride_cm, GATED, MUL_WEIGHT)
 
 
 def _launch(a_q, a_scale, b_q, b_scale, c, weights, layout, numel: int, n: int, k: int, slots_per_row: int,

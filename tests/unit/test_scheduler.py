@@ -194,20 +194,27 @@ def test_abort_all_returns_every_slot_and_row(prefix_cache, after_schedule):
     assert fresh.output_token_ids == expected_output(fresh)
 
 
+def _running_mid_way(prefix_cache: bool, count: int, prompt_lengths: tuple[int, int], steps: int, **postprocess):
+    """A scheduler (3 rows, 200 slots) `steps` steps into `count` random requests of 12 new tokens:
+    some running, some waiting. -> (scheduler, requests, its fake runner)."""
+    s = Scheduler(num_kv_slots=200, max_running=3, max_batch_tokens=8, enable_prefix_cache=prefix_cache)
+    rng = random.Random(2)
+    requests = [make_request(i, [rng.randrange(9) for _ in range(rng.randrange(*prompt_lengths))], max_new_tokens=12)
+                for i in range(count)]
+    for r in requests:
+        s.add(r)
+    runner = FakeRunner(3)
+    for _ in range(steps):
+        out = s.schedule()
+        s.postprocess(out, *runner.run(out), **postprocess)
+    return s, requests, runner
+
+
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_abort_of_some_requests_leaves_the_others_running_exactly(prefix_cache):
     """Abort by request id (the daemon's online requests): the chosen running and waiting requests end
     with "abort" and what they have; the others finish with the tokens they would have had; no slot leaks."""
-    s = Scheduler(num_kv_slots=200, max_running=3, max_batch_tokens=8, enable_prefix_cache=prefix_cache)
-    rng = random.Random(2)
-    requests = [make_request(i, [rng.randrange(9) for _ in range(rng.randrange(5, 15))], max_new_tokens=12)
-                for i in range(6)]
-    for r in requests:
-        s.add(r)
-    runner = FakeRunner(3)
-    for _ in range(5):
-        out = s.schedule()
-        s.postprocess(out, *runner.run(out))
+    s, requests, runner = _running_mid_way(prefix_cache, count=6, prompt_lengths=(5, 15), steps=5)
     chosen = [s.running[0], s.waiting[-1]]
     so_far = [list(r.output_token_ids) for r in chosen]
     out = s.schedule()  # a step in flight holds the aborted running request: post-processing skips it
@@ -232,16 +239,8 @@ def test_retracted_requests_recompute_on_new_weights_and_record_each_tokens_vers
     """pause keep + a weight update: running requests give back every slot (none goes into the cache:
     old weights' KV), the cache can be flushed with requests still waiting, and each request's
     response continues where it stopped, its tokens labelled with the version that sampled them."""
-    s = Scheduler(num_kv_slots=200, max_running=3, max_batch_tokens=8, enable_prefix_cache=prefix_cache)
-    rng = random.Random(2)
-    requests = [make_request(i, [rng.randrange(9) for _ in range(rng.randrange(3, 12))], max_new_tokens=12)
-                for i in range(5)]
-    for r in requests:
-        s.add(r)
-    runner = FakeRunner(3)
-    for _ in range(6):
-        out = s.schedule()
-        s.postprocess(out, *runner.run(out), weight_version="0")
+    s, requests, runner = _running_mid_way(prefix_cache, count=5, prompt_lengths=(3, 12), steps=6,
+                                           weight_version="0")
     running = list(s.running)
     sampled_before = {r.request_id: len(r.output_token_ids) for r in requests}
     assert running and s.waiting and any(sampled_before.values())
