@@ -201,7 +201,7 @@ def status_command(
                      f"{job.get('output_tokens_per_s', 0):.0f} out tok/s")
     else:
         lines.append("job             none")
-    lines.append(f"online requests {info.get('online_requests', 0)} in flight")
+    lines.append(f"online requests {info.get('online_requests', 0)} in flight, {info.get('sessions', 0)} sessions open")
     typer.echo("\n".join(lines))
 
 

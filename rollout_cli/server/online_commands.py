@@ -27,7 +27,6 @@ class OnlineCommands:
         """Queue an online request; the future answers once the engine thread accepted or refused it."""
         return self.submit("online", request=request)
 
-
     def _do_online(self, in_job: bool, request: OnlineRequest) -> dict:
         if self.job is not None:
             raise Conflict(f"a /generate job is running (out {self.job.job.out}); online requests are served "
@@ -59,7 +58,6 @@ class OnlineCommands:
         """A session's turn finished: the KV its next turn starts from stays pinned (engine/sessions.py)."""
         return self.sessions.turn_finished(self.engine.scheduler, request.session_id, request.prompts[choice.prompt],
                                            choice.token_ids, choice.cached_prompt_tokens)
-
 
     # ---- online requests (server/online.py) --------------------------------------------
 

@@ -304,7 +304,8 @@ def test_chat_refusals_and_the_token(server):
 def test_the_cli_aborts_by_id_and_shows_online_requests(server):
     address = ["--engine", server["url"], "--token-file", server["work"] / "token"]
     assert _ok(_cli(["abort", "--request-id", "nope", *address])).stdout.strip() == "no request nope in flight"
-    assert "online requests 0 in flight" in _ok(_cli(["status", *address])).stdout
+    status = _ok(_cli(["status", *address])).stdout
+    assert "online requests 0 in flight" in status and "sessions open" in status
 
 
 
