@@ -152,7 +152,7 @@ def run_hf_baseline(model_dir: str, load_format: str, device: torch.device, dtyp
     # Warm-up (kernel selection, allocator, compile caches) needs a few steps, not the whole output: a
     # full-length warm-up at a 2048-token output cost as much as the timed run itself.
     generate([(p, min(o, _HF_WARMUP_TOKENS)) for p, o in requests[:2]])
-    _sync(device)
+    sync_device(device)
     clock.start()
     batches = [requests[i : i + cfg.baseline_batch] for i in range(0, len(requests), cfg.baseline_batch)]
     done_tokens, remaining_steps = 0, 0
@@ -163,7 +163,7 @@ def run_hf_baseline(model_dir: str, load_format: str, device: torch.device, dtyp
         steps = generate(batch)
         done_tokens += sum(min(o, steps) for _, o in batch)
         remaining_steps += max(o for _, o in batch) - steps
-    _sync(device)
+    sync_device(device)
     seconds = time.monotonic() - clock.started
     result = {"batch": cfg.baseline_batch, "experts_implementation": experts, "seconds": seconds}
     if remaining_steps == 0:
@@ -232,7 +232,7 @@ def _fastest_experts_implementation(model) -> str | None:
     return getattr(model.config, "_experts_implementation", None)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -257,14 +257,14 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
     engine.runner.count_distinct_context = True
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
-    _sync(engine.device)
+    sync_device(engine.device)
     episodes = None
     if cfg.turns > 1:
         observation = [random.Random(cfg.seed).randrange(engine.requests.vocab_size) for _ in range(cfg.observation_len)]
         episodes = EpisodeRunner(engine, lambda row: SyntheticEnv(observation), cfg.turns)
     start = time.monotonic()
     results = list((engine if episodes is None else episodes).stream(inputs(), SamplingParams()))
-    _sync(engine.device)
+    sync_device(engine.device)
     seconds = time.monotonic() - start
     engine.runner.time_decode_steps = engine.runner.count_distinct_context = False
     traffic = engine.runner.traffic
@@ -337,6 +337,6 @@ def profile_decode(engine: Engine, workload: Workload, cfg: BenchConfig, steps: 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         list(engine.stream(prompts, params))
-        _sync(engine.device)
+        sync_device(engine.device)
     sort_by = "cuda_time_total" if engine.device.type == "cuda" else "cpu_time_total"
     return prof.key_averages().table(sort_by=sort_by, row_limit=rows)

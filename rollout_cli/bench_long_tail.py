@@ -21,15 +21,9 @@ from __future__ import annotations
 import math
 import time
 
+from rollout_cli.bench import sync_device
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.trajectory import PartialSample, PromptInput
-
-
-def _sync(engine) -> None:
-    if engine.device.type == "cuda":
-        import torch  # only on a GPU
-
-        torch.cuda.synchronize(engine.device)
 
 
 def _round_inputs(workload, cfg, round_index: int) -> list[PromptInput]:
@@ -71,7 +65,7 @@ def run_round(engine, items: list, share: float, stop_at_share: bool) -> dict:
         out_tokens += _added(trajectory, before)
         if reached is None and finished >= target:
             reached = time.monotonic() - start
-    _sync(engine)
+    sync_device(engine.device)
     seconds = time.monotonic() - start
     # an aborted sample's tokens so far were generated in this round: it continues from them
     carried = [PartialSample.of(t, t.passthrough.get("_params")) for t in aborted]
