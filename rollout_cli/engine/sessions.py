@@ -55,7 +55,12 @@ class Sessions:
         self.retention_seconds = retention_seconds
         self.max_pinned_tokens: int | None = None  # set once the engine knows its pool size
         self._clock = clock
+        # oldest turn first: expiry times rise along it (one retention time for all)
         self._open: OrderedDict[str, Session] = OrderedDict()
+        # tokens the live pins hold, kept as they change (not summed per turn); a flush (a new cache
+        # epoch) drops every pin, and with them this count
+        self._pinned_tokens = 0
+        self._pinned_epoch: int | None = None
 
     def __len__(self) -> int:
         return len(self._open)
@@ -72,11 +77,12 @@ class Sessions:
         session.last_prompt_len = len(prompt)
         session.cached_tokens += cached_tokens
         session.expires_at = self._clock() + self.retention_seconds
-        scheduler.unpin(session.pin)
-        session.pin = None
+        self._unpin(scheduler, session)
         kept = prompt + response[:-1] if scheduler.linear is None else prompt[:-1]
         self._make_room(scheduler, len(kept))
         session.pin = scheduler.pin_prefix(kept)
+        if session.pin is not None:
+            self._pinned_tokens = self._pinned(scheduler) + session.pin.num_tokens
         return session.stats(scheduler)
 
     def previous_prompt_len(self, session_id: str) -> int:
@@ -90,30 +96,42 @@ class Sessions:
         if session is None:
             return None
         stats = session.stats(scheduler)
-        scheduler.unpin(session.pin)
-        session.pin = None
+        self._unpin(scheduler, session)
         return stats
 
     def expire(self, scheduler) -> int:
-        """Close every session past its retention time; -> how many."""
+        """Close every session past its retention time; -> how many. Called on every online request:
+        it reads only the expired sessions and the first one that is not (expiry follows the order)."""
         now = self._clock()
-        stale = [sid for sid, s in self._open.items() if s.expires_at <= now]
+        stale = []
+        for sid, session in self._open.items():
+            if session.expires_at > now:
+                break
+            stale.append(sid)
         for sid in stale:
             self.close(scheduler, sid)
         return len(stale)
+
+    def _pinned(self, scheduler) -> int:
+        """Tokens the live pins hold now."""
+        if scheduler.cache_epoch != self._pinned_epoch:  # flushed since: no pin holds anything
+            self._pinned_tokens, self._pinned_epoch = 0, scheduler.cache_epoch
+        return self._pinned_tokens
+
+    def _unpin(self, scheduler, session: Session) -> None:
+        if _live(session.pin, scheduler):
+            self._pinned_tokens = self._pinned(scheduler) - session.pin.num_tokens
+        scheduler.unpin(session.pin)
+        session.pin = None
 
     def _make_room(self, scheduler, wanted: int) -> None:
         """Unpin the oldest sessions until `wanted` more pinned tokens fit under max_pinned_tokens."""
         if self.max_pinned_tokens is None:
             return
-        pinned = sum(s.pin.num_tokens for s in self._open.values() if _live(s.pin, scheduler))
         for session in self._open.values():
-            if pinned + wanted <= self.max_pinned_tokens:
+            if self._pinned(scheduler) + wanted <= self.max_pinned_tokens:
                 return
-            if _live(session.pin, scheduler):
-                pinned -= session.pin.num_tokens
-                scheduler.unpin(session.pin)
-                session.pin = None
+            self._unpin(scheduler, session)
 
 
 def _live(pin, scheduler) -> bool:
