@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_store import check_pool_dtype, from_pool_ref
+
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -35,7 +37,8 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def _decode_attention_stage1_kernel(
     Q, K, V, ReqToToken, Rows, SeqLens, MidO, MidLse, Out,
-    sm_scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    sm_scale_log2,  # softmax scale * k_scale * log2(e): the kernel works in base 2
+    v_scale,  # an FP8 pool's v scale (1.0 otherwise): the output is sum(p * v_pool) * v_scale
     stride_qb, stride_qh,
     stride_ob, stride_oh,
     stride_ks, stride_kh,
@@ -74,7 +77,7 @@ def _decode_attention_stage1_kernel(
         mask_n = offs_n < end
         slots = tl.load(rt_base + offs_n, mask=mask_n, other=0).to(tl.int64)  # [BLOCK_N]
         k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D]
+                    mask=mask_n[:, None], other=0.0).to(Q.dtype.element_ty)  # [BLOCK_N, D] (e4m3 -> q's: exact)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -82,12 +85,12 @@ def _decode_attention_stage1_kernel(
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D]
+                    mask=mask_n[:, None], other=0.0).to(Q.dtype.element_ty)  # [BLOCK_N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     if NUM_SPLITS == 1:  # the whole sequence: normalise and store the output (seq_len 0: zeros)
-        out = tl.where(l_i[:, None] > 0.0, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
+        out = tl.where(l_i[:, None] > 0.0, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale, 0.0)
         tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_h[:, None])
         return
@@ -95,7 +98,7 @@ def _decode_attention_stage1_kernel(
     if end > start:
         mid_o = (MidO + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh
                  + split * stride_mos + offs_d[None, :])
-        tl.store(mid_o, acc / l_i[:, None], mask=mask_h[:, None])
+        tl.store(mid_o, acc / l_i[:, None] * v_scale, mask=mask_h[:, None])
         tl.store(mid_lse, m_i + tl.math.log2(l_i), mask=mask_h)
     else:  # empty split (seq_len < num_kv_splits): stage 2 skips it
         tl.store(mid_lse, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mask_h)
@@ -132,8 +135,8 @@ def _check_pool(q, k_pool, v_pool, req_to_token, *others) -> tuple[int, int, int
     """The checks every attention over the pool shares: q, the pools and req_to_token (and `others`:
     the kernel's own index tensors) on one device -> (num_heads, num_kv_heads, head_dim)."""
     assert q.dtype in _DTYPES, f"q dtype {q.dtype} not in {_DTYPES}"
-    assert k_pool.dtype == q.dtype and v_pool.dtype == q.dtype, (
-        f"q/k/v dtypes differ: {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    assert k_pool.dtype == v_pool.dtype, f"k/v pool dtypes differ: {k_pool.dtype}, {v_pool.dtype}"
+    check_pool_dtype(k_pool, q.dtype, "k_pool")
     assert k_pool.dim() == 3 and v_pool.shape == k_pool.shape, (
         f"k_pool {tuple(k_pool.shape)} / v_pool {tuple(v_pool.shape)}: want [num_slots, num_kv_heads, head_dim]")
     head_dim = q.shape[-1]
@@ -169,11 +172,13 @@ def _decode_config(dtype, head_dim: int) -> tuple[int, int, int]:
 
 def decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: float,
                      num_kv_splits: int = 16, out: torch.Tensor | None = None,
-                     stage1_config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                     stage1_config: tuple[int, int, int] | None = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attention of one new token per request over its keys [0, seq_len) in the pool.
 
     q [B, H, D] (any strides with a contiguous last dim, e.g. a slice of qkv);
-    k_pool, v_pool [num_slots, KVH, D]; req_to_token [max_rows, max_len] int32;
+    k_pool, v_pool [num_slots, KVH, D] in q's dtype, or e4m3 with per-tensor k_scale / v_scale
+    (kernels/kv_store.py); req_to_token [max_rows, max_len] int32;
     rows [B] int32/int64: table row of each request; seq_lens [B] int32 (>= 1;
     0 gives zeros). Returns out [B, H, D] in q.dtype (written into `out` if given).
     `stage1_config` (BLOCK_N, num_warps, num_stages) overrides `_decode_config` (benchmark sweeps).
@@ -199,7 +204,7 @@ def decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: flo
 
     _decode_attention_stage1_kernel[(batch, num_kv_heads, num_kv_splits)](
         q, k_pool, v_pool, req_to_token, rows, seq_lens, mid_o, mid_lse, out,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
         k_pool.stride(0), k_pool.stride(1),
@@ -224,7 +229,8 @@ def decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: flo
     return out
 
 
-def decode_attention_ref(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: float) -> torch.Tensor:
+def decode_attention_ref(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: float,
+                         k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Plain torch, one request at a time, float32 math; same arguments and result as decode_attention."""
     num_heads, num_kv_heads = q.shape[1], k_pool.shape[1]
     group = num_heads // num_kv_heads
@@ -232,8 +238,8 @@ def decode_attention_ref(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale:
     for b in range(q.shape[0]):
         seq_len = int(seq_lens[b])
         slots = req_to_token[int(rows[b]), :seq_len].long()
-        k = k_pool[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
-        v = v_pool[slots].float().repeat_interleave(group, dim=1)
+        k = from_pool_ref(k_pool[slots], k_scale, torch.float32).repeat_interleave(group, dim=1)  # [L, H, D]
+        v = from_pool_ref(v_pool[slots], v_scale, torch.float32).repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale  # [H, L]
         out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype)
     return out
@@ -242,19 +248,20 @@ def decode_attention_ref(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale:
 def benchmark_decode_attention(batch: int = 64, context: int = 4096, num_heads: int = 16, num_kv_heads: int = 8,
                                head_dim: int = 128, dtype=torch.bfloat16, num_kv_splits: int = 16,
                                hbm_bytes_per_s: float | None = None,
-                               stage1_config: tuple[int, int, int] | None = None) -> dict:
+                               stage1_config: tuple[int, int, int] | None = None, kv_dtype=None) -> dict:
     """Time decode_attention on CUDA (triton.testing.do_bench, median) for one decode step.
 
     Every request has `context` keys in scattered slots (a random permutation of
-    the pool). GB/s counts the bytes that must move: K and V of every request
+    the pool); `kv_dtype` torch.float8_e4m3fn times an FP8 pool. GB/s counts the bytes that must move: K and V of every request
     once, q and out; `hbm_fraction` divides by `hbm_bytes_per_s` when given.
     """
     assert torch.cuda.is_available(), "benchmark_decode_attention needs a CUDA device"
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     num_slots = batch * context
-    k_pool = torch.randn((num_slots, num_kv_heads, head_dim), dtype=dtype, device=device, generator=gen)
-    v_pool = torch.randn((num_slots, num_kv_heads, head_dim), dtype=dtype, device=device, generator=gen)
+    kv_dtype = kv_dtype or dtype
+    k_pool = torch.randn((num_slots, num_kv_heads, head_dim), device=device, generator=gen).to(kv_dtype)
+    v_pool = torch.randn((num_slots, num_kv_heads, head_dim), device=device, generator=gen).to(kv_dtype)
     q = torch.randn((batch, num_heads, head_dim), dtype=dtype, device=device, generator=gen)
     req_to_token = torch.randperm(num_slots, device=device, generator=gen).to(torch.int32).view(batch, context)
     rows = torch.arange(batch, dtype=torch.int32, device=device)
@@ -269,11 +276,12 @@ def benchmark_decode_attention(batch: int = 64, context: int = 4096, num_heads: 
     step()
     seconds = triton.testing.do_bench(step, return_mode="median") * 1e-3
     elt = torch.empty((), dtype=dtype).element_size()
-    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * elt
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * k_pool.element_size()
     total = kv_bytes + 2 * batch * num_heads * head_dim * elt
     result = {
         "batch": batch, "context": context, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
         "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."), "num_kv_splits": num_kv_splits,
+        "kv_dtype": str(kv_dtype).removeprefix("torch."),
         "stage1_config": list(stage1_config or _decode_config(dtype, head_dim)),
         "time_us": seconds * 1e6, "bytes": total, "gb_per_s": total / seconds / 1e9,
     }

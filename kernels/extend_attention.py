@@ -21,13 +21,15 @@ import triton
 import triton.language as tl
 
 from .decode_attention import _LOG2E, _check_common
+from .kv_store import from_pool_ref
 
 
 @triton.jit
 def _extend_attention_block(acc, l_i, m_i, q, q_pos, k_base, v_base, rt_base, stride_ks, stride_vs,
                             lo, hi, kv_end, sm_scale_log2, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                             DOT_PRECISION: tl.constexpr):
-    """Online-softmax steps over key blocks [lo, hi). MASKED=False: every key is visible to every query."""
+    """Online-softmax steps over key blocks [lo, hi). MASKED=False: every key is visible to every query.
+    K/V rows are read as q's dtype (an e4m3 pool's exactly; its scales are applied by the caller)."""
     offs_d = tl.arange(0, D)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -38,6 +40,7 @@ def _extend_attention_block(acc, l_i, m_i, q, q_pos, k_base, v_base, rt_base, st
         else:
             slots = tl.load(rt_base + offs_n).to(tl.int64)
             k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :])  # [BLOCK_N, D]
+        k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
         if MASKED:
             visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
@@ -50,6 +53,7 @@ def _extend_attention_block(acc, l_i, m_i, q, q_pos, k_base, v_base, rt_base, st
             v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         else:
             v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :])  # [BLOCK_N, D]
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -58,7 +62,8 @@ def _extend_attention_block(acc, l_i, m_i, q, q_pos, k_base, v_base, rt_base, st
 @triton.jit
 def _extend_attention_kernel(
     Q, K, V, Out, ReqToToken, Rows, QStarts, PrefixLens, SeqLens,
-    sm_scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    sm_scale_log2,  # softmax scale * k_scale * log2(e): the kernel works in base 2
+    v_scale,  # an FP8 pool's v scale (1.0 otherwise)
     stride_qt, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -104,7 +109,7 @@ def _extend_attention_kernel(
     acc, l_i, m_i = _extend_attention_block(acc, l_i, m_i, q, q_pos, k_base, v_base, rt_base, stride_ks, stride_vs,
                                             full_end, kv_end, kv_end, sm_scale_log2, D, BLOCK_N, True, DOT_PRECISION)
 
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale
     tl.store(Out + tok[:, None] * stride_ot + h.to(tl.int64) * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=mask_m[:, None])
 
@@ -121,11 +126,13 @@ def _config(dtype, head_dim: int) -> tuple[int, int, int, int]:
 
 
 def extend_attention(q, k_pool, v_pool, req_to_token, rows, q_starts, prefix_lens, seq_lens, scale: float,
-                     max_q_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                     max_q_len: int, out: torch.Tensor | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of the new tokens of B requests over their prefix and themselves.
 
     q [T, H, D] (any strides with a contiguous last dim); k_pool, v_pool
-    [num_slots, KVH, D] with the new tokens' k/v already stored;
+    [num_slots, KVH, D] with the new tokens' k/v already stored (q's dtype, or e4m3 with per-tensor
+    k_scale / v_scale: kernels/kv_store.py);
     req_to_token [max_rows, max_len] int32; rows [B] int32/int64;
     q_starts [B+1] int32 (q_starts[0] = 0, q_starts[B] = T); prefix_lens and
     seq_lens [B] int32 with seq_lens = prefix_lens + q_len; max_q_len: a host
@@ -152,7 +159,7 @@ def extend_attention(q, k_pool, v_pool, req_to_token, rows, q_starts, prefix_len
     assert batch <= 65535, f"batch {batch} exceeds the grid limit 65535"
     _extend_attention_kernel[grid](
         q, k_pool, v_pool, out, req_to_token, rows, q_starts, prefix_lens, seq_lens,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1),
@@ -166,7 +173,7 @@ def extend_attention(q, k_pool, v_pool, req_to_token, rows, q_starts, prefix_len
 
 
 def extend_attention_ref(q, k_pool, v_pool, req_to_token, rows, q_starts, prefix_lens, seq_lens, scale: float,
-                         max_q_len: int, out=None) -> torch.Tensor:
+                         max_q_len: int, out=None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Plain torch, one request at a time, float32 math; same arguments and result as extend_attention."""
     num_heads, num_kv_heads = q.shape[1], k_pool.shape[1]
     group = num_heads // num_kv_heads
@@ -177,8 +184,8 @@ def extend_attention_ref(q, k_pool, v_pool, req_to_token, rows, q_starts, prefix
         assert seq_len == prefix + end - start, f"request {b}: seq_len {seq_len} != prefix {prefix} + q_len"
         assert end - start <= max_q_len, f"request {b}: q_len {end - start} > max_q_len {max_q_len}"
         slots = req_to_token[int(rows[b]), :seq_len].long()
-        k = k_pool[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
-        v = v_pool[slots].float().repeat_interleave(group, dim=1)
+        k = from_pool_ref(k_pool[slots], k_scale, torch.float32).repeat_interleave(group, dim=1)  # [L, H, D]
+        v = from_pool_ref(v_pool[slots], v_scale, torch.float32).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,lhd->hql", q[start:end].float(), k) * scale  # [H, Q, L]
         q_pos = prefix + torch.arange(end - start, device=q.device)
         visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Q, L]

@@ -1,23 +1,84 @@
-"""Write each token's k and v rows into the KV pools at its slot, one launch.
+"""Write each token's k and v rows into the KV pools at its slot, one launch; and the FP8 pool codec.
 
 k_pool/v_pool [S, KVH, D] (e.g. one layer of a [L, S, KVH, D] pool), slots [T]
 int64; k/v [T, KVH, D] may be strided views (e.g. of a fused qkv output).
 A negative slot skips the token (padding rows of a CUDA-graph batch).
 Duplicate slots in one call: one of the writes wins, as with index assignment.
+
+FP8 pools (`--kv-cache-dtype fp8`, issue 20): float8_e4m3fn with one float32 scale per tensor (per
+layer, k and v apart): pool = e4m3(clamp(x / scale, +-448)), x ~= pool * scale. The writers
+(store_kv, qk_norm_rope_store) quantize through `pool_value`; the attention kernels read a row as
+q's dtype (e4m3 -> bf16/fp32 is exact) and fold the scales into the softmax scale (k) and the
+output (v), so no element is multiplied.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+KV_FP8_DTYPE = torch.float8_e4m3fn
+KV_FP8_MAX = 448.0  # largest finite e4m3fn value
+POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, KV_FP8_DTYPE)
+
+
+def emulate_e4m3() -> bool:
+    """Under Triton's interpreter the float32 -> e4m3 conversion rounds wrongly (126.0 became 64.0);
+    values already on the e4m3 grid convert exactly, so the writers round in float32 first."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def round_to_e4m3_grid(x):
+    """x float32 in [-448, 448] -> the nearest e4m3 value (ties to even), still float32. Normal
+    e4m3 (|x| >= 2^-6) keeps 3 mantissa bits: round the float32 bits at bit 20. Subnormal e4m3 is a
+    multiple of 2^-9: adding and taking away 2^14 (whose float32 ulp is 2^-9) rounds to it."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    magnitude = tl.abs(x)
+    subnormal = (magnitude + 16384.0) - 16384.0
+    subnormal = tl.where(x < 0, -subnormal, subnormal)
+    return tl.where(magnitude < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def pool_value(x, inv_scale, POOL_FP8: tl.constexpr, EMULATE_E4M3: tl.constexpr):
+    """What a pool row holds for values x (any float dtype): x itself, or for an FP8 pool
+    clamp(x * inv_scale) ready for the e4m3 store (on the e4m3 grid already under the interpreter)."""
+    if POOL_FP8:
+        y = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)
+        if EMULATE_E4M3:
+            y = round_to_e4m3_grid(y)
+        return y
+    else:
+        return x
+
+
+def quantize_kv_ref(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x (any float dtype) -> e4m3 pool values for a per-tensor scale."""
+    return (x.float() * (1.0 / scale)).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE)
+
+
+def to_pool_ref(pool: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as `pool` stores it: quantized for an FP8 pool, cast otherwise."""
+    return quantize_kv_ref(x, scale) if pool.dtype == KV_FP8_DTYPE else x.to(pool.dtype)
+
+
+def from_pool_ref(rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Pool rows back in `dtype`: an FP8 pool's times its scale (in float32, then rounded)."""
+    if rows.dtype == KV_FP8_DTYPE:
+        return (rows.float() * scale).to(dtype)
+    return rows.to(dtype)
+
 
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr,
-    D, HD, sk0, sk1, sv0, sv1, skp0, skp1, svp0, svp1,
-    BLOCK: tl.constexpr,
+    D, HD, sk0, sk1, sv0, sv1, skp0, skp1, svp0, svp1, k_inv_scale, v_inv_scale,
+    BLOCK: tl.constexpr, POOL_FP8: tl.constexpr, EMULATE_E4M3: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
@@ -26,20 +87,27 @@ def _store_kv_kernel(
     mask = e < tl.where(slot >= 0, HD, 0)
     h = e // D
     d = e % D
-    k = tl.load(k_ptr + t * sk0 + h * sk1 + d, mask=mask)
-    v = tl.load(v_ptr + t * sv0 + h * sv1 + d, mask=mask)
-    tl.store(kp_ptr + slot * skp0 + h * skp1 + d, k, mask=mask)
-    tl.store(vp_ptr + slot * svp0 + h * svp1 + d, v, mask=mask)
+    k = pool_value(tl.load(k_ptr + t * sk0 + h * sk1 + d, mask=mask), k_inv_scale, POOL_FP8, EMULATE_E4M3)
+    v = pool_value(tl.load(v_ptr + t * sv0 + h * sv1 + d, mask=mask), v_inv_scale, POOL_FP8, EMULATE_E4M3)
+    tl.store(kp_ptr + slot * skp0 + h * skp1 + d, k.to(kp_ptr.dtype.element_ty), mask=mask)
+    tl.store(vp_ptr + slot * svp0 + h * svp1 + d, v.to(vp_ptr.dtype.element_ty), mask=mask)
+
+
+def check_pool_dtype(pool: torch.Tensor, dtype: torch.dtype, name: str = "pool") -> None:
+    """A pool holds `dtype` (the model's) or, in FP8, e4m3."""
+    assert pool.dtype in (dtype, KV_FP8_DTYPE), f"{name} has dtype {pool.dtype}, expected {dtype} or {KV_FP8_DTYPE}"
 
 
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
-    """k_pool[slots[t]] = k[t]; v_pool[slots[t]] = v[t] for every t with slots[t] >= 0 (in place).
+             k: torch.Tensor, v: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k_pool[slots[t]] = k[t]; v_pool[slots[t]] = v[t] for every t with slots[t] >= 0 (in place);
+    FP8 pools get the values quantized with their scales (the module docstring).
     Slots must be < S (not checked: no host sync)."""
     assert k.dim() == 3 and k.shape == v.shape, f"k/v must be [T, KVH, D] alike, got {tuple(k.shape)}, {tuple(v.shape)}"
     assert k_pool.dim() == 3 and k_pool.shape == v_pool.shape, "k_pool/v_pool must be [S, KVH, D] alike"
     assert k_pool.shape[1:] == k.shape[1:], f"pool rows {tuple(k_pool.shape[1:])} != k rows {tuple(k.shape[1:])}"
-    assert k.dtype == v.dtype == k_pool.dtype == v_pool.dtype, "k, v and the pools must share one dtype"
+    assert k.dtype == v.dtype and k_pool.dtype == v_pool.dtype, "k and v, and the two pools, must share a dtype"
+    check_pool_dtype(k_pool, k.dtype, "the pools")
     for name, x in (("k", k), ("v", v), ("k_pool", k_pool), ("v_pool", v_pool)):
         assert x.stride(2) == 1 or x.shape[2] == 1, f"{name} must be contiguous in head_dim"
     assert slots.shape == (k.shape[0],) and slots.dtype == torch.int64, "slots must be [T] int64"
@@ -53,13 +121,13 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
     _store_kv_kernel[(num_tokens, triton.cdiv(hd, block))](
         k, v, k_pool, v_pool, slots,
         head_dim, hd, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        BLOCK=block, num_warps=4,
+        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), 1.0 / k_scale, 1.0 / v_scale,
+        BLOCK=block, POOL_FP8=k_pool.dtype == KV_FP8_DTYPE, EMULATE_E4M3=emulate_e4m3(), num_warps=4,
     )
 
 
-def store_kv_ref(k_pool, v_pool, slots, k, v) -> None:
-    """Index assignment in plain torch (in place), skipping negative slots."""
+def store_kv_ref(k_pool, v_pool, slots, k, v, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Index assignment in plain torch (in place), skipping negative slots; FP8 pools quantized."""
     keep = slots >= 0
-    k_pool[slots[keep]] = k[keep]
-    v_pool[slots[keep]] = v[keep]
+    k_pool[slots[keep]] = to_pool_ref(k_pool, k[keep], k_scale)
+    v_pool[slots[keep]] = to_pool_ref(v_pool, v[keep], v_scale)

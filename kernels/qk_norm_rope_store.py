@@ -37,51 +37,19 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout_kernels.kv_store import store_kv, store_kv_ref
+from rollout_kernels.kv_store import KV_FP8_DTYPE, check_pool_dtype, emulate_e4m3, pool_value, store_kv, store_kv_ref
 from rollout_kernels.rmsnorm import rms_norm, rms_norm_ref
 from rollout_kernels.rotary import apply_rotary, apply_rotary_ref
 
 
 @triton.jit
-def _qk_norm_rope_store_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kp_ptr, vp_ptr, slot_ptr, qw_ptr, kw_ptr,
-    HQ, HK, D, R,
-    sq0, sq1, sk0, sk1, sv0, sv1, skp0, skp1, svp0, svp1, s_cs,
-    eps,
-    HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
-    nqb = tl.cdiv(HQ, BLOCK_H)
-    slot = tl.load(slot_ptr + t)
-    if hb < nqb:  # q heads: in place
-        src = q_ptr + t * sq0
-        s_src = sq1
-        dst = q_ptr + t * sq0
-        s_dst = sq1
-        w_ptr = qw_ptr
-        num_heads = HQ
-        h0 = hb * BLOCK_H
-        lim = D
-    else:  # k heads: into the pool row of the token's slot (none for a negative slot)
-        src = k_ptr + t * sk0
-        s_src = sk1
-        dst = kp_ptr + slot * skp0
-        s_dst = skp1
-        w_ptr = kw_ptr
-        num_heads = HK
-        h0 = (hb - nqb) * BLOCK_H
-        lim = tl.where(slot >= 0, D, 0)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)  # [BLOCK_D] a whole head
-    d = tl.arange(0, BLOCK_R)  # [BLOCK_R] one rotated half
-    dmask = d < HALF
-    cs_row = pos * s_cs
-    cos1 = tl.load(cos_ptr + cs_row + d, mask=dmask, other=0.0)
-    cos2 = tl.load(cos_ptr + cs_row + HALF + d, mask=dmask, other=0.0)
-    sin1 = tl.load(sin_ptr + cs_row + d, mask=dmask, other=0.0)
-    sin2 = tl.load(sin_ptr + cs_row + HALF + d, mask=dmask, other=0.0)
+def _norm_rope_heads(src, s_src, dst, s_dst, w_ptr, num_heads, h0, lim, D, R, eps, inv_scale,
+                     cols, d, dmask, cos1, cos2, sin1, sin2,
+                     HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                     IN_PLACE: tl.constexpr, POOL_FP8: tl.constexpr, EMULATE_E4M3: tl.constexpr):
+    """BLOCK_H heads from h0 of one token: normed (HAS_NORM), rotated, written to dst (row limit `lim`:
+    0 writes nothing). IN_PLACE: dst is src (q), whose pass-through dims are already there; otherwise
+    dst is a pool row, in src's dtype or e4m3 (POOL_FP8: kernels/kv_store.py's pool_value)."""
     if HAS_NORM:
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
         w1 = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
@@ -106,25 +74,61 @@ def _qk_norm_rope_store_kernel(
             y = ((xf * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype)
             # pass-through dims R..D: the normed values as they are
             pass_mask = (cols >= R) & (cols < store_lim)
-            tl.store(out + cols, y, mask=pass_mask)
+            tl.store(out + cols, pool_value(y, inv_scale, POOL_FP8, EMULATE_E4M3).to(dst.dtype.element_ty),
+                     mask=pass_mask)
             # the rotary kernel reads the normed values rounded to the dtype
             x1f = ((x1f * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
             x2f = ((x2f * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
         elif R < D:
-            x = tl.load(row + cols, mask=(cols >= R) & (cols < load_lim), other=0.0)
-            if hb >= nqb:  # q's pass-through dims are already in place
-                tl.store(out + cols, x, mask=(cols >= R) & (cols < store_lim))
-        o1 = x1f * cos1 - x2f * sin1
-        o2 = x2f * cos2 + x1f * sin2
+            if not IN_PLACE:  # q's pass-through dims are already in place
+                x = tl.load(row + cols, mask=(cols >= R) & (cols < load_lim), other=0.0)
+                tl.store(out + cols, pool_value(x, inv_scale, POOL_FP8, EMULATE_E4M3).to(dst.dtype.element_ty),
+                         mask=(cols >= R) & (cols < store_lim))
+        o1 = (x1f * cos1 - x2f * sin1).to(x1.dtype)
+        o2 = (x2f * cos2 + x1f * sin2).to(x1.dtype)
         rot_lim = tl.where(store_lim > 0, HALF, 0)
-        tl.store(out + d, o1.to(x1.dtype), mask=d < rot_lim)
-        tl.store(out + HALF + d, o2.to(x1.dtype), mask=d < rot_lim)
-    if hb >= nqb:  # v heads of the same block: copied as they are
-        for i in tl.static_range(BLOCK_H):
+        tl.store(out + d, pool_value(o1, inv_scale, POOL_FP8, EMULATE_E4M3).to(dst.dtype.element_ty), mask=d < rot_lim)
+        tl.store(out + HALF + d, pool_value(o2, inv_scale, POOL_FP8, EMULATE_E4M3).to(dst.dtype.element_ty),
+                 mask=d < rot_lim)
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kp_ptr, vp_ptr, slot_ptr, qw_ptr, kw_ptr,
+    HQ, HK, D, R,
+    sq0, sq1, sk0, sk1, sv0, sv1, skp0, skp1, svp0, svp1, s_cs,
+    eps, k_inv_scale, v_inv_scale,
+    HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, POOL_FP8: tl.constexpr, EMULATE_E4M3: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    nqb = tl.cdiv(HQ, BLOCK_H)
+    slot = tl.load(slot_ptr + t)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)  # [BLOCK_D] a whole head
+    d = tl.arange(0, BLOCK_R)  # [BLOCK_R] one rotated half
+    dmask = d < HALF
+    cs_row = pos * s_cs
+    cos1 = tl.load(cos_ptr + cs_row + d, mask=dmask, other=0.0)
+    cos2 = tl.load(cos_ptr + cs_row + HALF + d, mask=dmask, other=0.0)
+    sin1 = tl.load(sin_ptr + cs_row + d, mask=dmask, other=0.0)
+    sin2 = tl.load(sin_ptr + cs_row + HALF + d, mask=dmask, other=0.0)
+    if hb < nqb:  # q heads: in place
+        _norm_rope_heads(q_ptr + t * sq0, sq1, q_ptr + t * sq0, sq1, qw_ptr, HQ, hb * BLOCK_H, D, D, R, eps, 1.0,
+                         cols, d, dmask, cos1, cos2, sin1, sin2, HAS_NORM, HALF, BLOCK_H, True, False, False)
+    else:  # k heads: into the pool row of the token's slot (none for a negative slot)
+        h0 = (hb - nqb) * BLOCK_H
+        lim = tl.where(slot >= 0, D, 0)
+        _norm_rope_heads(k_ptr + t * sk0, sk1, kp_ptr + slot * skp0, skp1, kw_ptr, HK, h0, lim, D, R, eps,
+                         k_inv_scale, cols, d, dmask, cos1, cos2, sin1, sin2, HAS_NORM, HALF, BLOCK_H, False,
+                         POOL_FP8, EMULATE_E4M3)
+        for i in tl.static_range(BLOCK_H):  # v heads of the same block: copied as they are
             h = (h0 + i).to(tl.int64)
-            vl = tl.where(h < num_heads, lim, 0)
+            vl = tl.where(h < HK, lim, 0)
             vv = tl.load(v_ptr + t * sv0 + h * sv1 + cols, mask=cols < vl)
-            tl.store(vp_ptr + slot * svp0 + h * svp1 + cols, vv, mask=cols < vl)
+            tl.store(vp_ptr + slot * svp0 + h * svp1 + cols,
+                     pool_value(vv, v_inv_scale, POOL_FP8, EMULATE_E4M3).to(vp_ptr.dtype.element_ty), mask=cols < vl)
 
 
 def _check_heads(name, x, num_tokens, head_dim, dtype):
@@ -138,9 +142,9 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
                        cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                        slots: torch.Tensor, q_weight: torch.Tensor | None = None,
                        k_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                       block_h: int | None = None) -> torch.Tensor:
+                       block_h: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """IN PLACE: q = rope(norm_q(q)); k_pool[slots[t]] = rope(norm_k(k[t])), v_pool[slots[t]] = v[t]
-    for slots[t] >= 0. k and v are not modified. Without weights (both None) there is no norm.
+    for slots[t] >= 0 (e4m3 pools: quantized with k_scale / v_scale as kernels/kv_store.py says). k and v are not modified. Without weights (both None) there is no norm.
     Positions must lie in [0, max_pos) and slots below S (not checked: no host sync). Returns q."""
     assert q.dim() == 3, f"q must be [T, heads, head_dim], got {tuple(q.shape)}"
     num_tokens, num_heads, head_dim = q.shape
@@ -155,8 +159,8 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
         assert pool.dim() == 3 and tuple(pool.shape[1:]) == (num_kv_heads, head_dim), (
             f"{name} must be [S, {num_kv_heads}, {head_dim}], got {tuple(pool.shape)}")
         assert pool.stride(2) == 1 or head_dim == 1, f"{name} must be contiguous in head_dim"
-        assert pool.dtype == dtype, f"{name} has dtype {pool.dtype}, expected {dtype}"
-    assert k_pool.shape[0] == v_pool.shape[0], "k_pool and v_pool must have the same number of slots"
+        check_pool_dtype(pool, dtype, name)
+    assert k_pool.shape[0] == v_pool.shape[0] and k_pool.dtype == v_pool.dtype, "k_pool and v_pool must be alike"
     assert positions.shape == (num_tokens,) and positions.dtype == torch.int64, "positions must be [T] int64"
     assert slots.shape == (num_tokens,) and slots.dtype == torch.int64, "slots must be [T] int64"
     assert positions.stride(0) == 1 or num_tokens <= 1, "positions must be contiguous"
@@ -187,35 +191,38 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
         num_heads, num_kv_heads, head_dim, rotary_dim,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), cos.stride(0),
-        float(eps),
+        float(eps), 1.0 / k_scale, 1.0 / v_scale,
         HAS_NORM=has_norm, HALF=half, BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_R=triton.next_power_of_2(half),
+        POOL_FP8=k_pool.dtype == KV_FP8_DTYPE, EMULATE_E4M3=emulate_e4m3(),
         num_warps=4,  # as rms_norm for head_dim <= 2048: the same reduction order
     )
     return q
 
 
 def qk_norm_rope_store_ref(q, k, v, positions, cos, sin, k_pool, v_pool, slots,
-                           q_weight=None, k_weight=None, eps: float = 1e-6) -> torch.Tensor:
+                           q_weight=None, k_weight=None, eps: float = 1e-6, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """The chain in plain torch (q in place, pools in place): rms_norm_ref, apply_rotary_ref, store_kv_ref."""
     qn, kn = q, k
     if q_weight is not None:
         qn, kn = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     qr, kr = apply_rotary_ref(qn, kn, positions, cos, sin)
     q.copy_(qr)
-    store_kv_ref(k_pool, v_pool, slots, kr, v)
+    store_kv_ref(k_pool, v_pool, slots, kr, v, k_scale, v_scale)
     return q
 
 
 def qk_norm_rope_store_chain(q, k, v, positions, cos, sin, k_pool, v_pool, slots,
-                             q_weight=None, k_weight=None, eps: float = 1e-6) -> torch.Tensor:
+                             q_weight=None, k_weight=None, eps: float = 1e-6, k_scale: float = 1.0,
+                             v_scale: float = 1.0) -> torch.Tensor:
     """The unfused Triton chain this kernel replaces (what DecoderAttention launched before):
     rms_norm x2, apply_rotary, store_kv. q in place; k is left normed and rotated."""
     if q_weight is not None:
         rms_norm(q, q_weight, eps, out=q)
         rms_norm(k, k_weight, eps, out=k)
     apply_rotary(q, k, positions, cos, sin)
-    store_kv(k_pool, v_pool, slots, k, v)
+    store_kv(k_pool, v_pool, slots, k, v, k_scale, v_scale)
     return q
 
 

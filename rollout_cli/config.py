@@ -12,6 +12,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8_e4m3: vLLM's spelling of the same
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -64,6 +65,9 @@ class EngineConfig:
     quantization: str | None = None
     """fp8: linear layers in blockwise FP8 e4m3 (weights quantized at load and at every update,
     activations per token group inside the GEMM; models/fp8.py); None: the model's dtype."""
+    kv_cache_dtype: str = "auto"
+    """auto: the KV cache in the model's dtype; fp8 (or fp8_e4m3): e4m3 with a per-tensor scale of 1.0 per
+    layer for k and for v, twice the tokens in the same memory (kernels/kv_store.py)."""
     tensor_parallel_size: int = 1
     """Tensor parallel ranks (`rollout run --tp N`): processes started by torch.distributed.run, one per GPU."""
 
@@ -100,5 +104,12 @@ class EngineConfig:
                                    "model's dtype only (no batch-invariant FP8 GEMM yet); drop one of the two")
             if self.tensor_parallel_size > 1:
                 raise RolloutError("--quantization fp8 runs on one GPU for now (--tp 1); drop --tp or the quantization")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise RolloutError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype == "fp8_e4m3":  # one spelling in manifests, so --resume compares like with like
+            object.__setattr__(self, "kv_cache_dtype", "fp8")
+        if self.kv_cache_dtype != "auto" and self.deterministic:
+            raise RolloutError("--kv-cache-dtype fp8 with --deterministic: the trainer's forward keeps k/v in the "
+                               "model's dtype, so the two could not agree bit for bit; drop one of the two")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise RolloutError("--max-model-len must be at least 2")

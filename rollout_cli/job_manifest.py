@@ -40,6 +40,7 @@ def job_settings(engine: Engine, job: JobConfig, params: SamplingParams) -> dict
         "deterministic": engine.config.deterministic,
         # fp8 and bf16 weights are two policies: a resume in the other one would mix them
         "quantization": engine.config.quantization,
+        "kv_cache_dtype": engine.config.kv_cache_dtype,
         # multi-turn episodes: another environment or turn limit makes other rows
         "env": job.env and {"file": file_digest(Path(job.env)), "max_turns": job.max_turns},
     }

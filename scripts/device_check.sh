@@ -18,7 +18,10 @@
 # files compiled on the GPU, all their tests: bf16 invariance of the kernels, the scorer, Gated
 # DeltaNet decode = prefill, the deterministic engine with CUDA graphs, the trainer), det06 / det8 /
 # detmixed / detgrpo / detmoe30 (`rollout bench --deterministic`: the default and the on-policy mode
-# in one run, ABBA, on the b06 / b8 / mixed / grpo / moe30 workloads), fidelity (issue 19's table, both
+# in one run, ABBA, on the b06 / b8 / mixed / grpo / moe30 workloads), fp8b8 / fp8moe30 (issue 20: bf16 then
+# --quantization fp8 on the b8 / moe30 workloads), tail06 / turns06 (issue 21's targets: the GRPO workload
+# long-tailed with carry-over, 256 ten-turn episodes), fp8kvtests (FP8 KV cache kernels' GPU tests, decode
+# attention over an e4m3 pool against bf16), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
 # modes, HF bf16 teacher forcing), tunebi06 / tunebi8 (tune the batch-invariant matmul for the 0.6B / 8B
 # shapes, write kernels/configs/batch_invariant_matmul/ and tar it to $OUT/tunebi*.tar to commit; run before det06 /
 # det8 in the same call), fp8 (issue 20's FP8 kernels: their GPU tests, then scripts/bench_fp8_gemm.py). Logs and JSON go to $OUT.
@@ -85,6 +88,24 @@ for part in $PARTS; do
     fp8) timeout 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_blockwise.py tests/kernels/test_fused_moe_fp8.py 2>&1 \
                | tee "$OUT/gpu_fp8_tests.log" | grep -E "^FAILED|passed|failed" | tail -8
            timeout 400 python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.log" | tail -12 ;;
+    fp8b8) bench b8_bf16 200 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512
+           bench b8_fp8 200 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512 --quantization fp8 --profile ;;
+    fp8moe30) bench b30_bf16 200 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512
+           bench b30_fp8 200 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --quantization fp8 --profile ;;
+    fp8kvtests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kv_cache.py tests/kernels/test_kv_store.py \
+               tests/kernels/test_decode_attention.py tests/kernels/test_extend_attention.py tests/kernels/test_qk_norm_rope_store.py 2>&1 \
+               | tee "$OUT/gpu_fp8kv_tests.log" | grep -E "^FAILED|passed|failed" | tail -8
+           python3 -c "import torch; from rollout_kernels.decode_attention import benchmark_decode_attention as b
+for kv in (None, torch.float8_e4m3fn):
+    for batch, ctx in ((256, 1024), (256, 4096), (64, 8192)):
+        r = b(batch=batch, context=ctx, num_heads=32, num_kv_heads=8, kv_dtype=kv, num_kv_splits=1 if batch == 256 else 4, hbm_bytes_per_s=4.8e12)
+        print(r['kv_dtype'], batch, ctx, round(r['time_us'], 1), 'us', round(r['hbm_fraction'], 3))" 2>&1 | tee "$OUT/fp8kv_decode.log" ;;
+    fp8kv8) bench b8_long_bf16kv 280 --model $Q8 --num-prompts 256 --input-len 1024 --output-len 4096
+           bench b8_long_fp8kv 280 --model $Q8 --num-prompts 256 --input-len 1024 --output-len 4096 --kv-cache-dtype fp8 ;;
+    tail06) bench b06_grpo_tail 300 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 \
+               --long-tail 0.1 --carry-over 3 ;;
+    turns06) bench b06_turns 300 --model $Q06 --num-prompts 256 --input-len 512 --output-len 256 --turns 10 \
+               --observation-len 32 ;;
     fidelity) timeout 500 python3 scripts/fidelity_check.py --model $Q06 --random-weights /tmp/q06_random \
                --num-prompts 64 --n 4 --min-len 64 --max-len 512 --output-len 256 --modes default,deterministic --hf 2>&1 | tee "$OUT/fidelity.log" | tail -20 ;;
     control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;

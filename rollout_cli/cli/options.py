@@ -36,6 +36,7 @@ AttentionBackend = Annotated[str, typer.Option(help="torch, or triton (kernels +
 NoOverlapSchedule = Annotated[bool, typer.Option("--no-overlap-schedule", help="Plan each step after the previous one finished, instead of while it runs on the GPU.", rich_help_panel=ENGINE)]
 NoCudaGraphs = Annotated[bool, typer.Option("--no-cuda-graphs", help="Run decode steps eagerly instead of replaying CUDA graphs.", rich_help_panel=ENGINE)]
 Quantization = Annotated[Optional[str], typer.Option(help="fp8: linear layers in blockwise FP8 e4m3 (weights quantized at load and at every update, activations per token group; the LM head, embeddings, norms, routers and MoE experts stay in --dtype; see README).", rich_help_panel=ENGINE)]
+KvCacheDtype = Annotated[str, typer.Option(help="auto (the model's dtype) or fp8: the KV cache in e4m3, per-tensor scale 1.0; twice the tokens in the same memory (see README).", rich_help_panel=ENGINE)]
 Deterministic = Annotated[bool, typer.Option("--deterministic", help="On-policy mode: tokens and logprobs bit for bit the same whatever the batch, chunking or cache hits (batch-invariant Triton kernels on a GPU; on the CPU's torch path one forward per token, slow; see README).", rich_help_panel=ENGINE)]
 WeightVersion = Annotated[str, typer.Option(help="Weight version recorded on every trajectory.", rich_help_panel=ENGINE)]
 
@@ -62,6 +63,7 @@ ENGINE_OPTIONS = (
     ("no_overlap_schedule", NoOverlapSchedule, False),
     ("deterministic", Deterministic, False),
     ("quantization", Quantization, None),
+    ("kv_cache_dtype", KvCacheDtype, "auto"),
     ("weight_version", WeightVersion, "0"),
 )
 ENGINE_DEFAULTS = {name: default for name, _, default in ENGINE_OPTIONS}
@@ -97,7 +99,7 @@ def with_engine_options(exclude: tuple[str, ...] = ()):
 def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_running, kv_memory_fraction,
                   kv_cache_tokens, load_format, no_prefix_cache, attention_backend="auto", no_cuda_graphs=False,
                   weight_version="0", linear_state_memory_ratio=0.5, no_overlap_schedule=False, deterministic=False,
-                  quantization=None, revision=None, quiet=False):
+                  quantization=None, kv_cache_dtype="auto", revision=None, quiet=False):
     """The EngineConfig of the flags, a hub id already resolved to its snapshot directory (fetched
     here, before any spinner or replica starts; `quiet` silences the download bars)."""
     return resolve_engine_config(EngineConfig(
@@ -106,7 +108,7 @@ def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_
         kv_cache_tokens=kv_cache_tokens, load_format=load_format, enable_prefix_cache=not no_prefix_cache,
         attention_backend=attention_backend, cuda_graphs=not no_cuda_graphs, weight_version=weight_version,
         linear_state_memory_ratio=linear_state_memory_ratio, overlap_schedule=not no_overlap_schedule,
-        deterministic=deterministic, quantization=quantization,
+        deterministic=deterministic, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
     ), quiet=quiet)
 
 

@@ -14,9 +14,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rollout_kernels.kv_store import KV_FP8_DTYPE, from_pool_ref, to_pool_ref
+
 
 class KVCache:
-    """k and v pools: [num_layers, num_slots, num_kv_heads, head_dim] each."""
+    """k and v pools: [num_layers, num_slots, num_kv_heads, head_dim] each, in the model's dtype or in
+    e4m3 (--kv-cache-dtype fp8) with one scale per layer for k and one for v: a pool row holds
+    k / k_scale rounded to e4m3 (kernels/kv_store.py). The scales are 1.0, as vLLM's and SGLang's
+    without calibrated scales: k after RMSNorm and RoPE and v sit well inside e4m3's +-448."""
 
     storage_names = ("k", "v")  # the cache-memory tensors a memory release frees (engine.memory_saver)
 
@@ -26,6 +31,26 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
         self.bytes_per_token_of_pool = 2 * self.k[:, 0].numel() * self.k.element_size()
+        self.k_scales = [1.0] * num_layers  # host floats: the kernels take them as arguments (CUDA graphs too)
+        self.v_scales = [1.0] * num_layers
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.k.dtype == KV_FP8_DTYPE
+
+    def scales(self, layer_idx: int) -> dict:
+        """The k_scale / v_scale keywords of the kernels that read or write this layer's pools."""
+        return {"k_scale": self.k_scales[layer_idx], "v_scale": self.v_scales[layer_idx]}
+
+    def write(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Plain torch: k/v [T, kv_heads, d] into slots [T] long (quantized for an e4m3 pool)."""
+        self.k[layer_idx][slots] = to_pool_ref(self.k, k, self.k_scales[layer_idx])
+        self.v[layer_idx][slots] = to_pool_ref(self.v, v, self.v_scales[layer_idx])
+
+    def read(self, layer_idx: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain torch: the k and v rows of slots (any shape S) -> [*S, kv_heads, d] each in dtype."""
+        return (from_pool_ref(self.k[layer_idx][slots], self.k_scales[layer_idx], dtype),
+                from_pool_ref(self.v[layer_idx][slots], self.v_scales[layer_idx], dtype))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
@@ -53,14 +78,12 @@ class TorchAttentionBatch:
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]."""
-        k_pool, v_pool = self.kv.k[layer_idx], self.kv.v[layer_idx]
-        k_pool[self.store_slots] = k.to(k_pool.dtype)
-        v_pool[self.store_slots] = v.to(v_pool.dtype)
+        self.kv.write(layer_idx, self.store_slots, k, v)
         out = torch.empty_like(q)
         for g in self.groups:
             query = q[g.token_index].transpose(1, 2)  # [B, heads, Q, d]
-            keys = k_pool[g.context_slots].transpose(1, 2)  # [B, kv_heads, C, d]
-            values = v_pool[g.context_slots].transpose(1, 2)
+            keys, values = self.kv.read(layer_idx, g.context_slots, q.dtype)  # [B, C, kv_heads, d] each
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, kv_heads, C, d]
             attended = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=g.mask, scale=self.scale, enable_gqa=True
             )  # [B, heads, Q, d]

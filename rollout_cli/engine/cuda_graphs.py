@@ -126,8 +126,8 @@ class DecodeGraphs:
             with torch.cuda.stream(side):  # compiles the kernels, initialises cuBLAS, settles the allocator
                 for batch in self.buckets:
                     self._forward(batch)
-                warm_decode_splits(self.kv, self.req_to_token, self.pad_row, self.scale, self.kv.k.dtype,
-                                   _attention_heads(self.model))  # eager mixed steps use split counts no bucket has
+                warm_decode_splits(self.kv, self.req_to_token, self.pad_row, self.scale,
+                                   self.model.model.embed_tokens.weight.dtype, _attention_heads(self.model))  # eager mixed steps use split counts no bucket has
             torch.cuda.current_stream().wait_stream(side)
         pool = None
         for batch in reversed(self.buckets):  # largest first so smaller graphs reuse its pool

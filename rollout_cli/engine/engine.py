@@ -14,6 +14,7 @@ from typing import Any
 
 from rollout_cli.config import EngineConfig
 from rollout_cli.engine.attention import KVCache
+from rollout_kernels.kv_store import KV_FP8_DTYPE
 from rollout_cli.engine.cache_split import hybrid_pool_sizes
 from rollout_cli.engine.control import EngineControl, RankOperations, SingleRank
 from rollout_cli.engine.kv_sizing import kv_heads_here, kv_pool_tokens, profile_activation_bytes, run_largest_step
@@ -55,6 +56,7 @@ class Engine:
             self.config = cfg = _as_fp8_checkpoint(cfg)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.kv_dtype = self.dtype if cfg.kv_cache_dtype == "auto" else KV_FP8_DTYPE  # the KV pool's elements
         self.max_model_len = resolve_max_model_len(self.hf_config, cfg.max_model_len)
         self.attention_backend = resolve_attention_backend(cfg.attention_backend, self.device, cfg.deterministic,
                                                            cfg.tensor_parallel_size)
@@ -96,7 +98,7 @@ class Engine:
         num_layers = getattr(self.model, "num_kv_layers", hf.num_hidden_layers)
         num_kv_heads, head_dim = kv_heads_here(self.model, hf, self.tp), head_dim_of(hf)
         state_shape = getattr(self.model, "linear_state_shape", None)
-        bytes_per_token = KVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, self.dtype)
+        bytes_per_token = KVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, self.kv_dtype)
         activation = 0
         if self.device.type == "cuda" and cfg.kv_cache_tokens is None:
             activation = profile_activation_bytes(lambda: run_largest_step(self), self.device)
@@ -117,7 +119,7 @@ class Engine:
         with self.memory.region("kv_cache"):  # the linear-attention states are cache memory too
             if state_shape is not None:
                 self.linear_states = LinearStatePool(state_shape, state_slots, self.device)
-            self.kv = KVCache(num_layers, num_slots, num_kv_heads, head_dim, self.dtype, self.device)
+            self.kv = KVCache(num_layers, num_slots, num_kv_heads, head_dim, self.kv_dtype, self.device)
         runner_class = ModelRunner if self.tp is None else TensorParallelRunner
         self.runner = runner_class(self.model, self.kv, cfg.max_running, self.max_model_len, self.device,
                                   self.attention_backend, self.linear_states, deterministic=cfg.deterministic)

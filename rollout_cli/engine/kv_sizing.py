@@ -30,7 +30,7 @@ def run_largest_step(engine) -> None:
     hf = engine.hf_config
     tokens = min(engine.config.max_batch_tokens, engine.max_model_len)
     num_layers = getattr(engine.model, "num_kv_layers", hf.num_hidden_layers)
-    kv = KVCache(num_layers, tokens + 1, kv_heads_here(engine.model, hf, engine.tp), head_dim_of(hf), engine.dtype,
+    kv = KVCache(num_layers, tokens + 1, kv_heads_here(engine.model, hf, engine.tp), head_dim_of(hf), engine.kv_dtype,
                  engine.device)
     state_shape = getattr(engine.model, "linear_state_shape", None)
     states = LinearStatePool(state_shape, 2, engine.device) if state_shape is not None else None

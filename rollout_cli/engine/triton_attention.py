@@ -50,7 +50,8 @@ def warm_decode_splits(kv: KVCache, req_to_token: torch.Tensor, pad_row: int, sc
     rows = torch.full((1,), pad_row, dtype=torch.int64, device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     for splits in DECODE_SPLIT_COUNTS:
-        decode_attention(q, kv.k[0], kv.v[0], req_to_token, rows, seq_lens, scale, num_kv_splits=splits)
+        decode_attention(q, kv.k[0], kv.v[0], req_to_token, rows, seq_lens, scale, num_kv_splits=splits,
+                         **kv.scales(0))
 
 
 @dataclass
@@ -78,7 +79,7 @@ class _PoolAttention:
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]."""
         k_pool, v_pool = self.kv.k[layer_idx], self.kv.v[layer_idx]
-        store_kv(k_pool, v_pool, self.store_slots, k, v)
+        store_kv(k_pool, v_pool, self.store_slots, k, v, **self.kv.scales(layer_idx))
         return self._attend(layer_idx, q)
 
     def forward_prologue_fused(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -89,7 +90,8 @@ class _PoolAttention:
         when both are None) nor rotated (positions [T], float32 cos/sin [max_pos, rotary_dim]): one
         kernel norms and rotates q in place and writes the normed, rotated k and v into the pool."""
         k_pool, v_pool = self.kv.k[layer_idx], self.kv.v[layer_idx]
-        qk_norm_rope_store(q, k, v, positions, cos, sin, k_pool, v_pool, self.store_slots, q_weight, k_weight, eps)
+        qk_norm_rope_store(q, k, v, positions, cos, sin, k_pool, v_pool, self.store_slots, q_weight, k_weight, eps,
+                           **self.kv.scales(layer_idx))
         return self._attend(layer_idx, q)
 
     def _attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
@@ -114,14 +116,14 @@ class TritonAttentionBatch(_PoolAttention):
         """q [T, heads, d] over the pool, this step's k/v already in it -> [T, heads, d]."""
         k_pool, v_pool = self.kv.k[layer_idx], self.kv.v[layer_idx]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        nd = self.num_decode
+        nd, scales = self.num_decode, self.kv.scales(layer_idx)
         if nd:
             decode_attention(q[:nd], k_pool, v_pool, self.req_to_token, self.decode_rows, self.decode_seq_lens,
-                             self.scale, num_kv_splits=self.num_kv_splits, out=out[:nd])
+                             self.scale, num_kv_splits=self.num_kv_splits, out=out[:nd], **scales)
         if self.extend is not None:
             e = self.extend
             extend_attention(q[nd:], k_pool, v_pool, self.req_to_token, e.rows, e.q_starts, e.prefix_lens,
-                             e.seq_lens, self.scale, e.max_q_len, out=out[nd:])
+                             e.seq_lens, self.scale, e.max_q_len, out=out[nd:], **scales)
         return out
 
 

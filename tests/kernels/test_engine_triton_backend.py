@@ -51,3 +51,17 @@ def test_qwen3_fused_qk_norm_rope_store(tiny_checkpoints, monkeypatch):
                                         max_batch_tokens=16)
     assert_same_samples(runs)
     assert calls["fused"] > 0 and calls["store_kv"] == 0
+
+
+@interpreter_only
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"], ids=["store_kv", "fused_prologue"])
+def test_fp8_kv_cache_on_both_backends(tiny_checkpoints, arch):
+    """--kv-cache-dtype fp8: the Triton writers quantize as the torch path does and the decode and
+    extend kernels read the e4m3 pool as it does: same greedy tokens, logprobs to 1e-4."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(3, 30))] for _ in range(3)]
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=5)
+    runs, engine = generate_on_both_backends(tiny_checkpoints[arch], prompts, params, max_model_len=64,
+                                             max_batch_tokens=16, kv_cache_dtype="fp8")
+    assert engine.kv.is_fp8
+    assert_same_samples(runs)
