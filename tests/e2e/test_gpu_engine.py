@@ -111,3 +111,22 @@ def test_overlapped_steps_drop_the_samples_that_stopped(tiny_checkpoints):
     for (tokens, logprobs, reason), (want_tokens, want_logprobs, want_reason) in zip(overlapped, sequential, strict=True):
         assert (tokens, reason) == (want_tokens, want_reason)
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fp8_kv_cache_graphs_replay_the_eager_steps_and_match_the_torch_path(tiny_checkpoints, dtype):
+    """--kv-cache-dtype fp8 on the GPU: CUDA graphs (which bake the scales in) replay the eager steps
+    bit for bit, and in float32 the Triton kernels give the torch path's greedy tokens."""
+    model_dir = tiny_checkpoints["qwen3"]
+    params = SamplingParams(n=1, temperature=1.0, seed=5, max_new_tokens=24, ignore_eos=True)
+    outputs = []
+    for backend, graphs in (("triton", True), ("triton", False), ("torch", False)):
+        engine = _engine(model_dir, dtype=dtype, attention_backend=backend, cuda_graphs=graphs, kv_cache_dtype="fp8")
+        assert engine.kv.is_fp8
+        prompts = _prompts(engine.hf_config.vocab_size, 8, seed=2)
+        outputs.append([(r.response_token_ids, r.response_logprobs) for r in engine.generate(prompts, params)])
+    assert outputs[0] == outputs[1]
+    if dtype == "float32":
+        for (tokens, logprobs), (want, want_logprobs) in zip(outputs[1], outputs[2], strict=True):
+            assert tokens == want
+            assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-3
