@@ -285,6 +285,8 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
         "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))],
         "prefix_hit_rate": (stats.cached_prompt_tokens - stats_before.cached_prompt_tokens) / max(prompt_tokens, 1),
         "preemptions": stats.preemptions - stats_before.preemptions,
+        "kv_cache_tokens": engine.kv.num_slots - 1,  # slot 0 is padding
+        "kv_cache_dtype": str(engine.kv.k.dtype).removeprefix("torch."),
         "peak_memory_gib": torch.cuda.max_memory_allocated(engine.device) / (1 << 30)
         if engine.device.type == "cuda" else None,
         # share of a graph-replayed decode step's wall time (schedule -> postprocess) the GPU sat idle

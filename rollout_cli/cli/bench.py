@@ -269,6 +269,7 @@ def _table(report: dict) -> Table:
     if r["cuda_graph_capture_s"] is not None:
         table.add_row("CUDA graph capture", f"{r['cuda_graph_capture_s']:.1f} s")
     table.add_row("preemptions", str(r["preemptions"]))
+    table.add_row("KV cache", f"{r['kv_cache_tokens']:,} tokens ({r['kv_cache_dtype']})")
     if r["peak_memory_gib"] is not None:
         table.add_row("peak memory", f"{r['peak_memory_gib']:.1f} GiB")
     if bw.get("limit_output_tokens_per_s"):

@@ -51,6 +51,23 @@ def test_mixed_lengths_follow_their_ranges(tmp_path):
     assert rollout["requests"] == 8 and 8 * 3 <= rollout["output_tokens"] <= 8 * 11
 
 
+def test_fp8_kv_cache_bench_reports_the_pool_it_ran_on(tmp_path):
+    """--kv-cache-dtype fp8: the report names the pool's dtype and size (the e4m3 pool of the same
+    --kv-cache-tokens takes a quarter of float32's bytes, the bandwidth limit counts them)."""
+    reports = {}
+    for kv in ("auto", "fp8"):
+        report_path = tmp_path / f"{kv}.json"
+        result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 4, "--input-len", 8, "--output-len", 5,
+                        "--kv-cache-dtype", kv, "--kv-cache-tokens", 200, "--max-model-len", 64,
+                        "--json", report_path)
+        assert result.returncode == 0, result.stderr
+        reports[kv] = json.loads(report_path.read_text())
+        assert "KV cache" in result.stdout and "199 tokens" in result.stdout
+    assert reports["fp8"]["rollout"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert reports["auto"]["rollout"]["kv_cache_dtype"] == "float32"
+    assert reports["auto"]["bandwidth"]["kv_bytes_per_token"] == 4 * reports["fp8"]["bandwidth"]["kv_bytes_per_token"]
+
+
 def test_turns_run_episodes_whose_later_turns_prefill_only_new_tokens(tmp_path):
     """--turns: multi-turn episodes with a synthetic environment; each later turn prefills only the
     environment's tokens and the previous turn's last token (the conversation stays pinned)."""
