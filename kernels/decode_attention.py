@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_store import check_pool_dtype, from_pool_ref
+from .kv_fp8_ref import check_pool_dtype, from_pool_ref
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .decode_attention import _LOG2E, _check_common
-from .kv_store import from_pool_ref
+from .kv_fp8_ref import from_pool_ref
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Write each token's k and v rows into the KV pools at its slot, one launch; and the FP8 pool codec.
+"""Write each token's k and v rows into the KV pools at its slot, one launch; the FP8 pool's writers.
 
 k_pool/v_pool [S, KVH, D] (e.g. one layer of a [L, S, KVH, D] pool), slots [T]
 int64; k/v [T, KVH, D] may be strided views (e.g. of a fused qkv output).
@@ -6,7 +6,8 @@ A negative slot skips the token (padding rows of a CUDA-graph batch).
 Duplicate slots in one call: one of the writes wins, as with index assignment.
 
 FP8 pools (`--kv-cache-dtype fp8`, issue 20): float8_e4m3fn with one float32 scale per tensor (per
-layer, k and v apart): pool = e4m3(clamp(x / scale, +-448)), x ~= pool * scale. The writers
+layer, k and v apart): pool = e4m3(clamp(x / scale, +-448)), x ~= pool * scale (the torch codec and
+references: kv_fp8_ref.py). The writers
 (store_kv, qk_norm_rope_store) quantize through `pool_value`; the attention kernels read a row as
 q's dtype (e4m3 -> bf16/fp32 is exact) and fold the scales into the softmax scale (k) and the
 output (v), so no element is multiplied.
@@ -20,9 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-KV_FP8_DTYPE = torch.float8_e4m3fn
-KV_FP8_MAX = 448.0  # largest finite e4m3fn value
-POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, KV_FP8_DTYPE)
+from rollout_kernels.kv_fp8_ref import KV_FP8_DTYPE, check_pool_dtype, to_pool_ref
 
 
 def emulate_e4m3() -> bool:
@@ -57,23 +56,6 @@ def pool_value(x, inv_scale, POOL_FP8: tl.constexpr, EMULATE_E4M3: tl.constexpr)
         return x
 
 
-def quantize_kv_ref(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x (any float dtype) -> e4m3 pool values for a per-tensor scale."""
-    return (x.float() * (1.0 / scale)).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE)
-
-
-def to_pool_ref(pool: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x as `pool` stores it: quantized for an FP8 pool, cast otherwise."""
-    return quantize_kv_ref(x, scale) if pool.dtype == KV_FP8_DTYPE else x.to(pool.dtype)
-
-
-def from_pool_ref(rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Pool rows back in `dtype`: an FP8 pool's times its scale (in float32, then rounded)."""
-    if rows.dtype == KV_FP8_DTYPE:
-        return (rows.float() * scale).to(dtype)
-    return rows.to(dtype)
-
-
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr,
@@ -91,11 +73,6 @@ def _store_kv_kernel(
     v = pool_value(tl.load(v_ptr + t * sv0 + h * sv1 + d, mask=mask), v_inv_scale, POOL_FP8, EMULATE_E4M3)
     tl.store(kp_ptr + slot * skp0 + h * skp1 + d, k.to(kp_ptr.dtype.element_ty), mask=mask)
     tl.store(vp_ptr + slot * svp0 + h * svp1 + d, v.to(vp_ptr.dtype.element_ty), mask=mask)
-
-
-def check_pool_dtype(pool: torch.Tensor, dtype: torch.dtype, name: str = "pool") -> None:
-    """A pool holds `dtype` (the model's) or, in FP8, e4m3."""
-    assert pool.dtype in (dtype, KV_FP8_DTYPE), f"{name} has dtype {pool.dtype}, expected {dtype} or {KV_FP8_DTYPE}"
 
 
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,

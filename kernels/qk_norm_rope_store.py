@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout_kernels.kv_store import KV_FP8_DTYPE, check_pool_dtype, emulate_e4m3, pool_value, store_kv, store_kv_ref
+from rollout_kernels.kv_fp8_ref import KV_FP8_DTYPE, check_pool_dtype
+from rollout_kernels.kv_store import emulate_e4m3, pool_value, store_kv, store_kv_ref
 from rollout_kernels.rmsnorm import rms_norm, rms_norm_ref
 from rollout_kernels.rotary import apply_rotary, apply_rotary_ref
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rollout_kernels.kv_store import KV_FP8_DTYPE, from_pool_ref, to_pool_ref
+from rollout_kernels.kv_fp8_ref import KV_FP8_DTYPE, from_pool_ref, to_pool_ref
 
 
 class KVCache:

@@ -14,7 +14,6 @@ from typing import Any
 
 from rollout_cli.config import EngineConfig
 from rollout_cli.engine.attention import KVCache
-from rollout_kernels.kv_store import KV_FP8_DTYPE
 from rollout_cli.engine.cache_split import hybrid_pool_sizes
 from rollout_cli.engine.control import EngineControl, RankOperations, SingleRank
 from rollout_cli.engine.kv_sizing import kv_heads_here, kv_pool_tokens, profile_activation_bytes, run_largest_step
@@ -37,6 +36,7 @@ from rollout_cli.models.fp8 import checkpoint_is_fp8
 from rollout_cli.models.hub import resolve_engine_config, resolve_model
 from rollout_cli.models.layers import enable_batch_invariant_kernels, enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
+from rollout_kernels.kv_fp8_ref import KV_FP8_DTYPE
 
 
 class Engine:

@@ -18,7 +18,7 @@ from conftest import HFReference
 from parity import assert_matches_hf, make_engine, prompts_of
 from rollout_cli import Engine, SamplingParams
 from rollout_cli.errors import RolloutError
-from rollout_kernels.kv_store import KV_FP8_DTYPE, KV_FP8_MAX
+from rollout_kernels.kv_fp8_ref import KV_FP8_DTYPE, KV_FP8_MAX
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = prompts_of([5, 17, 9], seed=33)
@@ -136,3 +136,22 @@ def test_cli_run_records_the_cache_dtype_and_resume_refuses_another(tmp_path):
     bad = _rollout(*common[:-4], "--out", str(tmp_path / "other"), "--kv-cache-dtype", "fp4", cwd=REPO)
     assert bad.returncode != 0 and "unknown --kv-cache-dtype 'fp4'" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "other" / "manifest.json").exists()
+
+
+def test_cpu_install_without_triton_runs_the_fp8_kv_cache(tmp_path):
+    """triton is a test extra (CPU torch wheels lack it): the torch path, fp8 pools included, must not
+    import it. Run with the import blocked, in a fresh interpreter."""
+    script = tmp_path / "no_triton.py"
+    script.write_text(
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'triton' or name.startswith('triton.'):\n"
+        "            raise ImportError('triton is not installed here')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from rollout_cli import Engine, SamplingParams\n"
+        f"engine = Engine({str(REPO / 'recipes/example_model')!r}, kv_cache_dtype='fp8', max_model_len=64, max_running=2)\n"
+        "print(len(engine.generate(['hi'], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].response_token_ids))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "3"

@@ -17,7 +17,8 @@ import torch
 from slot_pool import make_slot_pool
 from rollout_kernels.decode_attention import decode_attention, decode_attention_ref
 from rollout_kernels.extend_attention import extend_attention, extend_attention_ref
-from rollout_kernels.kv_store import KV_FP8_DTYPE, from_pool_ref, store_kv, store_kv_ref
+from rollout_kernels.kv_fp8_ref import KV_FP8_DTYPE, from_pool_ref
+from rollout_kernels.kv_store import store_kv, store_kv_ref
 from rollout_kernels.qk_norm_rope_store import qk_norm_rope_store, qk_norm_rope_store_chain, qk_norm_rope_store_ref
 
 CUDA = torch.cuda.is_available()
