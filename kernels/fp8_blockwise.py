@@ -14,7 +14,8 @@ scale[n // BN, kb]: each K block's e4m3 products are summed exactly enough on th
 On Hopper the e4m3 dot runs at twice the bf16 rate (`tl.dot` on float8e4nv operands).
 
 Each kernel has its torch reference beside it (`*_ref`), computing the same quantities in float32;
-the CPU and any device without the Triton path run the references (`fp8_linear` picks).
+the CPU and any device without the Triton path run the references (`fp8_linear` picks). The weights'
+quantization and the references are plain torch, in fp8_blockwise_ref.py.
 """
 
 from __future__ import annotations
@@ -25,40 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
-BLOCK = 128  # the hub's weight_block_size [128, 128]
-_MIN_AMAX = 1e-12  # an all-zero block gets a tiny scale instead of a division by zero
-
-
-# ---- weights (once per load or update: plain torch, vectorized, runs on any device) -------------
-
-def _pad_to_blocks(w: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
-    n, k = w.shape
-    pad_n, pad_k = -n % block_n, -k % block_k
-    return torch.nn.functional.pad(w, (0, pad_k, 0, pad_n)) if pad_n or pad_k else w
-
-
-def quantize_weight_blockwise(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] (any float dtype) -> (W_q [N, K] float8_e4m3fn, scale [ceil(N/BN), ceil(K/BK)] float32)."""
-    assert w.dim() == 2, f"a weight is [N, K], got {tuple(w.shape)}"
-    block_n, block_k = block
-    n, k = w.shape
-    padded = _pad_to_blocks(w.float(), block_n, block_k)
-    blocks = padded.view(padded.shape[0] // block_n, block_n, padded.shape[1] // block_k, block_k)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=_MIN_AMAX) / FP8_MAX  # [NB, KB]
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(padded.shape)[:n, :k].contiguous(), scale
-
-
-def dequantize_weight_blockwise(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)
-                                ) -> torch.Tensor:
-    """The float32 weight W_q * scale, [N, K]."""
-    n, k = q.shape
-    expanded = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
-    return q.float() * expanded
-
+from rollout_kernels.fp8_blockwise_ref import (BLOCK, FP8_DTYPE, FP8_MAX, _MIN_AMAX, fp8_blockwise_matmul_ref,
+                                               quantize_activation_ref)
 
 # ---- activations ------------------------------------------------------------------------------
 
@@ -91,15 +60,6 @@ def quantize_activation(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tens
             x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
             GROUP=group, FP8_MAX_C=FP8_MAX, MIN_AMAX=_MIN_AMAX, num_warps=1 if group <= 128 else 4)
     return (q.to(FP8_DTYPE) if interpreted else q), scale
-
-
-def quantize_activation_ref(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_activation in torch: the same amax rule per token and channel group."""
-    m, k = x.shape
-    padded = torch.nn.functional.pad(x.float(), (0, -k % group)).view(m, -1, group)
-    scale = padded.abs().amax(dim=2).clamp(min=_MIN_AMAX) / FP8_MAX  # [M, KB]
-    q = (padded / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(m, -1)[:, :k].contiguous(), scale
 
 
 # ---- the GEMM ---------------------------------------------------------------------------------
@@ -160,24 +120,6 @@ def fp8_blockwise_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Te
         HAS_BIAS=bias is not None, SCALE_BLOCK_N=scale_n,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=scale_k, num_warps=num_warps, num_stages=num_stages)
     return y
-
-
-def fp8_blockwise_matmul_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                             out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                             block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
-    """The kernel's sum in torch: per K block, the float32 dot of the e4m3 values times both scales,
-    blocks added in K order, bias added, one rounding to out_dtype."""
-    m, k = x_q.shape
-    n = w_q.shape[0]
-    scale_n, scale_k = block
-    w_scale_rows = w_scale.repeat_interleave(scale_n, 0)[:n]  # [N, KB]
-    acc = torch.zeros((m, n), dtype=torch.float32, device=x_q.device)
-    for kb in range(triton.cdiv(k, scale_k)):
-        ks = slice(kb * scale_k, min(k, (kb + 1) * scale_k))
-        acc += (x_q[:, ks].float() @ w_q[:, ks].float().t()) * x_scale[:, kb, None] * w_scale_rows[None, :, kb]
-    if bias is not None:
-        acc += bias.float()
-    return acc.to(out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,

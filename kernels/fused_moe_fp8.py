@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout_kernels.fp8_blockwise import (BLOCK, FP8_DTYPE, fp8_blockwise_matmul_ref, quantize_activation,
-                                           quantize_activation_ref)
+from rollout_kernels.fp8_blockwise import quantize_activation
+from rollout_kernels.fp8_blockwise_ref import BLOCK, FP8_DTYPE, fp8_blockwise_matmul_ref, quantize_activation_ref
 from rollout_kernels.fused_moe import block_slots, expert_tile, moe_sum, moe_sum_ref, store_tile, tile_columns
 from rollout_kernels.moe_align import moe_align_block_size
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rollout_cli.errors import RolloutError
+
 if TYPE_CHECKING:
     from rollout_cli.models.hub import HubSource
 
@@ -72,8 +74,6 @@ class EngineConfig:
     """Tensor parallel ranks (`rollout run --tp N`): processes started by torch.distributed.run, one per GPU."""
 
     def __post_init__(self) -> None:
-        from rollout_cli.errors import RolloutError
-
         if self.dtype not in DTYPES:
             raise RolloutError(f"unknown --dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if not (self.device in DEVICES or self.device.startswith("cuda:")):

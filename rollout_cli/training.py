@@ -200,7 +200,7 @@ class Policy:
         row_settings = self._settings(len(targets), settings)  # temperature, raw, top_k, top_p, min_p
         with torch.no_grad():
             exact = self._invariant_forward(ids, positions, rows)  # [R, V] logits, the engine's bits
-            from rollout_kernels.sampling_score import score_tokens
+            from rollout_kernels.sampling_score import score_tokens  # Triton: optional on the CPU
 
             temperature, raw, top_k, top_p, min_p = row_settings
             values = score_tokens(exact, targets, temperature, top_k, top_p, min_p, raw)
@@ -222,7 +222,7 @@ class Policy:
     def _invariant_forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One prefill of the sequence on the engine's batch-invariant kernels over a private KV pool
         -> logits [len(rows), V] in the model dtype, as the engine hands them to its sampler."""
-        from rollout_cli.engine.triton_attention import InvariantAttentionBatch
+        from rollout_cli.engine.triton_attention import InvariantAttentionBatch  # Triton: optional on the CPU
 
         n = ids.shape[0]
         num_layers, num_kv_heads, head_dim = self.kv_shape

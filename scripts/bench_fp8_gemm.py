@@ -42,8 +42,8 @@ def main() -> None:
         raise SystemExit("this script times GPU kernels: run it on the device")
     import triton
 
-    from rollout_kernels.fp8_blockwise import (FP8_DTYPE, fp8_blockwise_matmul, fp8_blockwise_matmul_ref,
-                                               quantize_activation, quantize_weight_blockwise)
+    from rollout_kernels.fp8_blockwise import fp8_blockwise_matmul, quantize_activation
+    from rollout_kernels.fp8_blockwise_ref import FP8_DTYPE, fp8_blockwise_matmul_ref, quantize_weight_blockwise
 
     bench = triton.testing.do_bench
     rows, records = [], []

@@ -95,7 +95,7 @@ def bench_command(
 def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg):
     """--tp N: in the command typed, check and start the ranks (exits); in a rank, its engine config,
     or None on the followers once they followed rank 0's benchmark to its end."""
-    from rollout_cli.models.tensor_parallel import check_tensor_parallel  # heavy: torch
+    from rollout_cli.models.tensor_parallel_support import check_tensor_parallel  # heavy: torch
 
     if tp < 1:
         raise RolloutError("--tp must be >= 1")

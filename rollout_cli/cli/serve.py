@@ -65,7 +65,7 @@ def serve_command(
 def _tensor_parallel_rank(engine_config, hf_config, tp: int, socket: str | None):
     """--tp N: in the command typed, check and start the ranks (exits: 0 after a shutdown, SIGINT or
     SIGTERM); in a rank, rank 0's engine config, or None on a follower once rank 0 stopped it."""
-    from rollout_cli.models.tensor_parallel import check_tensor_parallel  # heavy: torch
+    from rollout_cli.models.tensor_parallel_support import check_tensor_parallel  # heavy: torch
 
     if tp < 1:
         raise RolloutError("--tp must be >= 1")

@@ -109,7 +109,7 @@ def tensor_parallel_run(job_fields: dict, params: SamplingParams, quiet: bool, *
     ranks follow it. In the command typed: check the inputs and start the ranks (exits)."""
     from rollout_cli.job import JobConfig, check_job_inputs, run_job  # heavy: loads the engine (torch)
     from rollout_cli.models.build import load_model_config  # heavy: torch
-    from rollout_cli.models.tensor_parallel import check_tensor_parallel  # heavy: torch
+    from rollout_cli.models.tensor_parallel_support import check_tensor_parallel  # heavy: torch
 
     with user_errors():
         job = JobConfig(**job_fields)

@@ -30,12 +30,15 @@ from rollout_cli.engine.tensor_parallel import TensorParallelRanks, TensorParall
 from rollout_cli.engine.tokenizer import checkpoint_eos_token_ids, load_tokenizer
 from rollout_cli.engine.trajectory import PartialSample, PromptInput, Score, ScoreInput, Trajectory
 from rollout_cli.errors import RolloutError
+from rollout_cli.io.prompt_encoding import InvalidPrompt, encode_prompt
 from rollout_cli.models.build import (build_model, load_model_config, model_positions, resolve_attention_backend,
                                       resolve_device, resolve_dtype, resolve_max_model_len)
 from rollout_cli.models.fp8 import checkpoint_is_fp8
 from rollout_cli.models.hub import resolve_engine_config, resolve_model
 from rollout_cli.models.layers import enable_batch_invariant_kernels, enable_triton_kernels
 from rollout_cli.models.llama import head_dim_of
+from rollout_cli.models.tensor_parallel import init_tensor_parallel
+from rollout_cli.models.tensor_parallel_support import check_tensor_parallel
 from rollout_kernels.kv_fp8_ref import KV_FP8_DTYPE
 
 
@@ -63,8 +66,6 @@ class Engine:
         self.tokenizer = load_tokenizer(cfg.model)
         self.tp = None  # models.tensor_parallel.TensorParallelGroup under --tp N > 1
         if cfg.tensor_parallel_size > 1:
-            from rollout_cli.models.tensor_parallel import check_tensor_parallel, init_tensor_parallel
-
             check_tensor_parallel(self.hf_config, cfg.tensor_parallel_size)
             self.tp = init_tensor_parallel(cfg.tensor_parallel_size, self.device)
         self.memory = MemorySaver(self.device, cfg.weights_cpu_backup)
@@ -235,8 +236,6 @@ class Engine:
 
     def encode(self, prompt) -> list[int]:
         """A string, a list of chat messages or a list of token ids -> token ids."""
-        from rollout_cli.io.prompt_encoding import InvalidPrompt, encode_prompt
-
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt) and prompt:
             return list(prompt)
         if self.tokenizer is None:

@@ -65,10 +65,11 @@ class LinearBatch:
 
     def __init__(self, pool: LinearStatePool, decode_slots: torch.Tensor, prefill_slots: torch.Tensor | None = None,
                  cu_seqlens: list[int] | None = None, triton_kernels: bool = False, invariant: bool = False):
-        from rollout_kernels import causal_conv1d, gated_delta_rule
+        from rollout_kernels import causal_conv1d, gated_delta_rule  # Triton: optional on the CPU
 
         self._conv_ops, self._delta_ops = causal_conv1d, gated_delta_rule
         if triton_kernels:
+            # Triton: optional on the CPU
             from rollout_kernels.chunk_gated_delta_rule import chunk_gated_delta_rule_varlen
 
             # the on-policy mode prefills token by token with the decode kernel's step, so a token's

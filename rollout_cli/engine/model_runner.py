@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout_cli.engine.attention import KVCache, prepare_attention
+from rollout_cli.engine.linear_state import HybridBatch, begin_step, prepare_step
 from rollout_cli.engine.on_policy import PoolTokenAttention, token_forward
 from rollout_cli.engine.sampler import SamplingRows, sample_rows, teacher_logprobs
 from rollout_cli.engine.schedule_output import BatchEntry, ScheduleOutput
@@ -107,6 +108,7 @@ class ModelRunner:
         self.deterministic = deterministic
         self.per_token = deterministic and self.attention_backend != "triton"
         if self.attention_backend == "triton":
+            # Triton: optional on the CPU
             from rollout_cli.engine.triton_attention import prepare_invariant_attention, prepare_triton_attention
 
             self._prepare = prepare_invariant_attention if deterministic else prepare_triton_attention
@@ -123,7 +125,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_batch: int, warm_up: bool = True) -> float:
         """Capture decode graphs for batches up to max_batch; returns the capture time in seconds."""
-        from rollout_cli.engine.cuda_graphs import DecodeGraphs
+        from rollout_cli.engine.cuda_graphs import DecodeGraphs  # Triton: optional on the CPU
 
         assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
         self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.pad_row, self.scale, max_batch,
@@ -246,8 +248,6 @@ class ModelRunner:
         # prefix-cache merge changed (table_start < start) are written here first
         self._write_table([e for e in out.entries if e.table_start < e.start])
         if self.linear_states is not None:  # state copies and zeroing stay outside the graph
-            from rollout_cli.engine.linear_state import prepare_step
-
             prepare_step(self.linear_states, out)
         timing = None
         if self.time_decode_steps:
@@ -294,8 +294,6 @@ class ModelRunner:
         context = self.req_to_token[entry.table_row, : position + 1].long()  # [position + 1] slots, own included
         attn = PoolTokenAttention(self.kv, slot, context, self.scale)
         if self.linear_states is not None:
-            from rollout_cli.engine.linear_state import HybridBatch, begin_step
-
             one = BatchEntry(entry.request, entry.table_row, position, [token], position, [slot], sample=False)
             attn = HybridBatch(attn, begin_step(self.linear_states, ScheduleOutput([one]), self.device))
         return token_forward(self.model, token, position, attn, self.device, logits=keep_logits)
@@ -313,8 +311,6 @@ class ModelRunner:
             self.routing_pool.begin_step(store_slots)
         attn = self._prepare(out.entries, self.req_to_token, self.kv, self.scale, store_slots)
         if self.linear_states is not None:
-            from rollout_cli.engine.linear_state import HybridBatch, begin_step
-
             # the Triton backend (CUDA, or the interpreter on the CPU) runs the Triton recurrences; torch the references
             triton_kernels = self.attention_backend == "triton"
             attn = HybridBatch(attn, begin_step(self.linear_states, out, self.device, triton_kernels,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rollout_cli.errors import RolloutError
+
 LOGPROBS_MODES = ("processed", "raw")
 
 
@@ -32,8 +34,6 @@ class SamplingParams:
     (the distribution the token was drawn from); raw: log_softmax(logits)."""
 
     def __post_init__(self) -> None:
-        from rollout_cli.errors import RolloutError
-
         if self.n < 1:
             raise RolloutError("--n must be at least 1")
         if self.max_new_tokens < 1:

@@ -10,7 +10,7 @@ import torch
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.fp8 import quantize_model
 from rollout_cli.models.loader import init_dummy_weights, load_checkpoint, safetensors_files
-from rollout_cli.models.registry import model_class_for
+from rollout_cli.models.registry import MULTIMODAL_ARCHITECTURES, model_class_for
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,8 +41,6 @@ def load_model_config(model_dir: str):
 def _language_model_config(config, architectures: list[str]):
     """A vision-language checkpoint's text_config, named by the checkpoint's architecture (the registry
     maps it to the language model that reads model.language_model.*); other configs unchanged."""
-    from rollout_cli.models.registry import MULTIMODAL_ARCHITECTURES
-
     name = next((a for a in architectures if a in MULTIMODAL_ARCHITECTURES), None)
     if name is None:
         return config

@@ -37,6 +37,7 @@ from rollout_cli.config import QUANTIZATIONS
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.layers import FusedLinear, Linear
 from rollout_cli.models.moe import FusedExperts
+from rollout_kernels.fp8_blockwise_ref import FP8_DTYPE, quantize_weight_blockwise
 
 KEPT_IN_MODEL_DTYPE = ("lm_head", "shared_expert_gate", "in_proj_ba")  # module names, see the docstring
 BLOCK = 128
@@ -85,8 +86,6 @@ def _load_quantized(module: Linear, layer_loader, param: nn.Parameter, tensor: t
     tensor into a staging weight in the model's dtype (one layer's, freed after), whose rows of this
     shard are quantized into the fp8 rows and their scale rows; other shards keep their bits.
     An e4m3 tensor (an FP8 checkpoint's) is placed as it is; its scales come as their own tensor."""
-    from rollout_kernels.fp8_blockwise import FP8_DTYPE, quantize_weight_blockwise
-
     if tensor.dtype == FP8_DTYPE:
         layer_loader(param, tensor.to(param.device), shard_id)
         return
@@ -123,8 +122,6 @@ def _load_checkpoint_scales(module: Linear, layer_loader, param: nn.Parameter, t
 def quantize_layer(module: Linear, empty: bool = False) -> None:
     """Replace the layer's weight by its blockwise e4m3 form and scales (in place, same device);
     `empty`: allocate them only, for a checkpoint loaded next."""
-    from rollout_kernels.fp8_blockwise import FP8_DTYPE, quantize_weight_blockwise
-
     old = module.weight
     block = (scale_block_rows(module), BLOCK)
     if empty:
@@ -171,8 +168,6 @@ def quantize_experts(module: FusedExperts, empty: bool = False) -> None:
     """w13 [E, 2I, H] and w2 [E, H, I] to e4m3 with one scale per (BN x 128) block of each expert,
     BN the largest power of two up to 128 dividing I and H (a block never spans gate and up rows);
     `empty`: allocate only, for a checkpoint loaded next."""
-    from rollout_kernels.fp8_blockwise import FP8_DTYPE
-
     block_rows = _largest_block_dividing([module.intermediate_size, module.w2.shape[1]])
     module.fp8_block_rows = block_rows
     for name in ("w13", "w2"):
@@ -200,8 +195,6 @@ def quantize_experts(module: FusedExperts, empty: bool = False) -> None:
 
 
 def _quantized(weight: torch.Tensor, block_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from rollout_kernels.fp8_blockwise import quantize_weight_blockwise
-
     return quantize_weight_blockwise(weight, (block_rows, BLOCK))
 
 
@@ -209,8 +202,6 @@ def _load_quantized_experts(module: FusedExperts, scales: nn.Parameter, param: n
                             shard_id) -> None:
     """An expert weight's loader: one expert's gate, up or down rows (shard (expert, part)) or all
     experts stacked (None), quantized as they arrive; the other rows keep their bits."""
-    from rollout_kernels.fp8_blockwise import FP8_DTYPE
-
     block_rows = module.fp8_block_rows
     tensor = tensor.to(param.device)
     if shard_id is None:

@@ -156,7 +156,7 @@ class GatedDeltaNet(nn.Module):
     def _gating(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """a, b [T, Hv] -> (g = -exp(A_log) * softplus(a + dt_bias) float32, beta = sigmoid(b))."""
         if self.use_triton:
-            from rollout_kernels.gdn_gating_norm import gdn_gating
+            from rollout_kernels.gdn_gating_norm import gdn_gating  # Triton: optional on the CPU
 
             return gdn_gating(a, b, self.A_log, self.dt_bias)
         return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rollout_cli.data_parallel import without_option
 from rollout_cli.errors import RolloutError
 
 if TYPE_CHECKING:
@@ -172,8 +173,6 @@ def pinned_argv(argv: list[str], config: EngineConfig) -> list[str]:
     commit resolved here, so every process loads the same weights even if the branch moves meanwhile."""
     if config.model_source is None:
         return argv
-    from rollout_cli.data_parallel import without_option
-
     return [*without_option(argv, "--revision"), "--revision", config.model_source.commit]
 
 

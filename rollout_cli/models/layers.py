@@ -34,7 +34,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     picks its algorithm, and so its rounding, from the number of rows."""
     if not batch_invariant:
         return F.linear(x, weight, bias)
-    from rollout_kernels.batch_invariant_matmul import batch_invariant_matmul
+    from rollout_kernels.batch_invariant_matmul import batch_invariant_matmul  # Triton: optional on the CPU
 
     y = batch_invariant_matmul(x.reshape(-1, x.shape[-1]), weight, bias)  # [rows, out]
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -58,7 +58,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_block is not None:
-            from rollout_kernels.fp8_blockwise import fp8_linear
+            from rollout_kernels.fp8_blockwise import fp8_linear  # Triton: optional on the CPU
 
             return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.fp8_block)
         return linear(x, self.weight, self.bias, self.batch_invariant)
@@ -112,7 +112,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.use_triton:
-            from rollout_kernels.rmsnorm import fused_add_rms_norm, rms_norm
+            from rollout_kernels.rmsnorm import fused_add_rms_norm, rms_norm  # Triton: optional on the CPU
 
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)
@@ -204,7 +204,7 @@ class RotaryEmbedding(nn.Module):
         """positions [T]; q [T, heads, head_dim]; k [T, kv_heads, head_dim]."""
         self.tables_on(positions.device)
         if self.use_triton:
-            from rollout_kernels.rotary import apply_rotary
+            from rollout_kernels.rotary import apply_rotary  # Triton: optional on the CPU
 
             return apply_rotary(q, k, positions, self.cos, self.sin)  # in place on the qkv views
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, rotary_dim]
@@ -227,7 +227,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
-            from rollout_kernels.silu_mul import silu_and_mul
+            from rollout_kernels.silu_mul import silu_and_mul  # Triton: optional on the CPU
 
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)

@@ -111,7 +111,7 @@ class TopKRouter(nn.Module):
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = linear(hidden, self.weight, batch_invariant=self.batch_invariant)  # [T, E]
         if self.use_triton:
-            from rollout_kernels.moe_routing import topk_softmax
+            from rollout_kernels.moe_routing import topk_softmax  # Triton: optional on the CPU
 
             weight_dtype = torch.float32 if self.weights_in_float32 else logits.dtype
             return topk_softmax(logits, self.top_k, self.renormalize, weight_dtype)
@@ -211,19 +211,20 @@ class FusedExperts(nn.Module):
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], topk_weights/topk_ids [T, k] -> [T, H]."""
         if self.fp8_block_rows is not None:  # W8A8: needs float32 routing weights and int32 ids on both paths
+            # Triton: optional on the CPU
             from rollout_kernels.fused_moe_fp8 import fused_experts_fp8, fused_experts_fp8_ref
 
             run = fused_experts_fp8 if self.use_triton else fused_experts_fp8_ref
             return run(hidden, self.w13, self.w13_weight_scale_inv, self.w2, self.w2_weight_scale_inv,
                        topk_weights.float(), topk_ids.int(), self.fp8_block_rows)
         if self.use_triton:
-            from rollout_kernels.fused_moe import fused_experts
+            from rollout_kernels.fused_moe import fused_experts  # Triton: optional on the CPU
 
             # batch-invariant: one launch config for every batch size (tile shapes are part of the
             # arithmetic; the tuned files pick them by token count)
             configs = None
             if self.batch_invariant:
-                from rollout_kernels.fused_moe_config import get_config
+                from rollout_kernels.fused_moe_config import get_config  # Triton: optional on the CPU
 
                 configs = get_config(self.BATCH_INVARIANT_TOKENS, self.num_experts, topk_ids.shape[1],
                                      self.intermediate_size, hidden.shape[1], hidden.dtype)

@@ -33,7 +33,7 @@ class ZeroCentredRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.use_triton:
-            from rollout_kernels.rmsnorm import fused_add_rms_norm, rms_norm
+            from rollout_kernels.rmsnorm import fused_add_rms_norm, rms_norm  # Triton: optional on the CPU
 
             if residual is None:
                 return rms_norm(x, self.weight, self.eps, zero_centred=True)
@@ -58,7 +58,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         if self.use_triton and self.weight.dtype == x.dtype:
-            from rollout_kernels.gdn_gating_norm import gated_rms_norm
+            from rollout_kernels.gdn_gating_norm import gated_rms_norm  # Triton: optional on the CPU
 
             return gated_rms_norm(x, z, self.weight, self.eps)
         dtype = x.dtype

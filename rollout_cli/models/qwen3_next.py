@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rollout_cli.errors import RolloutError
 from rollout_cli.models.gated_deltanet import GatedDeltaNet, linear_state_shape
 from rollout_cli.models.layers import FusedLinear, Linear, RotaryEmbedding
 from rollout_cli.models.llama import (DecoderMLP, DecoderModel, LlamaForCausalLM, head_dim_of, untied_lm_head,
@@ -121,8 +122,6 @@ class Qwen3NextForCausalLM(MoeMixin, nn.Module):
                 mixer = GatedAttention(config, num_kv, max_positions)
                 num_kv += 1
             else:
-                from rollout_cli.errors import RolloutError
-
                 raise RolloutError(f"layer {i} has type {kind!r}; supported: linear_attention, full_attention")
             layers.append(HybridDecoderLayer(mixer, self.make_layer_mlp(config, i), config))
         self.model = HybridModel(config, layers)

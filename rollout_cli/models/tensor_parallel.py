@@ -277,34 +277,3 @@ def mark_row_pieces(param: torch.nn.Parameter, pieces: dict, full_shapes: dict, 
 
     param.shard_shape = lambda shard_id: tuple(full_shapes[shard_id])
     param.weight_loader = load
-
-
-# Architectures whose layers are all built from the split layers above.
-DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
-# Gated DeltaNet heads split like attention heads (models/gated_deltanet.py), full attention as above
-HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-                        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
-
-
-def check_tensor_parallel(hf_config, size: int) -> None:
-    """Refuse, in one line, a model --tp N cannot split: other architectures, or head counts and MLP
-    widths N does not divide."""
-    if size == 1:
-        return
-    from rollout_cli.models.registry import model_class_for
-
-    cls = model_class_for(hf_config)
-    supported = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + HYBRID_ARCHITECTURES[:3]
-    if cls.__name__ not in DENSE_ARCHITECTURES + MOE_ARCHITECTURES + HYBRID_ARCHITECTURES:
-        raise RolloutError(f"--tp {size} supports {', '.join(supported)} for now; "
-                           f"{cls.__name__} runs with --tp 1 (or --dp N)")
-    HeadSplit.of(hf_config.num_attention_heads, hf_config.num_key_value_heads, size, 0)
-    for what in ("linear_num_key_heads", "linear_num_value_heads"):  # Gated DeltaNet heads: split, never replicated
-        heads = getattr(hf_config, what, None)
-        if heads is not None and heads % size:
-            raise RolloutError(f"--tp {size} must divide the {heads} linear-attention "
-                               f"{'key' if 'key' in what else 'value'} heads; choose a divisor")
-    for what, width in cls.mlp_widths(hf_config).items():
-        if width % size:
-            raise RolloutError(f"--tp {size} must divide the {what} {width}; choose a divisor")

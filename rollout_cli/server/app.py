@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.errors import Conflict, RolloutError
+from rollout_cli.job import JobConfig
 from rollout_cli.server import http_errors
 from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES
 from rollout_cli.server.http_errors import clip
@@ -249,8 +250,6 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
 
     @app.post("/generate")
     async def generate(body: GenerateRequest):
-        from rollout_cli.job import JobConfig
-
         for name in ("data", "out", "env"):
             path = getattr(body, name)
             if path is not None and not os.path.isabs(path):

@@ -10,6 +10,7 @@ import httpx
 
 from rollout_cli.errors import RolloutError
 from rollout_cli.server.address import ENV_ENGINE, default_socket_path, is_tcp
+from rollout_cli.server.daemon import read_token
 
 START_HINT = "start one with rollout serve --model DIR"
 
@@ -34,8 +35,6 @@ class EngineClient:
         headers = {}
         if is_tcp(address):
             if token_file is not None:
-                from rollout_cli.server.daemon import read_token
-
                 headers["Authorization"] = f"Bearer {read_token(token_file)}"
             transport, base_url = None, address.rstrip("/")
         else:
@@ -122,7 +121,7 @@ class EngineClient:
                                    partial: bool = False) -> dict:
         """(name, tensor) pairs, a dict or a FlattenedBucket, passed by handle (CUDA IPC / shared memory):
         the daemon must run on this machine, and the tensors stay alive until this returns."""
-        from rollout_cli.engine.tensor_ipc import serialize_named_tensors
+        from rollout_cli.engine.tensor_ipc import serialize_named_tensors  # heavy: torch (clients run in CLI processes)
 
         return self.post("/update_weights_from_tensor", {
             "serialized_named_tensors": [serialize_named_tensors(named_tensors)],

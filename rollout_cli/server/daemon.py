@@ -14,9 +14,9 @@ import socket
 import sys
 import threading
 
+from rollout_cli.engine.sessions import DEFAULT_RETENTION_SECONDS
 from rollout_cli.errors import RolloutError
 from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES, is_socket_file, socket_is_live
-from rollout_cli.engine.sessions import DEFAULT_RETENTION_SECONDS
 
 log = logging.getLogger("rollout.serve")
 
@@ -106,6 +106,7 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
           token_file: str | None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
           served_model_name: str | None = None, session_retention_seconds: float = DEFAULT_RETENTION_SECONDS) -> int:
     """Run the daemon until /shutdown, SIGINT or SIGTERM; return the exit code."""
+    # heavy: uvicorn, fastapi and the engine (torch); `rollout status` and the clients import this module
     import uvicorn
 
     from rollout_cli.server.app import create_app

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout_kernels.fp8_blockwise import quantize_weight_blockwise
+from rollout_kernels.fp8_blockwise_ref import quantize_weight_blockwise
 from rollout_kernels.fused_moe_fp8 import fused_experts_fp8_ref
 
 

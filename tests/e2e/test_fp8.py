@@ -19,8 +19,8 @@ from fp8_reference import expert_block_rows, patch_experts
 from parity import TOL, make_engine, prompts_of
 from rollout_cli import PromptInput, SamplingParams
 from rollout_cli.errors import RolloutError
-from rollout_kernels.fp8_blockwise import (FP8_DTYPE, fp8_blockwise_matmul_ref, quantize_activation_ref,
-                                           quantize_weight_blockwise)
+from rollout_kernels.fp8_blockwise_ref import (FP8_DTYPE, fp8_blockwise_matmul_ref, quantize_activation_ref,
+                                               quantize_weight_blockwise)
 from weight_trainers import checkpoint_tensors, perturbed_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

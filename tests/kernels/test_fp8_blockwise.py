@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_kernels.fp8_blockwise import (FP8_DTYPE, FP8_MAX, dequantize_weight_blockwise, fp8_blockwise_matmul,
-                                           fp8_blockwise_matmul_ref, fp8_linear, quantize_activation,
-                                           quantize_activation_ref, quantize_weight_blockwise)
+from rollout_kernels.fp8_blockwise import fp8_blockwise_matmul, fp8_linear, quantize_activation
+from rollout_kernels.fp8_blockwise_ref import (FP8_DTYPE, FP8_MAX, dequantize_weight_blockwise, fp8_blockwise_matmul_ref,
+                                               quantize_activation_ref, quantize_weight_blockwise)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

@@ -17,7 +17,8 @@ from rollout_cli.errors import RolloutError
 from rollout_cli.models import tensor_parallel
 from rollout_cli.models.build import build_model, load_model_config
 from rollout_cli.models.loader import copy_into_parameters, plan_checkpoint, read_checkpoint_tensors
-from rollout_cli.models.tensor_parallel import HeadSplit, TensorParallelGroup, check_tensor_parallel
+from rollout_cli.models.tensor_parallel import HeadSplit, TensorParallelGroup
+from rollout_cli.models.tensor_parallel_support import check_tensor_parallel
 
 
 def _checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
