@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from rollout_kernels.gated_delta_rule import l2norm
+
 try:
     import triton
 except ImportError:  # torch-only installs run the references
@@ -58,8 +60,6 @@ def chunk_wy_repr_ref(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gcum
                       cu_seqlens: list[int], chunk_size: int, use_qk_l2norm: bool = True):
     """k [T, Hk, dk]; v [T, Hv, dv]; beta [T, Hv]; gcum [T, Hv] (chunk-local cumsum of g)
     -> (w [T, Hv, dk], u [T, Hv, dv]) float32, per chunk as in the module docstring."""
-    from rollout_kernels.gated_delta_rule import l2norm
-
     Hv = v.shape[1]
     k = k.float().repeat_interleave(Hv // k.shape[1], dim=1)
     k = l2norm(k) if use_qk_l2norm else k
