@@ -11,7 +11,7 @@ Every episode is a sample (prompt_index, sample_index) of the job, `--n` per pro
 requests in the engine's one stream, interleaved with every other episode's: when a model turn ends
 the environment answers it, and the next turn (the conversation so far as its prompt, continuing the
 sample's random stream at its positions) is queued at once. The conversation's KV stays pinned between
-turns (engine/sessions.py), so a turn prefills only its new tokens. An episode ends when the environment
+turns (engine/scheduling/sessions.py), so a turn prefills only its new tokens. An episode ends when the environment
 says done, after `--max-turns` model turns, or when the conversation reaches --max-model-len; its row
 holds the whole conversation after the prompt, with a loss mask (1 model tokens, 0 environment tokens).
 """
@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_cli.engine.request_maker import token_id_problem
+from rollout_cli.engine.scheduling.request_maker import token_id_problem
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.engine.sessions import Sessions
+from rollout_cli.engine.scheduling.sessions import Sessions
 from rollout_cli.engine.trajectory import NO_PROMPT_YET, PartialSample, PromptInput, Trajectory
 from rollout_cli.errors import RolloutError
 

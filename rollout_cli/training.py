@@ -10,7 +10,7 @@ response logprobs equal a `--deterministic` rollout's bit for bit (same checkpoi
 
 The forward is the one the `--deterministic` engine runs on the same device (`kernels`, picked by
 the engine's rule, models/build.resolve_attention_backend):
-  - torch (the CPU): the engine's on-policy forward (engine/on_policy.py), one token at a time, every
+  - torch (the CPU): the engine's on-policy forward (engine/execution/on_policy.py), one token at a time, every
     token attending to its whole context through the same call, logits and logprobs through the same
     functions as the engine's sampler. Only the keys and values live elsewhere: in lists that
     autograd follows instead of the KV pool. The backward is torch's.
@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rollout_cli.engine.attention import KVCache
-from rollout_cli.engine.linear_state import HybridBatch, LinearBatch, LinearStatePool
-from rollout_cli.engine.on_policy import attend_token, token_forward
+from rollout_cli.engine.execution.attention import KVCache
+from rollout_cli.engine.execution.linear_state import HybridBatch, LinearBatch, LinearStatePool
+from rollout_cli.engine.execution.on_policy import attend_token, token_forward
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import (build_model, is_hybrid, load_model_config, resolve_attention_backend,
                                       resolve_device, resolve_dtype)
@@ -222,7 +222,7 @@ class Policy:
     def _invariant_forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One prefill of the sequence on the engine's batch-invariant kernels over a private KV pool
         -> logits [len(rows), V] in the model dtype, as the engine hands them to its sampler."""
-        from rollout_cli.engine.triton_attention import InvariantAttentionBatch  # Triton: optional on the CPU
+        from rollout_cli.engine.execution.triton_attention import InvariantAttentionBatch  # Triton: optional on the CPU
 
         n = ids.shape[0]
         num_layers, num_kv_heads, head_dim = self.kv_shape

@@ -78,7 +78,7 @@ def ipc_trainer(ckpt: str, queue, done) -> None:
     """A colocated trainer: its weights on the same GPU; only CUDA IPC handles go to the engine."""
     from safetensors.torch import load_file
 
-    from rollout_cli.engine.tensor_ipc import serialize_named_tensors
+    from rollout_cli.engine.weights.tensor_ipc import serialize_named_tensors
 
     tensors = {}
     for path in sorted(Path(ckpt).glob("*.safetensors")):

@@ -17,7 +17,7 @@ for part in $PARTS; do
              echo "== $mode: rollout $BENCH"
              COLUMNS=200 timeout 130 python3 -c "
 import sys
-import rollout_cli.engine.triton_attention as ta
+import rollout_cli.engine.execution.triton_attention as ta
 ta.TritonAttentionBatch.fuses_qk_norm_rope_store = sys.argv.pop(1) == 'fused'
 from rollout_cli.cli.main import app
 app(prog_name='rollout')" $mode $BENCH --json "$OUT/qkfuse_$mode.json" 2>&1 | tee "$OUT/qkfuse_$mode.log" \

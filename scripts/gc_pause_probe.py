@@ -21,7 +21,7 @@ import time
 
 def probe(model: str, device: str, freeze: bool) -> dict:
     from rollout_cli import Engine, SamplingParams
-    from rollout_cli.engine import overlap_schedule
+    from rollout_cli.engine.scheduling import overlap_schedule
     from rollout_cli.engine.engine import PromptInput
     from rollout_cli.process_gc import freeze_long_lived_objects
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 import time
 
-from rollout_cli.engine.request import Request
+from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.engine.scheduler import Scheduler
+from rollout_cli.engine.scheduling.scheduler import Scheduler
 
 
 def main(batch: int = 256, prompt_len: int = 256, steps: int = 300) -> None:

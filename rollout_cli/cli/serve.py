@@ -13,7 +13,7 @@ from rollout_cli.cli.tensor_parallel_run import follow_leader, is_rank, launch_r
 from rollout_cli.errors import RolloutError
 from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES, default_socket_path, socket_is_live
 from rollout_cli.server.daemon import serve
-from rollout_cli.engine.sessions import DEFAULT_RETENTION_SECONDS
+from rollout_cli.engine.scheduling.sessions import DEFAULT_RETENTION_SECONDS
 
 LISTEN = "Listen"
 

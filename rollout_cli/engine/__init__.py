@@ -1,1 +1,3 @@
-"""Engine: requests, scheduler, KV pool, prefix cache, model runner, sampler."""
+"""Engine: the Python API and its step loop (here), scheduling/ (which requests run, prefix cache,
+sessions), execution/ (the forward, attention over the KV pool, CUDA graphs, sampling, routing
+capture), weights/ (updates), memory/ (release and resume, pool sizing). README: How it works."""

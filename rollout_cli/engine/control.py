@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rollout_cli.engine import weight_updates
-from rollout_cli.engine.memory_saver import MEMORY_TAGS, free_device_bytes, parse_tags
-from rollout_cli.engine.tensor_ipc import serialize_named_tensors
+from rollout_cli.engine.weights import weight_updates
+from rollout_cli.engine.memory.memory_saver import MEMORY_TAGS, free_device_bytes, parse_tags
+from rollout_cli.engine.weights.tensor_ipc import serialize_named_tensors
 from rollout_cli.errors import RolloutError
 
 if TYPE_CHECKING:  # annotations only: the engine builds its control
     from rollout_cli.engine.engine import Engine, Trajectory
-    from rollout_cli.engine.request import Request
+    from rollout_cli.engine.scheduling.request import Request
 
 
 class RankOperations:

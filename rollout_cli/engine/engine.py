@@ -13,18 +13,18 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from rollout_cli.config import EngineConfig
-from rollout_cli.engine.attention import KVCache
-from rollout_cli.engine.cache_split import hybrid_pool_sizes
+from rollout_cli.engine.execution.attention import KVCache
+from rollout_cli.engine.memory.cache_split import hybrid_pool_sizes
 from rollout_cli.engine.control import EngineControl, RankOperations, SingleRank
-from rollout_cli.engine.kv_sizing import kv_heads_here, kv_pool_tokens, profile_activation_bytes, run_largest_step
-from rollout_cli.engine.linear_state import LinearStatePool
-from rollout_cli.engine.memory_saver import MemorySaver
-from rollout_cli.engine.model_runner import ModelRunner
-from rollout_cli.engine.request import Request
-from rollout_cli.engine.request_maker import RequestMaker
-from rollout_cli.engine.routing_capture import RoutingCapture
+from rollout_cli.engine.memory.kv_sizing import kv_heads_here, kv_pool_tokens, profile_activation_bytes, run_largest_step
+from rollout_cli.engine.execution.linear_state import LinearStatePool
+from rollout_cli.engine.memory.memory_saver import MemorySaver
+from rollout_cli.engine.execution.model_runner import ModelRunner
+from rollout_cli.engine.scheduling.request import Request
+from rollout_cli.engine.scheduling.request_maker import RequestMaker
+from rollout_cli.engine.execution.routing_capture import RoutingCapture
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.engine.scheduler import Scheduler
+from rollout_cli.engine.scheduling.scheduler import Scheduler
 from rollout_cli.engine.step_loop import StepLoop
 from rollout_cli.engine.tensor_parallel import TensorParallelRanks, TensorParallelRunner, min_over_ranks
 from rollout_cli.engine.tokenizer import checkpoint_eos_token_ids, load_tokenizer
@@ -129,7 +129,7 @@ class Engine:
         self.cuda_graph_capture_seconds = None
         # MoE models too: the Triton backend also switches the router and experts to the fused
         # kernels (enable_triton_kernels), which never read tensor values on the host. Hybrid models
-        # too: their decode steps read state slots from a static buffer (engine/linear_state.py).
+        # too: their decode steps read state slots from a static buffer (engine/execution/linear_state.py).
         capturable = self.tp is None  # tensor parallel: eager steps for now
         if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs and capturable:
             self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256))

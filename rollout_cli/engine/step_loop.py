@@ -1,7 +1,7 @@
 """The engine's step loop: schedule, launch, post-process, until the prompts and the work run out.
 
 With overlap (the default), while a decode step runs on the GPU the next one is scheduled ahead of its
-results (Scheduler.schedule_ahead, engine/overlap_schedule.py: its input tokens are PENDING until the
+results (Scheduler.schedule_ahead, engine/scheduling/overlap_schedule.py: its input tokens are PENDING until the
 step before is post-processed, then read on the device from that step's output rows) and launched
 behind it; then the running step's results are post-processed and the step ahead committed. Without
 overlap: schedule, launch, post-process. Between steps `on_step` (the caller's hook: the daemon's

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rollout_cli.engine.model_runner import ModelRunner
-from rollout_cli.engine.schedule_output import BatchEntry, ScheduleOutput
+from rollout_cli.engine.execution.model_runner import ModelRunner
+from rollout_cli.engine.scheduling.schedule_output import BatchEntry, ScheduleOutput
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.tensor_parallel import TensorParallelGroup, close_tensor_parallel, tp_group
 

@@ -58,7 +58,7 @@ class PromptInput:
     conversation: int | None = None
     """A turn of a multi-turn conversation (`rollout run --env`, a daemon session): the previous turn's
     prompt length (0 for the first turn); None: not a turn. Hybrid models snapshot a turn's prompt state
-    for the next turn and resume from the previous turn's snapshot (engine/prefix_reuse.py)."""
+    for the next turn and resume from the previous turn's snapshot (engine/scheduling/prefix_reuse.py)."""
 
 
 # Yielded by a live prompt source (Engine.stream) that has no prompt now but may have one at a later
@@ -87,7 +87,7 @@ class PartialSample:
     conversation: int | None = None
     """A turn of a multi-turn conversation (`rollout run --env`, a daemon session): the previous turn's
     prompt length (0 for the first turn); None: not a turn. Hybrid models snapshot a turn's prompt state
-    for the next turn and resume from the previous turn's snapshot (engine/prefix_reuse.py)."""
+    for the next turn and resume from the previous turn's snapshot (engine/scheduling/prefix_reuse.py)."""
 
     @classmethod
     def of(cls, trajectory: Trajectory, params: SamplingParams | None = None) -> PartialSample:

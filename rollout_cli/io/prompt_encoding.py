@@ -20,7 +20,7 @@ from typing import Any
 import jinja2
 import numpy as np
 
-from rollout_cli.engine.request_maker import token_id_problem
+from rollout_cli.engine.scheduling.request_maker import token_id_problem
 from rollout_cli.errors import RolloutError, one_line
 
 

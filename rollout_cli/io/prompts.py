@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollout_cli.engine.request_maker import token_id_problem
+from rollout_cli.engine.scheduling.request_maker import token_id_problem
 from rollout_cli.engine.trajectory import PromptInput
 from rollout_cli.errors import RolloutError, one_line
 from rollout_cli.io.prompt_encoding import InvalidPrompt, encode_batch

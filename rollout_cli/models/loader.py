@@ -173,7 +173,7 @@ def plan_tensors(model, headers, require_all: bool = True) -> tuple[list[TensorT
     Returns (targets, problems, missing names): problems are missing (unless `require_all` is
     False: a partial update), unexpected, wrong-shaped, duplicated tensors and mixed expert
     layouts. Used for checkpoints on disk (plan_checkpoint) and for tensors handed over by a
-    trainer (engine.weight_updates).
+    trainer (engine.weights.weight_updates).
     """
     params = dict(model.named_parameters())
     expected = expected_checkpoint_names(model)

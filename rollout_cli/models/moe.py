@@ -265,7 +265,7 @@ class SparseMoeBlock(nn.Module):
 def set_routing_recorder(model: nn.Module, recorder) -> int:
     """Point every SparseMoeBlock of `model` at `recorder` (an object with record(moe_index, topk_ids
     [T, k]); None turns capture off); returns the MoE layer count. The recorders themselves are
-    engine state: engine/routing_pool.py."""
+    engine state: engine/execution/routing_pool.py."""
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     for block in blocks:
         block.routing_recorder = recorder

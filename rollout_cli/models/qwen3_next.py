@@ -13,7 +13,7 @@ sigmoid-gated shared expert.
 Full-attention layers are numbered among themselves for the KV pool
 (`num_kv_layers`), linear layers among themselves for the state pool
 (`linear_state_shape`). The step's batch object passed as `attn` does both:
-`attn.forward(kv_layer, q, k, v)` and `attn.linear` (engine/linear_state.py).
+`attn.forward(kv_layer, q, k, v)` and `attn.linear` (engine/execution/linear_state.py).
 """
 
 from __future__ import annotations

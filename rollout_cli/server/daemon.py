@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 
-from rollout_cli.engine.sessions import DEFAULT_RETENTION_SECONDS
+from rollout_cli.engine.scheduling.sessions import DEFAULT_RETENTION_SECONDS
 from rollout_cli.errors import RolloutError
 from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES, is_socket_file, socket_is_live
 

@@ -55,7 +55,7 @@ class OnlineCommands:
         return {"success": True, **stats}
 
     def _session_turn(self, request: OnlineRequest, choice) -> dict:
-        """A session's turn finished: the KV its next turn starts from stays pinned (engine/sessions.py)."""
+        """A session's turn finished: the KV its next turn starts from stays pinned (engine/scheduling/sessions.py)."""
         return self.sessions.turn_finished(self.engine.scheduler, request.session_id, request.prompts[choice.prompt],
                                            choice.token_ids, choice.cached_prompt_tokens)
 

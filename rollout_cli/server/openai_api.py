@@ -5,7 +5,7 @@ these routes take its requests unchanged, with the extensions RL needs (vLLM's n
 them): `return_token_ids` (the prompt's and each choice's token ids, and the weight version of every
 token), token ids as the completions prompt, `stop_token_ids`, `top_k`, `min_p`, `ignore_eos`,
 `request_id` (abort it with POST /abort_request {"request_id": ...}), `session_id` (one turn of a
-multi-turn conversation whose KV stays pinned for the next turn, engine/sessions.py) and
+multi-turn conversation whose KV stays pinned for the next turn, engine/scheduling/sessions.py) and
 `chat_template_kwargs`.
 
 The request bodies and their translation are in openai_requests.py. Each request becomes an OnlineRequest (server/online.py) served by the engine thread together with

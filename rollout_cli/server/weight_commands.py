@@ -50,7 +50,7 @@ class WeightCommands:
         return {"success": True, "message": f"weights loaded from {path}", "weight_version": new,
                 "previous_weight_version": old, "seconds": round(seconds, 3)}
 
-    # ---- updates from a trainer's tensors (engine/weight_updates.py) -----------------------------
+    # ---- updates from a trainer's tensors (engine/weights/weight_updates.py) -----------------------------
 
     def _updated(self, old: str, new: str, started: float, source: str) -> dict:
         seconds = time.perf_counter() - started

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_cli.engine.engine import Engine
-from rollout_cli.engine.sessions import DEFAULT_RETENTION_SECONDS, Sessions
+from rollout_cli.engine.scheduling.sessions import DEFAULT_RETENTION_SECONDS, Sessions
 from rollout_cli.errors import Conflict, RolloutError
 from rollout_cli.io.output_dir import read_manifest
 from rollout_cli.job import run_job

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rollout_cli import Engine, SamplingParams
-from rollout_cli.engine.weight_group import broadcast_metadata
+from rollout_cli.engine.weights.weight_group import broadcast_metadata
 from weight_trainers import (broadcast_order, broadcast_trainer, free_port, ipc_trainer,
                              perturbed_checkpoint, wait_exit)
 

@@ -66,7 +66,7 @@ class _ListRecorder:
 
 def test_recorded_expert_ids_equal_hf_router_topk(moe_arch, hf_ref):
     """The routing hook hands out, per MoE layer, the top-k of HF's router logits for every position."""
-    from rollout_cli.engine.routing_pool import RoutingPool
+    from rollout_cli.engine.execution.routing_pool import RoutingPool
     from rollout_cli.models.moe import set_routing_recorder
 
     _, model_dir = moe_arch

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rollout_cli import Engine, SamplingParams
-from rollout_cli.engine.weight_group import broadcast_metadata, broadcast_tensors, open_weight_group
+from rollout_cli.engine.weights.weight_group import broadcast_metadata, broadcast_tensors, open_weight_group
 from rollout_cli.errors import RolloutError
 from weight_trainers import broadcast_order, checkpoint_tensors, free_port, perturbed_checkpoint, wait_for_daemon
 

@@ -15,9 +15,9 @@ import torch
 
 from parity import assert_matches_hf, make_engine, prompts_of
 from rollout_cli import PromptInput, SamplingParams
-from rollout_cli.engine.tensor_bucket import flatten_tensors
-from rollout_cli.engine.tensor_ipc import serialize_named_tensors
-from rollout_cli.engine.weight_group import broadcast_metadata
+from rollout_cli.engine.weights.tensor_bucket import flatten_tensors
+from rollout_cli.engine.weights.tensor_ipc import serialize_named_tensors
+from rollout_cli.engine.weights.weight_group import broadcast_metadata
 from rollout_cli.errors import RolloutError
 from weight_trainers import (broadcast_order, broadcast_trainer, checkpoint_tensors, free_port, ipc_trainer,
                              perturbed_checkpoint, wait_exit, wait_shm_gone)

@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rollout_cli.engine.tensor_ipc import serialize_named_tensors
-from rollout_cli.engine.weight_group import broadcast_metadata, broadcast_tensors, open_weight_group
+from rollout_cli.engine.weights.tensor_ipc import serialize_named_tensors
+from rollout_cli.engine.weights.weight_group import broadcast_metadata, broadcast_tensors, open_weight_group
 from rollout_cli.errors import RolloutError
 from weight_trainers import broadcast_order, checkpoint_tensors, free_port, perturbed_checkpoint, wait_for_daemon
 

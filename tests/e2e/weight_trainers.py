@@ -79,8 +79,8 @@ def wait_shm_gone(pid: int, timeout: float = 60.0) -> bool:
 
 def ipc_trainer(model_dir: str, device: str, flatten: bool, queue, done) -> None:
     """Serialize the checkpoint's tensors (on `device`) and wait until the engine says it is done with them."""
-    from rollout_cli.engine.tensor_bucket import flatten_tensors
-    from rollout_cli.engine.tensor_ipc import serialize_named_tensors
+    from rollout_cli.engine.weights.tensor_bucket import flatten_tensors
+    from rollout_cli.engine.weights.tensor_ipc import serialize_named_tensors
 
     tensors = {k: v.to(device) for k, v in checkpoint_tensors(model_dir).items()}
     queue.put(serialize_named_tensors(flatten_tensors(tensors) if flatten else tensors))
@@ -91,7 +91,7 @@ def broadcast_trainer(port: int, steps: list[tuple[str, str | None, str]], backe
                       device: str = "cpu") -> None:
     """Rank 0 of a 2-rank group. Each step (model_dir, truncate, how) broadcasts broadcast_order(...):
     how = "all", or "half_then_exit" (a trainer that dies mid-transfer)."""
-    from rollout_cli.engine.weight_group import broadcast_tensors, open_weight_group
+    from rollout_cli.engine.weights.weight_group import broadcast_tensors, open_weight_group
 
     group = open_weight_group("127.0.0.1", port, 0, 2, "weights", backend, torch.device(device), timeout_seconds=120)
     for model_dir, truncate, how in steps:

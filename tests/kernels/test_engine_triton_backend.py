@@ -32,7 +32,7 @@ def test_triton_backend_matches_torch_backend(tiny_checkpoints, params):
 def test_qwen3_fused_qk_norm_rope_store(tiny_checkpoints, monkeypatch):
     """Qwen3 (per-head q/k norm): the Triton batch takes q/k before norm and RoPE, one fused kernel
     per layer norms, rotates and stores them (never store_kv), and the greedy tokens are the torch path's."""
-    import rollout_cli.engine.triton_attention as triton_attention
+    import rollout_cli.engine.execution.triton_attention as triton_attention
 
     calls = {"fused": 0, "store_kv": 0}
 

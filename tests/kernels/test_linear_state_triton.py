@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from rollout_cli.engine.linear_state import LinearBatch, LinearStatePool
+from rollout_cli.engine.execution.linear_state import LinearBatch, LinearStatePool
 from rollout_cli.models.gated_deltanet import LinearStateShape
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

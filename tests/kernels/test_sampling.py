@@ -166,11 +166,11 @@ def test_half_logits_equal_their_float32_copy(dtype):
 
 
 def test_engine_sampling_rows_on_the_kernel():
-    """The engine's tables (engine.sampler.SamplingRows) through sample_rows: the kernel's draw agrees
+    """The engine's tables (engine.execution.sampler.SamplingRows) through sample_rows: the kernel's draw agrees
     with the reference on the same keys."""
     from types import SimpleNamespace
 
-    from rollout_cli.engine.sampler import SamplingRows, sample_rows
+    from rollout_cli.engine.execution.sampler import SamplingRows, sample_rows
     from rollout_cli.engine.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=5),

@@ -178,9 +178,9 @@ def _entries(params_list, targets_per_row, score_top_k=0):
 
 @pytest.mark.parametrize("per_row", [False, True])
 def test_teacher_logprobs_on_the_kernel(per_row):
-    """engine.sampler.teacher_logprobs(use_triton=True) gives the bits sample_rows(use_triton=True)
+    """engine.execution.sampler.teacher_logprobs(use_triton=True) gives the bits sample_rows(use_triton=True)
     reported for the same tokens; with score_top_k the top list is the reference's."""
-    from rollout_cli.engine.sampler import SamplingRows, sample_rows, teacher_logprobs
+    from rollout_cli.engine.execution.sampler import SamplingRows, sample_rows, teacher_logprobs
     from rollout_cli.engine.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=5),

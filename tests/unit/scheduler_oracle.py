@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
-from rollout_cli.engine.request import Request, RequestStatus
+from rollout_cli.engine.scheduling.request import Request, RequestStatus
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.engine.schedule_output import PENDING
-from rollout_cli.engine.scheduler import Scheduler
+from rollout_cli.engine.scheduling.schedule_output import PENDING
+from rollout_cli.engine.scheduling.scheduler import Scheduler
 
 
 def next_token(request: Request) -> int:

@@ -44,7 +44,7 @@ def test_a_prefix_shared_through_the_cache_counts_once_per_step():
     the cache, a third sample that cached only 6 (the rule takes the shortest), and a stranger."""
     from types import SimpleNamespace
 
-    from rollout_cli.engine.model_runner import distinct_context_tokens
+    from rollout_cli.engine.execution.model_runner import distinct_context_tokens
 
     def decode(first_slot, cached, context):
         request = SimpleNamespace(slots=[first_slot] + [0] * (context - 1), num_cached_tokens=cached)

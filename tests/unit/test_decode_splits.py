@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from rollout_cli.engine.triton_attention import DECODE_SPLIT_COUNTS, MAX_KV_SPLITS, decode_kv_splits  # noqa: E402
+from rollout_cli.engine.execution.triton_attention import DECODE_SPLIT_COUNTS, MAX_KV_SPLITS, decode_kv_splits  # noqa: E402
 
 
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 3, 4, 8, 16])

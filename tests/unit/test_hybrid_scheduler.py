@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from rollout_cli.engine.request import Request
+from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.engine.scheduler import Scheduler
-from rollout_cli.engine.state_slots import LinearStateSlots
+from rollout_cli.engine.scheduling.scheduler import Scheduler
+from rollout_cli.engine.scheduling.state_slots import LinearStateSlots
 
 
 def next_token(request: Request) -> int:

@@ -140,3 +140,14 @@ def test_the_command_line_starts_without_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_every_package_folder_is_installed():
+    """pyproject lists packages one by one: a new sub-package left out works in the editable checkout
+    and is missing from a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join((package, *init.parent.relative_to(root).parts))
+               for package, root in PACKAGES.items() for init in root.rglob("__init__.py")}
+    assert folders and folders <= listed, sorted(folders - listed)

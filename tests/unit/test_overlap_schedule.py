@@ -1,12 +1,12 @@
-"""Overlap scheduling (engine/overlap_schedule.py) without a model: steps scheduled ahead of their inputs
+"""Overlap scheduling (engine/scheduling/overlap_schedule.py) without a model: steps scheduled ahead of their inputs
 give the same outputs as sequential steps (KV oracle every step), ghosts, length finishes, admissions."""
 
 from __future__ import annotations
 
 import pytest
 
-from rollout_cli.engine.schedule_output import PENDING
-from rollout_cli.engine.scheduler import Scheduler
+from rollout_cli.engine.scheduling.schedule_output import PENDING
+from rollout_cli.engine.scheduling.scheduler import Scheduler
 
 from scheduler_oracle import (FakeRunner, drive, drive_overlapped, expected_output, make_request, next_token,
                               random_workload)

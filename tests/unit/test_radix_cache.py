@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from rollout_cli.engine.kv_slots import SlotAllocator
-from rollout_cli.engine.radix_cache import RadixCache
+from rollout_cli.engine.scheduling.kv_slots import SlotAllocator
+from rollout_cli.engine.scheduling.radix_cache import RadixCache
 
 
 class Harness:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_cli.engine.request_maker import RequestMaker
+from rollout_cli.engine.scheduling.request_maker import RequestMaker
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.trajectory import PromptInput, ScoreInput
 from rollout_cli.errors import RolloutError

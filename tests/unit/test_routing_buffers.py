@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout_cli.engine.routing_pool import GraphRoutingBuffer, RoutingPool
+from rollout_cli.engine.execution.routing_pool import GraphRoutingBuffer, RoutingPool
 
 
 def test_graph_buffer_rows_store_like_eager_recording():

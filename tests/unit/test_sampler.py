@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_cli.engine.sampler import SamplingRows, sample_rows
+from rollout_cli.engine.execution.sampler import SamplingRows, sample_rows
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_kernels.sampling_ref import filter_probs_ref, sample_ref
 from rollout_kernels.sampling_ref import uniform_from_keys as sample_uniform

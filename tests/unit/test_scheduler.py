@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from rollout_cli.engine.request import RequestStatus
-from rollout_cli.engine.scheduler import Scheduler
+from rollout_cli.engine.scheduling.request import RequestStatus
+from rollout_cli.engine.scheduling.scheduler import Scheduler
 from rollout_cli.errors import RolloutError
 
 from scheduler_oracle import FakeRunner, drive, expected_output, make_request, next_token

@@ -3,9 +3,9 @@ stops before the first scored row, and preemption that recomputes without scorin
 
 from __future__ import annotations
 
-from rollout_cli.engine.request import Request
+from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.engine.scheduler import Scheduler
+from rollout_cli.engine.scheduling.scheduler import Scheduler
 
 
 def scoring_request(request_id, prompt, response, **kwargs):

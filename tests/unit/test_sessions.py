@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_cli.engine.scheduler import Scheduler
+from rollout_cli.engine.scheduling.scheduler import Scheduler
 from rollout_cli.errors import RolloutError
-from rollout_cli.engine.sessions import Sessions
+from rollout_cli.engine.scheduling.sessions import Sessions
 
 from scheduler_oracle import FakeRunner, make_request
 

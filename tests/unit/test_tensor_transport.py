@@ -1,4 +1,4 @@
-"""Flattened buckets and serialized tensor handles (engine/tensor_bucket.py, engine/tensor_ipc.py)."""
+"""Flattened buckets and serialized tensor handles (engine/weights/tensor_bucket.py, engine/weights/tensor_ipc.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pickle
 import pytest
 import torch
 
-from rollout_cli.engine.tensor_bucket import ALIGN, FlatTensorMeta, FlattenedBucket, flatten_tensors, unflatten_bucket
-from rollout_cli.engine.tensor_ipc import deserialize_named_tensors, serialize_named_tensors
+from rollout_cli.engine.weights.tensor_bucket import ALIGN, FlatTensorMeta, FlattenedBucket, flatten_tensors, unflatten_bucket
+from rollout_cli.engine.weights.tensor_ipc import deserialize_named_tensors, serialize_named_tensors
 from rollout_cli.errors import RolloutError
 
 def _mixed() -> dict[str, torch.Tensor]:

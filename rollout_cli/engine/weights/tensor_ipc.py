@@ -32,7 +32,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
 
-from rollout_cli.engine.tensor_bucket import FlattenedBucket
+from rollout_cli.engine.weights.tensor_bucket import FlattenedBucket
 from rollout_cli.errors import RolloutError
 
 _REDUCTIONS = "torch.multiprocessing.reductions"
@@ -45,7 +45,7 @@ _ALLOWED = {
     ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
     ("torch.nn.parameter", "Parameter"),
     ("multiprocessing.resource_sharer", "DupFd"),
-    ("rollout_cli.engine.tensor_bucket", "FlattenedBucket"), ("rollout_cli.engine.tensor_bucket", "FlatTensorMeta"),
+    ("rollout_cli.engine.weights.tensor_bucket", "FlattenedBucket"), ("rollout_cli.engine.weights.tensor_bucket", "FlatTensorMeta"),
 }
 _CUDA_DEVICE_ARG = 6  # position of storage_device in rebuild_cuda_tensor's arguments
 
@@ -91,7 +91,7 @@ class _HandleUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) not in _ALLOWED:
             raise RolloutError(f"the payload names {module}.{name}, which is not a tensor handle; "
-                               "build it with rollout_cli.engine.tensor_ipc.serialize_named_tensors")
+                               "build it with rollout_cli.engine.weights.tensor_ipc.serialize_named_tensors")
         found = super().find_class(module, name)
         if name != "rebuild_cuda_tensor":
             return found
@@ -125,13 +125,13 @@ def deserialize_named_tensors(payload: str | bytes):
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as err:
         raise RolloutError(f"serialized_named_tensors is not base64 ({err}); "
-                           "build it with rollout_cli.engine.tensor_ipc.serialize_named_tensors") from err
+                           "build it with rollout_cli.engine.weights.tensor_ipc.serialize_named_tensors") from err
     try:
         header = _HandleUnpickler(data, {}).load()
         if not (isinstance(header, tuple) and len(header) == 2 and isinstance(header[0], dict)
                 and isinstance(header[1], bytes)):
             raise RolloutError(f"the payload holds a {type(header).__name__}, not what serialize_named_tensors makes; "
-                               "build it with rollout_cli.engine.tensor_ipc.serialize_named_tensors")
+                               "build it with rollout_cli.engine.weights.tensor_ipc.serialize_named_tensors")
         obj = _HandleUnpickler(header[1], _device_map(header[0])).load()
     except RolloutError:
         raise

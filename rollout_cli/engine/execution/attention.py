@@ -23,7 +23,7 @@ class KVCache:
     k / k_scale rounded to e4m3 (kernels/kv_store.py). The scales are 1.0, as vLLM's and SGLang's
     without calibrated scales: k after RMSNorm and RoPE and v sit well inside e4m3's +-448."""
 
-    storage_names = ("k", "v")  # the cache-memory tensors a memory release frees (engine.memory_saver)
+    storage_names = ("k", "v")  # the cache-memory tensors a memory release frees (engine.memory.memory_saver)
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype, device):
         shape = (num_layers, num_slots, num_kv_heads, head_dim)

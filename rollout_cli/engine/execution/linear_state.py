@@ -2,7 +2,7 @@
 
 Beside the KV pool (one slot per token), hybrid models keep a fixed-size
 recurrent state per sequence: one state slot per running request (and per
-prefix snapshot, see engine/state_slots.py), slot 0 reserved as padding:
+prefix snapshot, see engine/scheduling/state_slots.py), slot 0 reserved as padding:
 
     conv [num_linear_layers, num_slots, conv_dim, conv_kernel - 1]   float32
     ssm  [num_linear_layers, num_slots, num_v_heads, k_dim, v_dim]   float32
@@ -17,7 +17,7 @@ run by default; `triton_kernels=True` (the model runner sets it on the Triton
 backend: CUDA, or the interpreter on the CPU) runs the Triton kernels of
 rollout_kernels instead, same arguments.
 
-CUDA graphs (engine/cuda_graphs.py) capture decode steps with a `LinearBatch`
+CUDA graphs (engine/execution/cuda_graphs.py) capture decode steps with a `LinearBatch`
 whose decode slots are a view of a static device buffer that DecodeGraphs fills
 before each replay (padding rows: slot 0); copies and zeroing run before the
 replay, outside the graph, and nothing inside reads a tensor on the host.
@@ -31,7 +31,7 @@ from rollout_cli.models.gated_deltanet import LinearStateShape
 
 
 class LinearStatePool:
-    storage_names = ("conv", "ssm")  # the cache-memory tensors a memory release frees (engine.memory_saver)
+    storage_names = ("conv", "ssm")  # the cache-memory tensors a memory release frees (engine.memory.memory_saver)
 
     def __init__(self, shape: LinearStateShape, num_slots: int, device):
         self.shape = shape

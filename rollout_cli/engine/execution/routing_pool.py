@@ -4,7 +4,7 @@ The model only calls a recorder (models/moe.SparseMoeBlock.routing_recorder: rec
 topk_ids)); what records is here. `RoutingPool` is slot-indexed like the KV pool, so a prefix served
 from the radix cache keeps the routing computed with it. `GraphRoutingBuffer` is the recorder
 inside CUDA graphs (fixed addresses); a replay's rows go into the pool through `RoutingPool.store`.
-Turning capture on and off, and handing finished requests their rows: engine/routing_capture.py.
+Turning capture on and off, and handing finished requests their rows: engine/execution/routing_capture.py.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ fails in between, cancel_ahead gives the slots back.
 
 from __future__ import annotations
 
-from rollout_cli.engine.request import RequestStatus
-from rollout_cli.engine.schedule_output import PENDING, BatchEntry, ScheduleOutput
+from rollout_cli.engine.scheduling.request import RequestStatus
+from rollout_cli.engine.scheduling.schedule_output import PENDING, BatchEntry, ScheduleOutput
 
 
 class OverlapScheduling:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from rollout_cli.engine.attention import KVCache
-from rollout_cli.engine.linear_state import LinearStatePool
-from rollout_cli.engine.model_runner import ModelRunner
-from rollout_cli.engine.request import Request
+from rollout_cli.engine.execution.attention import KVCache
+from rollout_cli.engine.execution.linear_state import LinearStatePool
+from rollout_cli.engine.execution.model_runner import ModelRunner
+from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.engine.schedule_output import BatchEntry, ScheduleOutput
+from rollout_cli.engine.scheduling.schedule_output import BatchEntry, ScheduleOutput
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.llama import head_dim_of
 

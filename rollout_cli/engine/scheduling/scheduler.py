@@ -9,7 +9,7 @@ cache (so recomputing them is cheap if they survive eviction), it gives up
 its slots, and it waits again at the front of the queue. Nothing is dropped.
 
 Hybrid models (linear-attention layers) also give each running request a
-state slot; their prefix sharing and its limits are in engine/state_slots.py.
+state slot; their prefix sharing and its limits are in engine/scheduling/state_slots.py.
 A preempted hybrid request drops its state and recomputes (from its prompt's
 snapshot when one is still cached).
 """
@@ -20,13 +20,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from rollout_cli.engine.kv_slots import SlotAllocator
-from rollout_cli.engine.overlap_schedule import OverlapScheduling
-from rollout_cli.engine.prefix_reuse import PrefixReuse
-from rollout_cli.engine.radix_cache import RadixCache
-from rollout_cli.engine.request import Request, RequestStatus
-from rollout_cli.engine.schedule_output import BatchEntry, ScheduleOutput
-from rollout_cli.engine.state_slots import LinearStateSlots
+from rollout_cli.engine.scheduling.kv_slots import SlotAllocator
+from rollout_cli.engine.scheduling.overlap_schedule import OverlapScheduling
+from rollout_cli.engine.scheduling.prefix_reuse import PrefixReuse
+from rollout_cli.engine.scheduling.radix_cache import RadixCache
+from rollout_cli.engine.scheduling.request import Request, RequestStatus
+from rollout_cli.engine.scheduling.schedule_output import BatchEntry, ScheduleOutput
+from rollout_cli.engine.scheduling.state_slots import LinearStateSlots
 from rollout_cli.errors import RolloutError
 
 
@@ -44,8 +44,8 @@ class SchedulerStats:
 
 class Scheduler(PrefixReuse, OverlapScheduling):
     """The steps of the engine loop; schedule_ahead / commit_ahead / cancel_ahead (planning the next
-    decode step while one runs) are in engine/overlap_schedule.py, the prefix cache's side (matching,
-    publishing, flushing, pinning) in engine/prefix_reuse.py."""
+    decode step while one runs) are in engine/scheduling/overlap_schedule.py, the prefix cache's side (matching,
+    publishing, flushing, pinning) in engine/scheduling/prefix_reuse.py."""
 
     def __init__(
         self,

@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from rollout_cli.engine.linear_state import HybridBatch, LinearBatch
-from rollout_cli.engine.sampler import FLOAT_PADDING, NUM_FLOAT_ROWS, NUM_INT_ROWS, SamplingRows, sample_rows
-from rollout_cli.engine.triton_attention import TritonAttentionBatch, invariant_decode_attention, warm_decode_splits
-from rollout_cli.engine.routing_pool import GraphRoutingBuffer
+from rollout_cli.engine.execution.linear_state import HybridBatch, LinearBatch
+from rollout_cli.engine.execution.sampler import FLOAT_PADDING, NUM_FLOAT_ROWS, NUM_INT_ROWS, SamplingRows, sample_rows
+from rollout_cli.engine.execution.triton_attention import TritonAttentionBatch, invariant_decode_attention, warm_decode_splits
+from rollout_cli.engine.execution.routing_pool import GraphRoutingBuffer
 from rollout_cli.models.moe import routing_recorder_swapped
 
 
@@ -38,7 +38,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 # rows of the int64 input buffer: the step's inputs, the row of the previous replay's tokens to
 # decode (-1: the token in _TOKEN), the linear-state slot (hybrid models; never read by others),
-# then the sampler's int table (engine.sampler.SamplingRows.int_rows) from row _SAMPLING on
+# then the sampler's int table (engine.execution.sampler.SamplingRows.int_rows) from row _SAMPLING on
 _TOKEN, _POSITION, _ROW, _SLOT, _SOURCE, _STATE_SLOT = range(6)
 _SAMPLING = 6
 _NUM_INT_ROWS = _SAMPLING + NUM_INT_ROWS

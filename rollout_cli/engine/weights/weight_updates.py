@@ -22,9 +22,9 @@ import torch
 
 from safetensors import safe_open
 
-from rollout_cli.engine.tensor_bucket import FlattenedBucket, unflatten_bucket
-from rollout_cli.engine.tensor_ipc import deserialize_named_tensors
-from rollout_cli.engine.weight_group import WeightGroup, open_weight_group
+from rollout_cli.engine.weights.tensor_bucket import FlattenedBucket, unflatten_bucket
+from rollout_cli.engine.weights.tensor_ipc import deserialize_named_tensors
+from rollout_cli.engine.weights.weight_group import WeightGroup, open_weight_group
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.loader import (
     TensorHeader,

@@ -9,7 +9,7 @@ alone, never on the rest of the batch.
 A step's sampling rows become two small tables (`SamplingRows`): int64 [5, B] (the four keys and
 top-k) and float32 [4, B] (temperature, top-p, min-p, raw-logprobs flag). The eager path copies
 them to the device once per step; the CUDA-graph path writes them into its static input buffers
-(`engine/cuda_graphs.py`). Both then call `sample_rows` on the device tables, so the two paths
+(`engine/execution/cuda_graphs.py`). Both then call `sample_rows` on the device tables, so the two paths
 read the settings the same way.
 """
 

@@ -9,7 +9,7 @@ that computes a prompt stops a prefill chunk at P, snapshots its state into
 a free slot, and the other samples of that prompt fork the snapshot (copy it
 into their own slot) instead of recomputing the prompt. A turn of a multi-turn
 conversation snapshots its prompt the same way, and the next turn forks that
-snapshot (the previous turn's prompt but its last token, engine/prefix_reuse.py).
+snapshot (the previous turn's prompt but its last token, engine/scheduling/prefix_reuse.py).
 Any other prefix hit (a shorter shared system prompt) is recomputed for hybrid
 models: the KV alone does not give the linear layers their state.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from rollout_cli.engine.kv_slots import SlotAllocator
+from rollout_cli.engine.scheduling.kv_slots import SlotAllocator
 
 
 class LinearStateSlots:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from rollout_cli.engine.kv_slots import SlotAllocator
+from rollout_cli.engine.scheduling.kv_slots import SlotAllocator
 
 
 class RadixNode:

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout_cli.engine.attention import KVCache, prepare_attention
-from rollout_cli.engine.linear_state import HybridBatch, begin_step, prepare_step
-from rollout_cli.engine.on_policy import PoolTokenAttention, token_forward
-from rollout_cli.engine.sampler import SamplingRows, sample_rows, teacher_logprobs
-from rollout_cli.engine.schedule_output import BatchEntry, ScheduleOutput
+from rollout_cli.engine.execution.attention import KVCache, prepare_attention
+from rollout_cli.engine.execution.linear_state import HybridBatch, begin_step, prepare_step
+from rollout_cli.engine.execution.on_policy import PoolTokenAttention, token_forward
+from rollout_cli.engine.execution.sampler import SamplingRows, sample_rows, teacher_logprobs
+from rollout_cli.engine.scheduling.schedule_output import BatchEntry, ScheduleOutput
 
 
 @dataclass
@@ -109,7 +109,7 @@ class ModelRunner:
         self.per_token = deterministic and self.attention_backend != "triton"
         if self.attention_backend == "triton":
             # Triton: optional on the CPU
-            from rollout_cli.engine.triton_attention import prepare_invariant_attention, prepare_triton_attention
+            from rollout_cli.engine.execution.triton_attention import prepare_invariant_attention, prepare_triton_attention
 
             self._prepare = prepare_invariant_attention if deterministic else prepare_triton_attention
         else:
@@ -125,7 +125,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_batch: int, warm_up: bool = True) -> float:
         """Capture decode graphs for batches up to max_batch; returns the capture time in seconds."""
-        from rollout_cli.engine.cuda_graphs import DecodeGraphs  # Triton: optional on the CPU
+        from rollout_cli.engine.execution.cuda_graphs import DecodeGraphs  # Triton: optional on the CPU
 
         assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
         self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.pad_row, self.scale, max_batch,

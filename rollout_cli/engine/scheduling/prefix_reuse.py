@@ -1,9 +1,9 @@
 """The scheduler's side of the prefix cache: a request takes its cached prefix at admission (and a
 hybrid model's state snapshot with it), publishes what it computed, and gives it back; the cache is
 flushed when the weights change; a multi-turn conversation pins its prefix between turns
-(engine/sessions.py).
+(engine/scheduling/sessions.py).
 
-A part of Scheduler (engine/scheduler.py), kept in its own file: it works on the scheduler's cache,
+A part of Scheduler (engine/scheduling/scheduler.py), kept in its own file: it works on the scheduler's cache,
 allocator, state slots and stats.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout_cli.engine.request import Request
+from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.errors import RolloutError
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout_cli.engine.kv_sizing import CPU_KV_BUDGET_BYTES
+from rollout_cli.engine.memory.kv_sizing import CPU_KV_BUDGET_BYTES
 from rollout_cli.errors import RolloutError
 
 MIB = 1 << 20

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_cli.engine.attention import KVCache
+from rollout_cli.engine.execution.attention import KVCache
 from rollout_kernels.batch_invariant_attention import batch_invariant_attention, block_rows, query_blocks
 from rollout_kernels.decode_attention import decode_attention
 from rollout_kernels.extend_attention import extend_attention

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollout_cli.engine.attention import KVCache
+from rollout_cli.engine.execution.attention import KVCache
 
 
 def attend_token(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollout_cli.engine.request import Request
+from rollout_cli.engine.scheduling.request import Request
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ Pinned KV cannot make room for new requests, so pins together hold at most `max_
 (half the KV pool by default): a new pin past that releases the oldest sessions' pins first.
 Hybrid models need the Gated DeltaNet state beside the KV, and the state at a turn's end is not
 snapshotted (with overlap scheduling the step that last advanced it is not known when the turn ends).
-A turn's prompt state is (engine/prefix_reuse.py): the pin keeps the KV of the prompt but its last
+A turn's prompt state is (engine/scheduling/prefix_reuse.py): the pin keeps the KV of the prompt but its last
 token, and the next turn resumes there, recomputing the last prompt token, the response and its
 new tokens.
 """

@@ -4,7 +4,7 @@ default group (neither side needs one, and a trainer's own default group is left
 Rank 0 is the trainer (it hosts the TCPStore at master_address:master_port); the engine is rank
 `rank_offset` of `world_size`. The backend is built directly on a prefixed store: NCCL on GPU,
 gloo on CPU. Both sides call `open_weight_group`; the trainer then `broadcast_tensors`, the
-engine receives into staging buffers (engine/weight_updates.py). Collectives match up in
+engine receives into staging buffers (engine/weights/weight_updates.py). Collectives match up in
 order, so both sides must broadcast the same tensors (names, shapes, dtypes) in the same order.
 
 Trainer side, next to a running daemon (the POST blocks until the tensors arrived, so it runs in
