@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout_cli.engine.engine import Engine, PromptInput
+from rollout_cli.engine.memory_saver import sync_device
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.episodes import EnvStep, EpisodeRunner
 from rollout_cli.errors import RolloutError
@@ -230,11 +231,6 @@ def _fastest_experts_implementation(model) -> str | None:
     except (ValueError, ImportError, RuntimeError):  # e.g. a GPU without grouped GEMM: keep the default
         pass
     return getattr(model.config, "_experts_implementation", None)
-
-
-def sync_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:

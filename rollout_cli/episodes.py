@@ -103,18 +103,23 @@ class Episode:
                              self.passthrough, self.params, conversation=previous_prompt_len)
 
 
+def check_max_turns(max_turns: int) -> None:
+    """--max-turns: the CLI and the daemon check it before OUT exists (JobConfig), Python callers here."""
+    if max_turns < 1:
+        raise RolloutError(f"--max-turns must be at least 1, got {max_turns}")
+
+
 class EpisodeRunner:
     """Runs a job's samples as episodes; `stream` has Engine.stream's signature and yields one
     Trajectory per finished episode, its `episode` columns filled."""
 
     def __init__(self, engine, make_env: Callable[[dict], Any], max_turns: int):
-        if max_turns < 1:
-            raise RolloutError(f"--max-turns must be at least 1, got {max_turns}")
+        check_max_turns(max_turns)
         self.engine = engine
         self.make_env = make_env
         self.max_turns = max_turns
         self.sessions = Sessions(EPISODE_RETENTION_SECONDS)
-        self.sessions.max_pinned_tokens = engine.num_kv_slots // 2
+        self.sessions.fit_pool(engine.num_kv_slots)
         self.turns = 0
         self.turn_prompt_tokens = 0
         self.turn_cached_tokens = 0

@@ -40,7 +40,7 @@ from rollout_cli.job_manifest import (
     merge_summaries,
     write_final_manifest,
 )
-from rollout_cli.episodes import EpisodeRunner, load_environment
+from rollout_cli.episodes import EpisodeRunner, check_max_turns, load_environment
 from rollout_cli.job_continue import drop_superseded_aborts, prepare_continuation
 from rollout_cli.job_resume import check_resume, fingerprints
 
@@ -87,8 +87,7 @@ class JobConfig:
         if self.continue_aborted and not self.resume:
             raise RolloutError("--continue-aborted continues the aborted samples of a run in OUT: add --resume")
         if self.env is not None:
-            if self.max_turns < 1:
-                raise RolloutError(f"--max-turns must be at least 1, got {self.max_turns}")
+            check_max_turns(self.max_turns)
             if self.continue_aborted:
                 raise RolloutError("--env runs whole episodes: --continue-aborted is not supported with it")
             if self.capture_routing:

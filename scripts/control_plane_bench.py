@@ -5,7 +5,7 @@ Writes a random Qwen3 checkpoint of the given config (default: Qwen3-8B shape, a
 bf16 safetensors in 4 GiB shards), reads it once so it sits in the page cache, starts an Engine
 on it, then times each operation and measures the engine's GPU memory from another process.
 
-    python scripts/control_plane_bench.py --config recipes/configs/qwen3-8b --workdir /tmp/cp
+    python scripts/control_plane_bench.py --config recipes/configs/qwen3-8b --workdir /tmp/cp [--quantization fp8]
 """
 
 from __future__ import annotations
@@ -116,6 +116,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="recipes/configs/qwen3-8b")
     parser.add_argument("--workdir", default="/tmp/control_plane")
+    parser.add_argument("--quantization", default=None, help="fp8: the engine re-quantizes every reload and update "
+                        "(issue 20: the cost on top of a bf16 reload)")
     args = parser.parse_args()
     from rollout_cli import Engine, SamplingParams
 
@@ -131,7 +133,8 @@ def main() -> None:
     baseline = device_used_bytes()
     t = time.perf_counter()
     # KV takes 60% of the free memory: the IPC step's trainer holds a second copy of the weights
-    engine = Engine(str(ckpt), device="cuda", dtype="bfloat16", max_model_len=4096, kv_memory_fraction=0.6)
+    engine = Engine(str(ckpt), device="cuda", dtype="bfloat16", max_model_len=4096, kv_memory_fraction=0.6,
+                    quantization=args.quantization)
     rows = [("engine start (load + KV + graphs)", time.perf_counter() - t, "")]
     prompts = [[(11 * i + j) % 1000 for j in range(64)] for i in range(16)]
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
@@ -161,6 +164,7 @@ def main() -> None:
     engine.reload_weights(str(ckpt))
     same = [r.response_token_ids for r in engine.generate(prompts, params)] == reference
     rows.append(("greedy tokens after the cycles equal before", float(same), ""))
+    print(f"quantization: {args.quantization or 'none'}")
     print(f"{'operation':48s} {'seconds':>8s}  note")
     for name, seconds, note in rows:
         print(f"{name:48s} {seconds:8.2f}  {note}")

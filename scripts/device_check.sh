@@ -21,7 +21,7 @@
 # in one run, ABBA, on the b06 / b8 / mixed / grpo / moe30 workloads), fp8b8 / fp8moe30 (issue 20: bf16 then
 # --quantization fp8 on the b8 / moe30 workloads), tail06 / turns06 (issue 21's targets: the GRPO workload
 # long-tailed with carry-over, 256 ten-turn episodes), fp8kvtests (FP8 KV cache kernels' GPU tests, decode
-# attention over an e4m3 pool against bf16), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
+# attention over an e4m3 pool against bf16), controlfp8 (control, FP8 weights: reloads re-quantize), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
 # modes, HF bf16 teacher forcing), tunebi06 / tunebi8 (tune the batch-invariant matmul for the 0.6B / 8B
 # shapes, write kernels/configs/batch_invariant_matmul/ and tar it to $OUT/tunebi*.tar to commit; run before det06 /
 # det8 in the same call), fp8 (issue 20's FP8 kernels: their GPU tests, then scripts/bench_fp8_gemm.py). Logs and JSON go to $OUT.
@@ -110,6 +110,8 @@ for kv in (None, torch.float8_e4m3fn):
     fidelity) timeout 500 python3 scripts/fidelity_check.py --model $Q06 --random-weights /tmp/q06_random \
                --num-prompts 64 --n 4 --min-len 64 --max-len 512 --output-len 256 --modes default,deterministic --hf 2>&1 | tee "$OUT/fidelity.log" | tail -20 ;;
     control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;
+    controlfp8) timeout 250 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp --quantization fp8 2>&1 \
+               | tee "$OUT/control_plane_fp8.log" | tail -13 ;;
     *) echo "unknown part $part" ;;
     esac
 done

@@ -160,7 +160,7 @@ class EngineWorker(OnlineCommands, WeightCommands, threading.Thread):
 
     def _load(self) -> None:
         self.engine = Engine(self.engine_config)
-        self.sessions.max_pinned_tokens = self.engine.num_kv_slots // 2  # the rest stays for new requests
+        self.sessions.fit_pool(self.engine.num_kv_slots)
         freeze_long_lived_objects()
         self.control = self.engine.control
         self._publish(state="paused" if self.paused else "serving", memory=self.control.memory_held(),

@@ -62,7 +62,8 @@ def _load_torch_memory_saver():
     return torch_memory_saver
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing to wait for on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -146,7 +147,7 @@ class MemorySaver:
 
     def release(self, tags, model, pools) -> None:
         """Free the memory of `tags` (already parsed, none released yet); returns once it is free."""
-        _sync(self.device)
+        sync_device(self.device)
         if self.backend == "torch_memory_saver":
             for tag in ("kv_cache", "weights"):
                 if tag in tags:
@@ -160,7 +161,7 @@ class MemorySaver:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        _sync(self.device)
+        sync_device(self.device)
 
     def resume(self, tags, model, pools) -> None:
         """Take back the memory of `tags` (already parsed, all released); cache pools come back zeroed."""
@@ -181,7 +182,7 @@ class MemorySaver:
         if "weights" in tags and not self.weights_cpu_backup:
             self.weights_stale = True
         self.released.difference_update(tags)
-        _sync(self.device)
+        sync_device(self.device)
 
     # ---- the reallocate mechanism ---------------------------------------------------------
 

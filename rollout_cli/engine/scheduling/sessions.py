@@ -53,7 +53,7 @@ class Sessions:
         if retention_seconds <= 0:
             raise RolloutError("--session-retention-seconds must be > 0")
         self.retention_seconds = retention_seconds
-        self.max_pinned_tokens: int | None = None  # set once the engine knows its pool size
+        self.max_pinned_tokens: int | None = None  # set by fit_pool once the engine knows its pool size
         self._clock = clock
         # oldest turn first: expiry times rise along it (one retention time for all)
         self._open: OrderedDict[str, Session] = OrderedDict()
@@ -61,6 +61,10 @@ class Sessions:
         # epoch) drops every pin, and with them this count
         self._pinned_tokens = 0
         self._pinned_epoch: int | None = None
+
+    def fit_pool(self, num_kv_slots: int) -> None:
+        """Pins together may hold half the KV pool: the rest stays for new requests."""
+        self.max_pinned_tokens = num_kv_slots // 2
 
     def __len__(self) -> int:
         return len(self._open)
