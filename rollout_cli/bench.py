@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout_cli.engine.engine import Engine, PromptInput
-from rollout_cli.engine.memory_saver import sync_device
+from rollout_cli.engine.memory.memory_saver import sync_device
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.episodes import EnvStep, EpisodeRunner
 from rollout_cli.errors import RolloutError

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 
-from rollout_cli.engine.memory_saver import sync_device
+from rollout_cli.engine.memory.memory_saver import sync_device
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.trajectory import PartialSample, PromptInput
 
