@@ -84,6 +84,7 @@ def _tp1_and_tp2(args: list, tmp_path: Path, lp_tol: float = LP_TOL) -> tuple[li
     ("qwen3", ["--max-batch-tokens", "8"]),  # q/k norms, head_dim 32; chunked prefill, prefix sharing (--n 2)
     ("llama_bias", []),  # attention and mlp biases: the split qkv bias and the row-parallel bias added once
     ("llama3_scaled", []),  # untied head, cut to an odd vocabulary (319): padded vocab-parallel rows
+    ("qwen3", ["--kv-cache-dtype", "fp8"]),  # each rank's e4m3 pool holds its heads' k/v
 ])
 def test_tp2_equals_tp1(tiny_checkpoints, prompts, tmp_path, name, extra):
     model = tiny_checkpoints[name]
