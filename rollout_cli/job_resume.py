@@ -8,9 +8,11 @@ the job itself (job.py), which only calls `fingerprints` and `check_resume`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING
 
+from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.errors import RolloutError
 from rollout_cli.io.fingerprints import checkpoint_change, checkpoint_fingerprint, data_change, data_fingerprint
 from rollout_cli.io.output_dir import read_manifest
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 # the weights are compared by content (the manifest's "fingerprints"), never by the paths as typed.
 RESUME_KEYS = ("prompt_key", "limit", "sampling", "capture_routing", "deterministic", "quantization", "kv_cache_dtype",
                "env")
+SAMPLING_DEFAULTS = dataclasses.asdict(SamplingParams())
 # A manifest written before fingerprints were recorded: its paths are compared as typed, as they were then.
 LEGACY_RESUME_KEYS = ("model", "data", *RESUME_KEYS)
 
@@ -91,8 +94,11 @@ def check_resume(job: JobConfig, settings: dict, fingerprints: dict) -> None:
                 "restore that file, or choose another --out"
             )
     for key in RESUME_KEYS if recorded is not None else LEGACY_RESUME_KEYS:
-        if key in previous and previous[key] != settings[key]:
-            name, old, new = _difference(key, previous[key], settings[key])
+        old = previous.get(key)
+        if key == "sampling" and isinstance(old, dict):  # a manifest from before a setting existed ran at its default
+            old = {**SAMPLING_DEFAULTS, **old}
+        if key in previous and old != settings[key]:
+            name, old, new = _difference(key, old, settings[key])
             raise RolloutError(
                 f"--resume: {job.out} was made with {name}={old!r}, this run has {new!r}; "
                 "use the same settings to resume, or choose another --out"

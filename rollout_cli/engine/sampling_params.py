@@ -32,6 +32,9 @@ class SamplingParams:
     logprobs_mode: str = "processed"
     """processed: log_softmax(logits / temperature) renormalised over the tokens top_k / top_p / min_p keep
     (the distribution the token was drawn from); raw: log_softmax(logits)."""
+    top_logprobs: int = 0
+    """Also the K most likely tokens and their logprobs (in logprobs_mode) at every sampled position
+    (OpenAI's top_logprobs); 0 = off. Steps holding such a sample run without CUDA graphs."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -46,6 +49,8 @@ class SamplingParams:
             raise RolloutError("--top-k must be >= 0 (0 disables it)")
         if not 0.0 <= self.min_p < 1.0:
             raise RolloutError("--min-p must be in [0, 1)")
+        if self.top_logprobs < 0:
+            raise RolloutError("top_logprobs must be >= 0 (0 disables it)")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise RolloutError(f"unknown --logprobs-mode {self.logprobs_mode!r}; choose processed or raw")
 

@@ -106,7 +106,7 @@ class StepLoop:
         tokens, logprobs = engine.runner.collect(handle)
         # no update runs while a step is in flight (it needs no running request): the step's version is the current one
         finished = engine.scheduler.postprocess(handle.out, tokens, logprobs, handle.scores, handle.score_tops,
-                                                engine.weight_version)
+                                                engine.weight_version, handle.sample_tops)
         now = time.perf_counter()
         wall = now - max(handle.launch_time, self.last_step_done)  # the step's share of wall time
         self.last_step_done = now

@@ -9,7 +9,8 @@ from rollout_cli.engine.sampling_params import SamplingParams
 
 
 # Trajectory fields that are not Parquet columns: metrics and the routing capture's side output.
-METRIC_FIELDS = ("passthrough", "ttft_seconds", "cached_prompt_tokens", "routed_experts", "episode")
+METRIC_FIELDS = ("passthrough", "ttft_seconds", "cached_prompt_tokens", "routed_experts", "episode",
+                 "response_top_logprobs")
 
 
 @dataclass
@@ -34,6 +35,10 @@ class Trajectory:
     routed_experts: Any = None
     # `rollout run --env`: the episode's columns (io.trajectories.EPISODE_FIELDS); None otherwise
     episode: dict[str, Any] | None = None
+    # with SamplingParams.top_logprobs K: per response token, up to K (token id, logprob) pairs, the
+    # most likely first (None for tokens carried over from a partial response); the Python API and the
+    # daemon's OpenAI routes return them, not a Parquet column (`rollout score --top-logprobs` writes them)
+    response_top_logprobs: list | None = None
 
     def to_row(self) -> dict[str, Any]:
         row = {k: v for k, v in self.__dict__.items() if k not in METRIC_FIELDS}

@@ -155,6 +155,20 @@ def test_a_manifest_without_fingerprints_resumes_on_the_paths_as_typed(partial_r
     assert _pairs(out) == PAIRS and "fingerprints" in _manifest(out)  # recorded from now on
 
 
+def test_a_manifest_from_before_a_sampling_setting_existed_resumes(partial_run):
+    """A sampling setting added later (top_logprobs here) is absent from older manifests: they ran at
+    its default, so --resume continues; another value of a recorded setting is still refused."""
+    out = partial_run
+    manifest = _manifest(out)
+    del manifest["sampling"]["top_logprobs"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    before = _snapshot(out)
+    _refused(_run(out, "recipes/example_model", PROMPTS, "--resume", "--temperature", "0.5"), out, before,
+             "sampling.temperature=1.0", "this run has 0.5")
+    _ok(_run(out, "recipes/example_model", PROMPTS, "--resume"))
+    assert _pairs(out) == PAIRS and _manifest(out)["sampling"]["top_logprobs"] == 0
+
+
 class _Daemon:
     def __init__(self, sock: Path, log: Path):
         self.sock = sock

@@ -16,7 +16,7 @@ import torch
 from rollout_cli.engine.execution.attention import KVCache, prepare_attention
 from rollout_cli.engine.execution.linear_state import HybridBatch, begin_step, prepare_step
 from rollout_cli.engine.execution.on_policy import PoolTokenAttention, token_forward
-from rollout_cli.engine.execution.sampler import SamplingRows, sample_rows, teacher_logprobs
+from rollout_cli.engine.execution.sampler import SamplingRows, sample_rows, sampled_top_logprobs, teacher_logprobs
 from rollout_cli.engine.scheduling.schedule_output import BatchEntry, ScheduleOutput
 
 
@@ -70,6 +70,7 @@ class StepHandle:
     logprobs: list[float] | None = None
     scores: list[float] = field(default_factory=list)  # scoring requests' teacher-forced logprobs, entry order
     score_tops: list | None = None  # with --top-logprobs: (ids, logprobs) of the k most likely tokens, per score
+    sample_tops: list | None = None  # per sampled row: its (token id, logprob) top list, or None (not asked)
     prefilled: bool = False  # the step ran prompt tokens
     graph_step: bool = False  # replayed a decode graph: its sampled tokens are also on the device
     host: torch.Tensor | None = None
@@ -193,9 +194,9 @@ class ModelRunner:
             return self._launch_graph(out, tokens_on_device=on_device, started=started)
         if pending:
             self._resolve_pending(out, prev)
-        tokens, logprobs, scores, tops = self._run_eager(out)
+        tokens, logprobs, scores, tops, sample_tops = self._run_eager(out)
         return StepHandle(out, tokens=tokens, logprobs=logprobs, scores=scores, score_tops=tops, prefilled=prefilled,
-                          launch_time=started)
+                          launch_time=started, sample_tops=sample_tops)
 
     def collect(self, handle: StepHandle) -> tuple[list[int], list[float]]:
         """The step's (tokens, logprobs), waiting for the GPU if it is still running."""
@@ -217,8 +218,9 @@ class ModelRunner:
             if e.source_row >= 0:
                 e.token_ids = [tokens[e.source_row]]
 
-    def _run_eager(self, out: ScheduleOutput) -> tuple[list[int], list[float], list[float], list | None]:
-        """(sampled tokens, their logprobs, the scored rows' logprobs, their top-k (ids, logprobs) or None)."""
+    def _run_eager(self, out: ScheduleOutput) -> tuple[list[int], list[float], list[float], list | None, list | None]:
+        """(sampled tokens, their logprobs, the scored rows' logprobs, their top-k (ids, logprobs) or None,
+        the sampled rows' top lists or None)."""
         sampled = [e for e in out.entries if e.sample]
         self._write_table(out.entries)
         logits, score_logits = self._forward_logits(out)
@@ -233,14 +235,17 @@ class ModelRunner:
                 tops = list(zip(top_ids.tolist(), top_logprobs.tolist()))
             scores = scored.tolist()
         if not sampled:
-            return [], [], scores, tops
+            return [], [], scores, tops, None
         # each row draws the token at start + num_new_tokens: that position keys its random number
         sampling = SamplingRows([e.request for e in sampled], [e.start + e.num_new_tokens for e in sampled])
         tokens, logprobs = sample_rows(logits, *sampling.to_device(self.device),
                                        use_triton=self.attention_backend == "triton", per_row=self.per_token)
         # one device-to-host copy: float64 holds both the token ids and the float32 logprobs exactly
         token_values, logprob_values = torch.stack((tokens.double(), logprobs.double())).tolist()
-        return [int(t) for t in token_values], logprob_values, scores, tops
+        sample_tops = None
+        if any(e.request.params.top_logprobs for e in sampled):
+            sample_tops = sampled_top_logprobs(logits, [e.request for e in sampled], tokens, per_row=self.per_token)
+        return [int(t) for t in token_values], logprob_values, scores, tops, sample_tops
 
     def _launch_graph(self, out: ScheduleOutput, tokens_on_device: bool, started: float) -> StepHandle:
         """A decode-only step by graph replay (forward and sampling); every entry samples."""

@@ -93,6 +93,34 @@ def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, 
     return sample_ref(logits, *settings, keys=keys)
 
 
+def sampled_top_logprobs(logits: torch.Tensor, requests, tokens: torch.Tensor, per_row: bool) -> list:
+    """The most likely tokens at each sampled row (top_logprobs): logits [B, V] of the rows `requests`
+    sampled `tokens` [B] from -> per row, None (params.top_logprobs 0) or up to K (token id, logprob)
+    pairs, most likely first, logprobs as the sampler reports them (the request's temperature, filters
+    and logprobs mode; tokens the filters drop cannot be drawn and are left out). `per_row`: each row
+    alone, as the on-policy mode samples."""
+    rows = SamplingRows(list(requests), [0] * len(requests))
+    ints, floats = rows.to_device(logits.device)
+    num_top = max(r.params.top_logprobs for r in requests)
+
+    def top(part: slice, row_logits: torch.Tensor):
+        _, ids, values = token_logprobs_ref(row_logits, tokens[part], floats[TEMPERATURE, part],
+                                            floats[RAW_LOGPROBS, part] > 0.5, ints[TOP_K, part], floats[TOP_P, part],
+                                            floats[MIN_P, part], num_top)
+        return ids, values
+
+    if per_row:
+        parts = [top(slice(i, i + 1), logits[i : i + 1].clone()) for i in range(logits.shape[0])]
+        ids, values = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    else:
+        ids, values = top(slice(None), logits)
+    out = []
+    for request, row_ids, row_values in zip(requests, ids.tolist(), values.tolist(), strict=True):
+        k = request.params.top_logprobs
+        out.append([(t, v) for t, v in zip(row_ids[:k], row_values[:k]) if v != float("-inf")] if k else None)
+    return out
+
+
 def teacher_logprobs(logits: torch.Tensor, entries, per_row: bool, use_triton: bool = False):
     """Scoring (teacher forcing): logits [S, V] of the scored rows of `entries` (engine.schedule_output
     BatchEntry with score_targets, in order) -> [S] float32 logprobs of their targets, reported as the

@@ -87,7 +87,8 @@ class RequestMaker:
                           sample_index=sample.sample_index, prompt_token_ids=list(sample.prompt_token_ids),
                           params=params, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                           payload=sample.passthrough, conversation=sample.conversation, output_token_ids=response,
-                          output_logprobs=list(sample.response_logprobs))
+                          output_logprobs=list(sample.response_logprobs),
+                          output_top_logprobs=[None] * len(response) if params.top_logprobs else [])
         for i, version in enumerate(sample.response_weight_versions):
             if not request.version_spans or request.version_spans[-1][1] != version:
                 request.version_spans.append((i, version))
