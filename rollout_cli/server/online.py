@@ -6,7 +6,7 @@ it to the engine thread (EngineWorker.submit_online). The engine thread keeps th
 LiveRequests: their prompts wait in `inbox` until the stream's source takes them, every step feeds the
 running samples of a streaming or stop-string request to their SampleText, and every finished sample
 goes back to its request. Events reach the request's asyncio loop thread-safely:
-    ("delta", index, token_ids, logprobs, text)   new tokens of one sample (streaming requests only)
+    ("delta", index, token_ids, logprobs, text, tops)   new tokens of one sample (streaming requests only)
     ("finish", Choice)                            one sample ended; its whole response
     ("error", message)                            the engine cannot serve the request
 Choice.index is prompt * n + sample, the order OpenAI numbers choices in.
@@ -41,6 +41,7 @@ class Choice:
     weight_versions: list[str] = field(default_factory=list)  # one per token
     cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served
     session: dict | None = None  # a session turn: the session's statistics after it (server/sessions.py)
+    top_logprobs: list = field(default_factory=list)  # per token: (token id, logprob) pairs, or None (not asked)
 
 
 class OnlineRequest:
@@ -80,14 +81,15 @@ class OnlineRequest:
 
     # ---- engine thread -------------------------------------------------------------
 
-    def progress(self, prompt: int, sample: int, token_ids: list[int], logprobs: list[float]) -> bool:
+    def progress(self, prompt: int, sample: int, token_ids: list[int], logprobs: list[float],
+                 tops: list | None = None) -> bool:
         """The running sample's tokens so far (the engine request's own lists, read, not kept); streams
         what is new. -> True when a stop rule ended the sample (the caller aborts its engine request)."""
         text = self.samples[prompt][sample]
         start = len(text.token_ids)
         if text.stopped or len(token_ids) == start:
             return False
-        text.feed(token_ids[start:], logprobs[start:])
+        text.feed(token_ids[start:], logprobs[start:], tops[start:] if tops else None)
         if text.stopped:
             return True
         if self.stream:
@@ -95,18 +97,19 @@ class OnlineRequest:
         return False
 
     def finish(self, prompt: int, sample: int, token_ids: list[int], logprobs: list[float], finish_reason: str,
-               weight_versions: list[str], cached_prompt_tokens: int = 0, session_turn=None) -> None:
+               weight_versions: list[str], cached_prompt_tokens: int = 0, session_turn=None,
+               tops: list | None = None) -> None:
         """The sample ended (in the engine, by a stop rule, or aborted) with these tokens.
         `session_turn(request, choice) -> statistics` records a session's turn before the answer goes out."""
         text = self.samples[prompt][sample]
         start = len(text.token_ids)
-        text.feed(token_ids[start:], logprobs[start:])
+        text.feed(token_ids[start:], logprobs[start:], tops[start:] if tops else None)
         text.finish()
         index = prompt * self.params.n + sample
         count = len(text.token_ids)
         choice = Choice(index, prompt, list(text.token_ids), list(text.logprobs), text.visible_text(final=True),
                         "stop" if text.stopped else finish_reason, text.stop_reason, list(weight_versions[:count]),
-                        cached_prompt_tokens)
+                        cached_prompt_tokens, top_logprobs=list(text.tops))
         if session_turn is not None and self.session_id is not None:
             choice.session = session_turn(self, choice)
         self._emit(("finish", choice))
@@ -121,7 +124,8 @@ class OnlineRequest:
         if len(text.token_ids) == tokens_sent and len(visible) == chars_sent:
             return
         self._sent[index] = (len(text.token_ids), len(visible))
-        self._emit(("delta", index, text.token_ids[tokens_sent:], text.logprobs[tokens_sent:], visible[chars_sent:]))
+        self._emit(("delta", index, text.token_ids[tokens_sent:], text.logprobs[tokens_sent:], visible[chars_sent:],
+                    text.tops[tokens_sent:]))
 
     def _emit(self, event: tuple) -> None:
         try:
@@ -169,7 +173,7 @@ class LiveRequests:
                 continue
             request, prompt = found
             if request.progress(prompt, engine_request.sample_index, engine_request.output_token_ids,
-                                engine_request.output_logprobs):
+                                engine_request.output_logprobs, engine_request.output_top_logprobs):
                 stopped.append(engine_request)
         return stopped
 
@@ -206,7 +210,7 @@ class LiveRequests:
         request, prompt = found
         request.finish(prompt, trajectory.sample_index, trajectory.response_token_ids,
                        trajectory.response_logprobs, trajectory.finish_reason, trajectory.response_weight_versions,
-                       trajectory.cached_prompt_tokens, self.session_turn)
+                       trajectory.cached_prompt_tokens, self.session_turn, trajectory.response_top_logprobs)
         self._forget_if_done(request)
 
     def abort_queued(self, request_id: str | None = None) -> int:

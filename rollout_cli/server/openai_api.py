@@ -182,12 +182,12 @@ async def _stream_events(routes: OpenAIRoutes, request: OnlineRequest, shape: "_
                 yield from_chunk({"error": {"message": event[1], "type": "InternalServerError", "code": 500}})
                 return
             if event[0] == "delta":
-                _, index, token_ids, logprobs, text = event
-                yield from_chunk(shape.chunk(index, token_ids, logprobs, text, None))
+                _, index, token_ids, logprobs, text, tops = event
+                yield from_chunk(shape.chunk(index, token_ids, logprobs, text, None, tops))
             else:
                 choice = event[1]
-                token_ids, logprobs, text = shape.rest_of(choice)
-                yield from_chunk(shape.chunk(choice.index, token_ids, logprobs, text, choice))
+                token_ids, logprobs, text, tops = shape.rest_of(choice)
+                yield from_chunk(shape.chunk(choice.index, token_ids, logprobs, text, choice, tops))
                 finished += 1
         if shape.include_usage or shape.session is not None:
             yield from_chunk(shape.usage_chunk())
@@ -244,18 +244,26 @@ class _ResponseShape:
         if choice.session is not None:
             self.session = choice.session
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[float], offset: int) -> dict | None:
+    def _logprobs(self, token_ids: list[int], logprobs: list[float], offset: int, tops: list) -> dict | None:
+        """OpenAI's logprobs object for these tokens; `tops` per token: its (token id, logprob) pairs
+        (top_logprobs asked), or None."""
         if not self.want_logprobs:
             return None
         strings = self.routes.token_strings(token_ids)
+        alternatives = [self.routes.token_strings([t for t, _ in top]) if top else [] for top in tops]
         if self.chat:
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
-                                for s, lp in zip(strings, logprobs)]}
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
+                                 "top_logprobs": [{"token": a, "logprob": v, "bytes": list(a.encode("utf-8"))}
+                                                  for a, (_, v) in zip(names, top or ())]}
+                                for s, lp, top, names in zip(strings, logprobs, tops, alternatives, strict=True)]}
         offsets, at = [], offset
         for s in strings:
             offsets.append(at)
             at += len(s)
-        return {"tokens": strings, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+        top_maps = None
+        if any(top is not None for top in tops):  # legacy completions: one {token: logprob} map per position
+            top_maps = [{a: v for a, (_, v) in zip(names, top or ())} for top, names in zip(tops, alternatives)]
+        return {"tokens": strings, "token_logprobs": logprobs, "top_logprobs": top_maps, "text_offset": offsets}
 
     def _ids(self, choice_out: dict, choice: Choice | None, token_ids: list[int]) -> None:
         """return_token_ids: the choice's token ids (new ones when streaming), its prompt's, the versions."""
@@ -275,7 +283,7 @@ class _ResponseShape:
             self._completion_tokens += len(c.token_ids)
             self._finished(c)
             item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                                    "logprobs": self._logprobs(c.token_ids, c.logprobs, 0)}
+                                    "logprobs": self._logprobs(c.token_ids, c.logprobs, 0, c.top_logprobs)}
             if self.chat:
                 item["message"] = {"role": "assistant", "content": c.text}
                 if self.parse_tools:
@@ -303,19 +311,19 @@ class _ResponseShape:
                                              "logprobs": None, "finish_reason": None}
                                             for i in range(self.request.num_samples)]}
 
-    def rest_of(self, choice: Choice) -> tuple[list[int], list[float], str]:
+    def rest_of(self, choice: Choice) -> tuple[list[int], list[float], str, list]:
         """What a finished choice holds beyond what was streamed of it."""
         tokens, chars = self._sent.get(choice.index, (0, 0))
-        return choice.token_ids[tokens:], choice.logprobs[tokens:], choice.text[chars:]
+        return choice.token_ids[tokens:], choice.logprobs[tokens:], choice.text[chars:], choice.top_logprobs[tokens:]
 
     def chunk(self, index: int, token_ids: list[int], logprobs: list[float], text: str,
-              finished: Choice | None) -> dict:
+              finished: Choice | None, tops: list) -> dict:
         tokens, chars = self._sent.get(index, (0, 0))
         self._sent[index] = (tokens + len(token_ids), chars + len(text))
         self._completion_tokens += len(token_ids)
         if finished is not None:
             self._finished(finished)
-        item: dict[str, Any] = {"index": index, "logprobs": self._logprobs(token_ids, logprobs, chars),
+        item: dict[str, Any] = {"index": index, "logprobs": self._logprobs(token_ids, logprobs, chars, tops),
                                 "finish_reason": finished.finish_reason if finished else None,
                                 "stop_reason": finished.stop_reason if finished else None}
         if self.chat:

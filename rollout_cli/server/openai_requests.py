@@ -95,13 +95,12 @@ def refuse_unsupported(body: SamplingKeys) -> None:
             raise RolloutError("suffix is not supported; leave it out")
         if body.best_of not in (None, body.n):
             raise RolloutError("best_of is not supported; use n and pick among the choices")
-        if body.logprobs not in (None, 0):
-            raise RolloutError(f"logprobs {body.logprobs} asks for the top alternatives, which the sampler does "
-                               "not compute; pass logprobs 0 for the logprob of each sampled token")
-    else:
-        if body.top_logprobs:
-            raise RolloutError(f"top_logprobs {body.top_logprobs} asks for alternatives the sampler does not "
-                               "compute; pass logprobs true (and top_logprobs 0) for each sampled token's logprob")
+    if not 0 <= top_logprobs_of(body) <= MAX_TOP_LOGPROBS:
+        raise RolloutError(f"{'top_logprobs' if isinstance(body, ChatCompletionRequest) else 'logprobs'} must be in "
+                           f"[0, {MAX_TOP_LOGPROBS}]: the number of most likely tokens returned per position")
+    if not isinstance(body, CompletionRequest):
+        if body.top_logprobs and not body.logprobs:
+            raise RolloutError("top_logprobs needs logprobs true")
         if body.tool_choice not in (None, "none", "auto"):
             raise RolloutError(f"tool_choice {body.tool_choice!r} would need constrained decoding, which this engine "
                                "does not do; pass auto (the model decides) or none")
@@ -117,13 +116,24 @@ def check_session(body: SamplingKeys, prompts: list[list[int]]) -> None:
                            "(several samples of a turn branch the conversation; send them without session_id)")
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+
+
+def top_logprobs_of(body: SamplingKeys) -> int:
+    """How many most likely tokens per position the body asks for: completions' integer logprobs,
+    chat's top_logprobs."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs or 0
+    return body.top_logprobs or 0
+
+
 def sampling_params(body: SamplingKeys, max_tokens: int) -> SamplingParams:
     return SamplingParams(
         n=body.n, max_new_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, min_p=body.min_p,
         seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
-        ignore_eos=body.ignore_eos, logprobs_mode=body.logprobs_mode,
+        ignore_eos=body.ignore_eos, logprobs_mode=body.logprobs_mode, top_logprobs=top_logprobs_of(body),
     )
 
 

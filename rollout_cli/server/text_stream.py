@@ -27,6 +27,7 @@ class SampleText:
         self.stop_token_ids = stop_token_ids
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.tops: list = []  # per token: its position's top_logprobs pairs, or None (not asked)
         self.text = ""
         self.stop_reason: str | int | None = None  # the stop string or token id that ended the sample
         # incremental decoding (vLLM's offsets): tokens [prefix, read) were decoded into text already;
@@ -41,15 +42,17 @@ class SampleText:
     def stopped(self) -> bool:
         return self.stop_reason is not None
 
-    def feed(self, token_ids: list[int], logprobs: list[float]) -> int:
-        """Take the sample's next tokens in order, up to the one that meets a stop rule; -> how many
-        were taken (fewer than given once stopped: the rest are dropped)."""
+    def feed(self, token_ids: list[int], logprobs: list[float], tops: list | None = None) -> int:
+        """Take the sample's next tokens in order (with their logprobs and, if given, top_logprobs
+        pairs), up to the one that meets a stop rule; -> how many were taken (fewer than given once
+        stopped: the rest are dropped)."""
         taken = 0
-        for token, logprob in zip(token_ids, logprobs):
+        for i, (token, logprob) in enumerate(zip(token_ids, logprobs)):
             if self.stopped:
                 break
             self.token_ids.append(token)
             self.logprobs.append(logprob)
+            self.tops.append(tops[i] if tops else None)
             taken += 1
             if token in self.stop_token_ids:
                 self._decode_new()
