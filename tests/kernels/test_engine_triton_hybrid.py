@@ -16,14 +16,17 @@ from rollout_cli.models.norms import GatedRMSNorm, ZeroCentredRMSNorm
 
 
 @interpreter_only
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
-def test_triton_backend_matches_torch_backend_on_hybrids(tiny_hybrid_checkpoints, name):
+@pytest.mark.parametrize("name, kv_cache_dtype", [("qwen3_next", "auto"), ("qwen3_5", "auto"), ("qwen3_next", "fp8")])
+def test_triton_backend_matches_torch_backend_on_hybrids(tiny_hybrid_checkpoints, name, kv_cache_dtype):
+    """fp8: the gated full-attention layers' e4m3 pool written and read by the Triton kernels as the
+    torch path does."""
     model_dir = tiny_hybrid_checkpoints[name]
     # 10 + up to 11 tokens > max_batch_tokens 8: prefill chunks carry the state across steps
     prompts = prompts_with_shared_prefix(seed=2, prefix_len=10, count=2, longest_tail=11) + [[7]]
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=4)
     runs, engine = generate_on_both_backends(model_dir, prompts, params, dtype="float32", max_model_len=64,
-                                             max_batch_tokens=8, max_running=8)
+                                             max_batch_tokens=8, max_running=8, kv_cache_dtype=kv_cache_dtype)
+    assert engine.kv.is_fp8 == (kv_cache_dtype == "fp8")
     assert all(m.use_triton for m in engine.model.modules() if isinstance(m, RotaryEmbedding))
     # the gating and the output norm (kernels/gdn_gating_norm.py), the (1 + w) norms (kernels/rmsnorm.py)
     hybrid_parts = [m for m in engine.model.modules() if isinstance(m, (GatedDeltaNet, GatedRMSNorm, ZeroCentredRMSNorm))]
