@@ -30,7 +30,7 @@ from rollout_cli.errors import Conflict, RolloutError
 from rollout_cli.io.prompt_encoding import InvalidPrompt, encode_prompt
 from rollout_cli.server.http_errors import OPENAI_PREFIX, engine_error
 from rollout_cli.server.online import Choice, OnlineRequest
-from rollout_cli.server.tool_calls import parse_tool_calls, template_takes_tools
+from rollout_cli.server.tool_calls import ToolCallStream, parse_tool_calls, template_takes_tools
 from rollout_cli.server.openai_requests import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
                                                 SamplingKeys, chat_messages, check_session, refuse_unsupported,
                                                 sampling_params, stop_strings)
@@ -217,6 +217,7 @@ class _ResponseShape:
         self.parse_tools = chat and bool(body.tools) and body.tool_choice != "none"
         self.created = int(time.time())
         self._sent: dict[int, tuple[int, int]] = {}  # choice index -> (tokens, characters) streamed
+        self._tool_streams: dict[int, ToolCallStream] = {}  # streamed chat with tools: each choice's parse
         self._completion_tokens = 0
         self._cached_tokens = 0  # prompt tokens the prefix cache served (each prompt's first sample)
         self.session: dict | None = None  # a session turn: the session's statistics after it
@@ -326,12 +327,28 @@ class _ResponseShape:
         item: dict[str, Any] = {"index": index, "logprobs": self._logprobs(token_ids, logprobs, chars, tops),
                                 "finish_reason": finished.finish_reason if finished else None,
                                 "stop_reason": finished.stop_reason if finished else None}
-        if self.chat:
+        if self.chat and self.parse_tools:
+            item["delta"] = self._tool_delta(index, text, finished is not None)
+            if finished is not None and self._tool_streams[index].num_calls:
+                item["finish_reason"] = "tool_calls"
+        elif self.chat:
             item["delta"] = {"content": text}
         else:
             item["text"] = text
         self._ids(item, finished, token_ids)
         return {**self._head(), "choices": [item]}
+
+    def _tool_delta(self, index: int, text: str, last: bool) -> dict:
+        """A streamed choice's delta with tools: the text outside calls as content, each call once whole."""
+        stream = self._tool_streams.setdefault(index, ToolCallStream())
+        first = stream.num_calls
+        content, calls = stream.feed(text)
+        if last:
+            content += stream.finish()
+        delta: dict[str, Any] = {"content": content}
+        if calls:
+            delta["tool_calls"] = [{"index": first + i, **call} for i, call in enumerate(calls)]
+        return delta
 
     def usage_chunk(self) -> dict:
         """After the last choice: usage (stream_options.include_usage) and a session turn's statistics."""

@@ -104,8 +104,6 @@ def refuse_unsupported(body: SamplingKeys) -> None:
         if body.tool_choice not in (None, "none", "auto"):
             raise RolloutError(f"tool_choice {body.tool_choice!r} would need constrained decoding, which this engine "
                                "does not do; pass auto (the model decides) or none")
-        if body.tools and body.stream and body.tool_choice != "none":
-            raise RolloutError("streamed tool calls are not supported yet; pass stream false with tools")
         if body.response_format and body.response_format.get("type") not in (None, "text"):
             raise RolloutError("response_format other than text is not supported; leave it out")
 

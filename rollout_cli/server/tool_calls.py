@@ -43,6 +43,57 @@ def parse_tool_calls(text: str) -> ParsedTurn:
     return ParsedTurn("".join(kept).strip() or None, calls)
 
 
+class ToolCallStream:
+    """The same parse for a streamed answer: text deltas in, (content delta, finished calls) out. Text
+    that could begin `<tool_call>` waits until it cannot; a block waits for its `</tool_call>`, then
+    becomes a call or, if it is not one, goes out as text. Unlike the whole answer's content, streamed
+    content keeps the whitespace around the calls (it went out before the calls were known)."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self):
+        self.pending = ""  # text not sent yet: a possible start of OPEN, or an unfinished block
+        self.num_calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.pending += text
+        content, calls = [], []
+        while True:
+            start = self.pending.find(self.OPEN)
+            if start < 0:
+                keep = _partial_prefix(self.pending, self.OPEN)
+                content.append(self.pending[:len(self.pending) - keep])
+                self.pending = self.pending[len(self.pending) - keep:]
+                break
+            end = self.pending.find(self.CLOSE, start + len(self.OPEN))
+            if end < 0:  # the block is still being written
+                content.append(self.pending[:start])
+                self.pending = self.pending[start:]
+                break
+            call = _call_of(self.pending[start + len(self.OPEN):end].strip())
+            if call is None:  # not a call: the block stays text, as the model wrote it
+                content.append(self.pending[:end + len(self.CLOSE)])
+            else:
+                content.append(self.pending[:start])
+                calls.append(call)
+            self.pending = self.pending[end + len(self.CLOSE):]
+        self.num_calls += len(calls)
+        return "".join(content), calls
+
+    def finish(self) -> str:
+        """The answer ended: what was held back (an unfinished block included) is text."""
+        rest, self.pending = self.pending, ""
+        return rest
+
+
+def _partial_prefix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a proper beginning of `tag`."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
+
+
 def _call_of(body: str) -> dict | None:
     try:
         value = json.loads(body)

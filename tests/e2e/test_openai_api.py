@@ -424,6 +424,12 @@ def test_tools_reach_the_prompt_and_tool_turns_render(tmp_path):
         assert prompt.count("<tool_call>") == 1
         # the untrained model writes no call: its text is the content, the finish reason the engine's
         assert answer.choices[0].finish_reason == "length" and answer.choices[0].message.tool_calls is None
+        # streamed with tools (the parse itself, at every split: tests/unit/test_tool_calls.py): the same answer
+        chunks = [c.choices[0] for c in client.chat.completions.create(
+            model=str(model), messages=messages, tools=[WEATHER], max_tokens=4, temperature=0.0, stream=True)
+            if c.choices]
+        assert "".join(c.delta.content or "" for c in chunks) == answer.choices[0].message.content
+        assert all(not c.delta.tool_calls for c in chunks) and chunks[-1].finish_reason == "length"
         plain = client.chat.completions.create(model=str(model), messages=messages[:1], max_tokens=4,
                                                extra_body={"return_token_ids": True})
         assert "<tools>" not in _decode(plain.model_extra["prompt_token_ids"])  # no tools, none rendered
