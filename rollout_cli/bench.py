@@ -11,6 +11,7 @@ KV cache) and reports the ratio.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import statistics
 import time
@@ -248,6 +249,7 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
     if engine.scheduler.cache is not None:  # the warm-up prompt must not count as a prefix hit
         engine.scheduler.cache.reset()
     stats_before = dataclasses.replace(engine.scheduler.stats)
+    engine.scheduler.stats.peak_running = 0  # the timed run's own peak
     engine.runner.traffic = type(engine.runner.traffic)()
     engine.runner.time_decode_steps = engine.device.type == "cuda"
     engine.runner.count_distinct_context = True
@@ -259,9 +261,14 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
         observation = [random.Random(cfg.seed).randrange(engine.requests.vocab_size) for _ in range(cfg.observation_len)]
         episodes = EpisodeRunner(engine, lambda row: SyntheticEnv(observation), cfg.turns)
     start = time.monotonic()
-    results = list((engine if episodes is None else episodes).stream(inputs(), SamplingParams()))
+    results, finished_at = [], []  # finished_at: seconds into the run when each sample came out
+    for result in (engine if episodes is None else episodes).stream(inputs(), SamplingParams()):
+        results.append(result)
+        finished_at.append(time.monotonic() - start)
     sync_device(engine.device)
     seconds = time.monotonic() - start
+    # the long tail: how long the last 10% of the samples kept the run going after 90% were out
+    ninety = finished_at[max(0, math.ceil(0.9 * len(finished_at)) - 1)] if finished_at else 0.0
     engine.runner.time_decode_steps = engine.runner.count_distinct_context = False
     traffic = engine.runner.traffic
     stats = engine.scheduler.stats
@@ -281,6 +288,9 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
         "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))],
         "prefix_hit_rate": (stats.cached_prompt_tokens - stats_before.cached_prompt_tokens) / max(prompt_tokens, 1),
         "preemptions": stats.preemptions - stats_before.preemptions,
+        "recomputed_tokens": stats.recomputed_tokens - stats_before.recomputed_tokens,
+        "peak_running": stats.peak_running,
+        "last_10pct_seconds": seconds - ninety,
         "kv_cache_tokens": engine.kv.num_slots - 1,  # slot 0 is padding
         "kv_cache_dtype": str(engine.kv.k.dtype).removeprefix("torch."),
         "peak_memory_gib": torch.cuda.max_memory_allocated(engine.device) / (1 << 30)

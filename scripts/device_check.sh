@@ -21,7 +21,8 @@
 # in one run, ABBA, on the b06 / b8 / mixed / grpo / moe30 workloads), fp8b8 / fp8moe30 (issue 20: bf16 then
 # --quantization fp8 on the b8 / moe30 workloads), tail06 / turns06 (issue 21's targets: the GRPO workload
 # long-tailed with carry-over, 256 ten-turn episodes), fp8kvtests (FP8 KV cache kernels' GPU tests, decode
-# attention over an e4m3 pool against bf16), controlfp8 (control, FP8 weights: reloads re-quantize), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
+# attention over an e4m3 pool against bf16), reason8 / reason06 (issue 25's long-output workload: 1024 in,
+# U[1024, 16384] out; preemptions, recomputed tokens, peak batch, the last 10%'s time), controlfp8 (control, FP8 weights: reloads re-quantize), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
 # modes, HF bf16 teacher forcing), tunebi06 / tunebi8 (tune the batch-invariant matmul for the 0.6B / 8B
 # shapes, write kernels/configs/batch_invariant_matmul/ and tar it to $OUT/tunebi*.tar to commit; run before det06 /
 # det8 in the same call), fp8 (issue 20's FP8 kernels: their GPU tests, then scripts/bench_fp8_gemm.py). Logs and JSON go to $OUT.
@@ -105,6 +106,9 @@ for kv in (None, torch.float8_e4m3fn):
         print(r['kv_dtype'], batch, ctx, round(r['time_us'], 1), 'us', round(r['hbm_fraction'], 3))" 2>&1 | tee "$OUT/fp8kv_decode.log" ;;
     fp8kv8) bench b8_long_bf16kv 280 --model $Q8 --num-prompts 256 --input-len 1024 --output-len 4096
            bench b8_long_fp8kv 280 --model $Q8 --num-prompts 256 --input-len 1024 --output-len 4096 --kv-cache-dtype fp8 ;;
+    reason8|reason06) model=$Q8; [ $part = reason06 ] && model=$Q06  # issue 25's long reasoning outputs
+           bench ${part}_long 580 --model $model --num-prompts 256 --input-len 1024 --output-len-range 1024 16384
+           grep -E "preemptions|peak running|fraction of" "$OUT/${part}_long.log" ;;
     tail06) bench b06_grpo_tail 300 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 \
                --long-tail 0.1 --carry-over 3 ;;
     turns06) bench b06_turns 300 --model $Q06 --num-prompts 256 --input-len 512 --output-len 256 --turns 10 \

@@ -268,7 +268,9 @@ def _table(report: dict) -> Table:
         table.add_row("decode GPU / host busy", f"{r['decode_gpu_ms']:.2f} / {r['decode_host_busy_ms']:.2f} ms per step")
     if r["cuda_graph_capture_s"] is not None:
         table.add_row("CUDA graph capture", f"{r['cuda_graph_capture_s']:.1f} s")
-    table.add_row("preemptions", str(r["preemptions"]))
+    table.add_row("preemptions / recomputed tokens", f"{r['preemptions']} / {r['recomputed_tokens']:,}")
+    table.add_row("peak running / last 10% of samples", f"{r['peak_running']} / {r['last_10pct_seconds']:.2f} s "
+                  f"({r['last_10pct_seconds'] / r['seconds']:.0%} of the run)")
     table.add_row("KV cache", f"{r['kv_cache_tokens']:,} tokens ({r['kv_cache_dtype']})")
     if r["peak_memory_gib"] is not None:
         table.add_row("peak memory", f"{r['peak_memory_gib']:.1f} GiB")

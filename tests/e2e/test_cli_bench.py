@@ -183,3 +183,18 @@ def test_hf_baseline_time_limit_reports_a_bound():
     assert stopped["seconds_at_least"] == pytest.approx(stopped["seconds"] + 22 * stopped["fastest_step_s"])
     assert stopped["output_tokens_per_s"] == pytest.approx(48 / stopped["seconds_at_least"])
     assert stopped["fastest_step_s"] > 0
+
+
+def test_kv_pressure_reports_preemptions_what_they_recompute_and_the_tail(tmp_path):
+    """A KV cache too small for the batch: samples are preempted and recompute what the prefix cache
+    did not keep; the report counts those tokens, the peak running batch and the last 10%'s time."""
+    report_path = tmp_path / "bench.json"
+    result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 8, "--input-len", 8, "--output-len", 24,
+                    "--kv-cache-tokens", 80, "--max-model-len", 40, "--max-running", 8, "--json", report_path)
+    assert result.returncode == 0, result.stderr
+    rollout = json.loads(report_path.read_text())["rollout"]
+    assert rollout["output_tokens"] == 8 * 24
+    assert rollout["preemptions"] > 0 and rollout["recomputed_tokens"] > 0
+    assert 2 <= rollout["peak_running"] <= 8
+    assert 0 <= rollout["last_10pct_seconds"] <= rollout["seconds"]
+    assert "recomputed tokens" in result.stdout and "last 10% of samples" in result.stdout

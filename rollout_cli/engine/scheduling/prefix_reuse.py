@@ -42,6 +42,9 @@ class PrefixReuse:
             request.cache_node = node
             request.slots = list(slots)
             request.num_cached_tokens = request.num_computed_tokens = len(slots)
+        if request.computed_before_preemption:  # back after a preemption: what the cache did not keep is redone
+            self.stats.recomputed_tokens += max(0, request.computed_before_preemption - request.num_computed_tokens)
+            request.computed_before_preemption = 0
         if first_admission:
             request.cached_prompt_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
             self.stats.prompt_tokens += request.num_prompt_tokens

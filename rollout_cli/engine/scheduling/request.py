@@ -47,6 +47,7 @@ class Request:
     num_slots_in_table: int = 0
     state_slot: int = -1  # hybrid models: the linear-state pool slot holding our recurrent state
     num_preemptions: int = 0
+    computed_before_preemption: int = 0  # num_computed_tokens when last preempted (SchedulerStats.recomputed_tokens)
     cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served at the first admission
     # (index of the first response token it sampled, weight version), one span per version in
     # order: a sample that lived through a weight update (pause keep) has more than one

@@ -36,6 +36,10 @@ class SchedulerStats:
     cached_prompt_tokens: int = 0  # of those, served by the prefix cache
     computed_tokens: int = 0  # tokens run through the model, recomputes included
     preemptions: int = 0
+    # tokens preempted requests computed again after re-admission (what they had computed, less what the
+    # prefix cache gave back): the price of preemption
+    recomputed_tokens: int = 0
+    peak_running: int = 0  # the most requests running at once
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -99,6 +103,7 @@ class Scheduler(PrefixReuse, OverlapScheduling):
 
     def schedule(self) -> ScheduleOutput:
         out = self._schedule()
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))  # admission happens here
         if self.linear is not None:
             out.state_copies = self.linear.take_copies()
         return out
@@ -302,6 +307,7 @@ class Scheduler(PrefixReuse, OverlapScheduling):
         request.status = RequestStatus.FINISHED
 
     def preempt(self, request: Request) -> None:
+        request.computed_before_preemption = request.num_computed_tokens
         self._requeue(request, publish=True)
         self.stats.preemptions += 1
 
