@@ -20,7 +20,7 @@ from rollout_kernels.kv_fp8_ref import KV_FP8_DTYPE, from_pool_ref, to_pool_ref
 class KVCache:
     """k and v pools: [num_layers, num_slots, num_kv_heads, head_dim] each, in the model's dtype or in
     e4m3 (--kv-cache-dtype fp8) with one scale per layer for k and one for v: a pool row holds
-    k / k_scale rounded to e4m3 (kernels/kv_store.py). The scales are 1.0, as vLLM's and SGLang's
+    k / k_scale rounded to e4m3 (the codec: kernels/kv_fp8_ref.py). The scales are 1.0, as vLLM's and SGLang's
     without calibrated scales: k after RMSNorm and RoPE and v sit well inside e4m3's +-448."""
 
     storage_names = ("k", "v")  # the cache-memory tensors a memory release frees (engine.memory.memory_saver)
