@@ -47,12 +47,12 @@ for part in $PARTS; do
                tests/e2e/test_gpu_moe_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
            grep -q " failed" "$OUT/gpu_tests.log" && { echo "GPU tests failed: no benches"; exit 1; } ;;
     memtests) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_gpu_memory.py \
-               tests/e2e/test_gpu_weight_updates.py tests/kernels/test_sampling.py 2>&1 | tee "$OUT/gpu_memtests.log" | tail -4 ;;
+               tests/e2e/test_gpu_weight_updates.py tests/kernels/test_sampling.py tests/kernels/test_sampling_chunked.py 2>&1 | tee "$OUT/gpu_memtests.log" | tail -4 ;;
     kernels) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 \
                | tee "$OUT/gpu_kernel_tests.log" | grep -E "^FAILED|passed|failed" | tail -20 ;;
     kernels8) timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_gating_norm.py \
                tests/kernels/test_rmsnorm.py tests/kernels/test_chunk_gated_delta_rule.py \
-               tests/kernels/test_qk_norm_rope_store.py tests/kernels/test_sampling.py 2>&1 \
+               tests/kernels/test_qk_norm_rope_store.py tests/kernels/test_sampling.py tests/kernels/test_sampling_chunked.py 2>&1 \
                | tee "$OUT/gpu_kernel8_tests.log" | grep -E "^FAILED|passed|failed" | tail -20 ;;
     hybridtests) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_gpu_hybrid.py 2>&1 \
                | tee "$OUT/gpu_hybrid_tests.log" | grep -E "^FAILED|passed|failed" | tail -12 ;;
