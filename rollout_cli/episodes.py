@@ -109,6 +109,13 @@ def check_max_turns(max_turns: int) -> None:
         raise RolloutError(f"--max-turns must be at least 1, got {max_turns}")
 
 
+def check_episode_sampling(params) -> None:
+    """Sampling settings an episode job cannot honour yet, refused in one line."""
+    if params.top_logprobs:
+        raise RolloutError("--top-logprobs is not supported with --env yet (an episode's response mixes model and "
+                           "environment tokens); drop one of them")
+
+
 class EpisodeRunner:
     """Runs a job's samples as episodes; `stream` has Engine.stream's signature and yields one
     Trajectory per finished episode, its `episode` columns filled."""

@@ -40,7 +40,7 @@ from rollout_cli.job_manifest import (
     merge_summaries,
     write_final_manifest,
 )
-from rollout_cli.episodes import EpisodeRunner, check_max_turns, load_environment
+from rollout_cli.episodes import EpisodeRunner, check_episode_sampling, check_max_turns, load_environment
 from rollout_cli.job_continue import drop_superseded_aborts, prepare_continuation
 from rollout_cli.job_resume import check_resume, fingerprints
 
@@ -153,6 +153,8 @@ def run_job(
     directory (the daemon after a reload); --resume refuses to mix weights.
     """
     leader = group.is_leader
+    if job.env is not None:  # the daemon's /generate reaches here without the CLI's check
+        check_episode_sampling(params)
     source = check_job_inputs(job, engine) if leader else _prompt_source(job, engine)
     skipped = source.validate()
     # before OUT is created: a dense model is refused with nothing written
@@ -209,7 +211,8 @@ def run_job(
     writer = TrajectoryWriter(job.out, source.passthrough_schema, job.shard_rows, job.flush_seconds,
                               routing_dtype=routing_dtype,
                               routing_shape=(len(engine.model.moe_layers), engine.model.top_k) if routing_dtype else (0, 0),
-                              replica=None if group.alone else group.rank, episodes=job.env is not None)
+                              replica=None if group.alone else group.rank, episodes=job.env is not None,
+                              top_logprobs=params.top_logprobs > 0)
     episodes = EpisodeRunner(engine, load_environment(job.env), job.max_turns) if job.env is not None else None
     finish_reasons: Counter[str] = Counter()
     stats_before = dataclasses.replace(engine.scheduler.stats)

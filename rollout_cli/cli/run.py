@@ -15,6 +15,7 @@ from rollout_cli.cli.errors import user_errors
 from rollout_cli.cli.remote_run import check_daemon_flags, remote_run
 from rollout_cli.cli.tensor_parallel_run import tensor_parallel_run
 from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.episodes import check_episode_sampling
 from rollout_cli.errors import RolloutError
 from rollout_cli.server.address import ENV_ENGINE
 
@@ -36,6 +37,7 @@ def run_command(
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass; 1 disables.", rich_help_panel=opt.SAMPLING)] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 disables.", rich_help_panel=opt.SAMPLING)] = 0,
     min_p: Annotated[float, typer.Option(help="Drop tokens under min_p x the top probability; 0 disables.", rich_help_panel=opt.SAMPLING)] = 0.0,
+    top_logprobs: Annotated[int, typer.Option(help="Also write each response token's K most likely tokens and their logprobs (columns response_top_token_ids, response_top_logprobs); steps with them run without CUDA graphs; 0 = off.", rich_help_panel=opt.SAMPLING)] = 0,
     seed: opt.Seed = 0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Generate past eos tokens until --max-new-tokens.", rich_help_panel=opt.SAMPLING)] = False,
     logprobs_mode: Annotated[str, typer.Option(help="processed: log_softmax(logits / temperature) over the tokens top-k / top-p / min-p keep; raw: before temperature and filters.", rich_help_panel=opt.SAMPLING)] = "processed",
@@ -76,7 +78,9 @@ def run_command(
         # a daemon is called
         params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, seed=seed, ignore_eos=ignore_eos,
-                                logprobs_mode=logprobs_mode)
+                                logprobs_mode=logprobs_mode, top_logprobs=top_logprobs)
+        if env is not None:
+            check_episode_sampling(params)
     job_fields = dict(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume,
                       continue_aborted=continue_aborted, skip_invalid=skip_invalid,
                       shard_rows=shard_rows, flush_seconds=flush_seconds, capture_routing=capture_routing)

@@ -37,12 +37,15 @@ class Trajectory:
     episode: dict[str, Any] | None = None
     # with SamplingParams.top_logprobs K: per response token, up to K (token id, logprob) pairs, the
     # most likely first (None for tokens carried over from a partial response); the Python API and the
-    # daemon's OpenAI routes return them, not a Parquet column (`rollout score --top-logprobs` writes them)
+    # daemon's OpenAI routes return them; `rollout run --top-logprobs` writes them as two columns (to_row)
     response_top_logprobs: list | None = None
 
     def to_row(self) -> dict[str, Any]:
         row = {k: v for k, v in self.__dict__.items() if k not in METRIC_FIELDS}
         row.update(self.episode or {})
+        if self.response_top_logprobs is not None:  # io.trajectories.TOP_LOGPROB_FIELDS
+            row["response_top_token_ids"] = [[t for t, _ in top] if top else [] for top in self.response_top_logprobs]
+            row["response_top_logprobs"] = [[v for _, v in top] if top else [] for top in self.response_top_logprobs]
         row.update(self.passthrough)
         return row
 

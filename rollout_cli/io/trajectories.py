@@ -37,6 +37,12 @@ FIXED_FIELDS: tuple[pa.Field, ...] = (
     pa.field("response_weight_versions", pa.list_(pa.string())),
 )
 FIXED_NAMES: tuple[str, ...] = tuple(f.name for f in FIXED_FIELDS)
+# `rollout run --top-logprobs K`: per response token, its position's K most likely tokens and their logprobs
+# (as response_logprobs reports logprobs; empty lists for tokens carried over by --continue-aborted)
+TOP_LOGPROB_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("response_top_token_ids", pa.list_(pa.list_(pa.int32()))),
+    pa.field("response_top_logprobs", pa.list_(pa.list_(pa.float32()))),
+)
 # `rollout run --env` (rollout_cli/episodes.py): the response holds model and environment tokens
 EPISODE_FIELDS: tuple[pa.Field, ...] = (
     pa.field("response_loss_mask", pa.list_(pa.int8())),  # 1: a model token, 0: an environment token
@@ -46,9 +52,11 @@ EPISODE_FIELDS: tuple[pa.Field, ...] = (
 )
 
 
-def trajectory_schema(passthrough_schema: pa.Schema, episodes: bool = False) -> pa.Schema:
-    """The fixed columns in order (and the episode columns), then the input's passthrough columns in input order."""
-    fields = list(FIXED_FIELDS) + (list(EPISODE_FIELDS) if episodes else [])
+def trajectory_schema(passthrough_schema: pa.Schema, episodes: bool = False, top_logprobs: bool = False) -> pa.Schema:
+    """The fixed columns in order (then the episode columns, the top-logprob columns, as asked), then the
+    input's passthrough columns in input order."""
+    fields = (list(FIXED_FIELDS) + (list(EPISODE_FIELDS) if episodes else [])
+              + (list(TOP_LOGPROB_FIELDS) if top_logprobs else []))
     names = [f.name for f in fields]
     for name in passthrough_schema.names:
         if name in names:
@@ -205,10 +213,11 @@ class TrajectoryWriter(ShardWriter):
         routing_shape: tuple[int, int] = (0, 0),
         replica: int | None = None,
         episodes: bool = False,
+        top_logprobs: bool = False,
     ) -> None:
         super().__init__(
             out_dir,
-            trajectory_schema(passthrough_schema, episodes),
+            trajectory_schema(passthrough_schema, episodes, top_logprobs),
             shard_rows=shard_rows,
             flush_seconds=flush_seconds,
             subdir=subdir,

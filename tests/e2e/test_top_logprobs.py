@@ -64,3 +64,38 @@ def test_off_by_default_and_none_for_carried_tokens(tiny_checkpoints):
     assert rest.response_top_logprobs[:2] == [None, None] and rest.response_top_logprobs[2] == first.response_top_logprobs[2]
     with pytest.raises(RolloutError, match="top_logprobs"):
         SamplingParams(top_logprobs=-1)
+
+
+def test_cli_run_writes_the_top_columns_only_when_asked(tmp_path):
+    """`rollout run --top-logprobs K`: two list<list> columns, one entry per response token, the sampled
+    token among them with its own logprob at T 0; without the flag the columns are absent; with --env
+    it is refused in one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    repo = Path(__file__).resolve().parents[2]
+    base = [sys.executable, "-m", "rollout_cli.cli.main", "run", "--model", str(repo / "recipes/example_model"),
+            "--data", str(repo / "recipes/prompts.parquet"), "--limit", "3", "--n", "2", "--max-new-tokens", "5",
+            "--temperature", "0", "--quiet"]
+    done = subprocess.run(base + ["--out", str(tmp_path / "top"), "--top-logprobs", "3"], capture_output=True,
+                          text=True, timeout=300, cwd=repo)
+    assert done.returncode == 0, done.stderr
+    rows = pq.read_table(tmp_path / "top" / "trajectories").to_pylist()
+    assert len(rows) == 6
+    for row in rows:
+        assert len(row["response_top_token_ids"]) == len(row["response_top_logprobs"]) == len(row["response_token_ids"])
+        for ids, values, token, logprob in zip(row["response_top_token_ids"], row["response_top_logprobs"],
+                                               row["response_token_ids"], row["response_logprobs"], strict=True):
+            assert len(ids) == 3 and ids[0] == token and values[0] == pytest.approx(logprob, abs=1e-6)
+    plain = subprocess.run(base + ["--out", str(tmp_path / "plain")], capture_output=True, text=True, timeout=300,
+                           cwd=repo)
+    assert plain.returncode == 0, plain.stderr
+    assert "response_top_token_ids" not in pq.read_table(tmp_path / "plain" / "trajectories").column_names
+    env = subprocess.run(base + ["--out", str(tmp_path / "env"), "--top-logprobs", "2", "--env",
+                                 str(repo / "recipes/envs/calculator.py")], capture_output=True, text=True,
+                         timeout=300, cwd=repo)
+    assert env.returncode != 0 and "--top-logprobs is not supported with --env" in env.stderr
+    assert "Traceback" not in env.stderr and not (tmp_path / "env").exists()

@@ -76,20 +76,27 @@ class RadixCache:
         node.value = node.value[length:]
         return upper
 
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], RadixNode]:
-        """Longest cached prefix of `tokens`: (its slots, the node where it ends)."""
-        node, slots, pos = self.root, [], 0
-        now = next(self._clock)
-        node.last_access = now
+    def _walk(self, tokens: list[int], now: int):
+        """Follow `tokens` down the tree as far as it holds them, splitting the last node matched part
+        way: yields each node passed (its last access set to `now`) and the position after it."""
+        node, pos = self.root, 0
         while pos < len(tokens) and tokens[pos] in node.children:
             child = node.children[tokens[pos]]
             length = _common_length(child.key, tokens[pos:])
             if length < len(child.key):
                 child = self._split(child, length)
             child.last_access = now
-            slots.extend(child.value)
             pos += length
             node = child
+            yield node, pos
+
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], RadixNode]:
+        """Longest cached prefix of `tokens`: (its slots, the node where it ends)."""
+        node, slots = self.root, []
+        now = next(self._clock)
+        node.last_access = now
+        for node, _ in self._walk(tokens, now):
+            slots.extend(node.value)
         return slots, node
 
     def insert(self, tokens: list[int], slots: list[int]) -> int:
@@ -101,14 +108,8 @@ class RadixCache:
         assert len(tokens) == len(slots)
         node, pos = self.root, 0
         now = next(self._clock)
-        while pos < len(tokens) and tokens[pos] in node.children:
-            child = node.children[tokens[pos]]
-            length = _common_length(child.key, tokens[pos:])
-            if length < len(child.key):
-                child = self._split(child, length)
-            child.last_access = now
-            pos += length
-            node = child
+        for node, pos in self._walk(tokens, now):
+            pass
         if pos < len(tokens):
             leaf = RadixNode(node, tokens[pos:], slots[pos:])
             leaf.last_access = now
