@@ -20,12 +20,11 @@ quantization and the references are plain torch, in fp8_blockwise_ref.py.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from rollout_kernels.e4m3 import emulate_e4m3, round_to_e4m3_grid
 from rollout_kernels.fp8_blockwise_ref import (BLOCK, FP8_DTYPE, FP8_MAX, _MIN_AMAX, fp8_blockwise_matmul_ref,
                                                quantize_activation_ref)
 
@@ -33,7 +32,8 @@ from rollout_kernels.fp8_blockwise_ref import (BLOCK, FP8_DTYPE, FP8_MAX, _MIN_A
 
 @triton.jit
 def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
-                                GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX: tl.constexpr):
+                                GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX: tl.constexpr,
+                                EMULATE_E4M3: tl.constexpr):
     """One program per (token, channel group): amax, scale, e4m3 values."""
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
@@ -42,8 +42,8 @@ def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, st
     x = tl.load(x_ptr + row * stride_xm + cols, mask=inside, other=0.0).to(tl.float32)  # [GROUP]
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX) / FP8_MAX_C
     q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
-    # q_ptr is e4m3 compiled; under the interpreter a float32 buffer that the caller rounds to e4m3
-    # with torch (the interpreter's own float32 -> e4m3 conversion is wrong: 126.0 became 64.0)
+    if EMULATE_E4M3:  # the interpreter's own e4m3 conversion is wrong (kernels/e4m3.py)
+        q = round_to_e4m3_grid(q)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
     tl.store(s_ptr + row * stride_sm + group, scale)
 
@@ -52,14 +52,14 @@ def quantize_activation(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tens
     """x [M, K] (rows contiguous) -> (x_q [M, K] float8_e4m3fn, x_scale [M, ceil(K / group)] float32)."""
     assert x.dim() == 2 and x.stride(1) == 1, f"x must be [M, K] with contiguous rows, got {tuple(x.shape)}"
     m, k = x.shape
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    q = torch.empty((m, k), dtype=torch.float32 if interpreted else FP8_DTYPE, device=x.device)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((m, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
     if m and k:
         _quantize_activation_kernel[(m, scale.shape[1])](
             x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
-            GROUP=group, FP8_MAX_C=FP8_MAX, MIN_AMAX=_MIN_AMAX, num_warps=1 if group <= 128 else 4)
-    return (q.to(FP8_DTYPE) if interpreted else q), scale
+            GROUP=group, FP8_MAX_C=FP8_MAX, MIN_AMAX=_MIN_AMAX, EMULATE_E4M3=emulate_e4m3(),
+            num_warps=1 if group <= 128 else 4)
+    return q, scale
 
 
 # ---- the GEMM ---------------------------------------------------------------------------------

@@ -7,40 +7,19 @@ Duplicate slots in one call: one of the writes wins, as with index assignment.
 
 FP8 pools (`--kv-cache-dtype fp8`, issue 20): float8_e4m3fn with one float32 scale per tensor (per
 layer, k and v apart): pool = e4m3(clamp(x / scale, +-448)), x ~= pool * scale (the torch codec and
-references: kv_fp8_ref.py). The writers
-(store_kv, qk_norm_rope_store) quantize through `pool_value`; the attention kernels read a row as
-q's dtype (e4m3 -> bf16/fp32 is exact) and fold the scales into the softmax scale (k) and the
+references: kv_fp8_ref.py). The writers (store_kv, qk_norm_rope_store) quantize through
+`pool_value` (rounding under the interpreter: e4m3.py); the attention kernels read a row as q's dtype (e4m3 -> bf16/fp32 is exact) and fold the scales into the softmax scale (k) and the
 output (v), so no element is multiplied.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from rollout_kernels.e4m3 import emulate_e4m3, round_to_e4m3_grid
 from rollout_kernels.kv_fp8_ref import KV_FP8_DTYPE, check_pool_dtype, to_pool_ref
-
-
-def emulate_e4m3() -> bool:
-    """Under Triton's interpreter the float32 -> e4m3 conversion rounds wrongly (126.0 became 64.0);
-    values already on the e4m3 grid convert exactly, so the writers round in float32 first."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def round_to_e4m3_grid(x):
-    """x float32 in [-448, 448] -> the nearest e4m3 value (ties to even), still float32. Normal
-    e4m3 (|x| >= 2^-6) keeps 3 mantissa bits: round the float32 bits at bit 20. Subnormal e4m3 is a
-    multiple of 2^-9: adding and taking away 2^14 (whose float32 ulp is 2^-9) rounds to it."""
-    bits = x.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    magnitude = tl.abs(x)
-    subnormal = (magnitude + 16384.0) - 16384.0
-    subnormal = tl.where(x < 0, -subnormal, subnormal)
-    return tl.where(magnitude < 0.015625, subnormal, normal)
 
 
 @triton.jit

@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from rollout_kernels.kv_fp8_ref import KV_FP8_DTYPE, check_pool_dtype
-from rollout_kernels.kv_store import emulate_e4m3, pool_value, store_kv, store_kv_ref
+from rollout_kernels.e4m3 import emulate_e4m3
+from rollout_kernels.kv_store import pool_value, store_kv, store_kv_ref
 from rollout_kernels.rmsnorm import rms_norm, rms_norm_ref
 from rollout_kernels.rotary import apply_rotary, apply_rotary_ref
 
