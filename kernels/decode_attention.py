@@ -252,8 +252,9 @@ def benchmark_decode_attention(batch: int = 64, context: int = 4096, num_heads: 
     """Time decode_attention on CUDA (triton.testing.do_bench, median) for one decode step.
 
     Every request has `context` keys in scattered slots (a random permutation of
-    the pool); `kv_dtype` torch.float8_e4m3fn times an FP8 pool. GB/s counts the bytes that must move: K and V of every request
-    once, q and out; `hbm_fraction` divides by `hbm_bytes_per_s` when given.
+    the pool); `kv_dtype` torch.float8_e4m3fn times an FP8 pool. GB/s counts the bytes
+    that must move: K and V of every request once (in the pool's dtype), q and out;
+    `hbm_fraction` divides by `hbm_bytes_per_s` when given.
     """
     assert torch.cuda.is_available(), "benchmark_decode_attention needs a CUDA device"
     device = torch.device("cuda")

@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout_kernels.kv_fp8_ref import KV_FP8_DTYPE, check_pool_dtype
 from rollout_kernels.e4m3 import emulate_e4m3
+from rollout_kernels.kv_fp8_ref import KV_FP8_DTYPE, check_pool_dtype
 from rollout_kernels.kv_store import pool_value, store_kv, store_kv_ref
 from rollout_kernels.rmsnorm import rms_norm, rms_norm_ref
 from rollout_kernels.rotary import apply_rotary, apply_rotary_ref
@@ -146,7 +146,8 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
                        k_weight: torch.Tensor | None = None, eps: float = 1e-6,
                        block_h: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """IN PLACE: q = rope(norm_q(q)); k_pool[slots[t]] = rope(norm_k(k[t])), v_pool[slots[t]] = v[t]
-    for slots[t] >= 0 (e4m3 pools: quantized with k_scale / v_scale as kernels/kv_store.py says). k and v are not modified. Without weights (both None) there is no norm.
+    for slots[t] >= 0 (e4m3 pools: quantized with k_scale / v_scale as kernels/kv_store.py says). k and v
+    are not modified. Without weights (both None) there is no norm.
     Positions must lie in [0, max_pos) and slots below S (not checked: no host sync). Returns q."""
     assert q.dim() == 3, f"q must be [T, heads, head_dim], got {tuple(q.shape)}"
     num_tokens, num_heads, head_dim = q.shape

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_cli.engine.scheduling.request_maker import token_id_problem
 from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.scheduling.request_maker import token_id_problem
 from rollout_cli.engine.scheduling.sessions import Sessions
 from rollout_cli.engine.trajectory import NO_PROMPT_YET, PartialSample, PromptInput, Trajectory
 from rollout_cli.errors import RolloutError

@@ -21,8 +21,8 @@ import time
 
 def probe(model: str, device: str, freeze: bool) -> dict:
     from rollout_cli import Engine, SamplingParams
-    from rollout_cli.engine.scheduling import overlap_schedule
     from rollout_cli.engine.engine import PromptInput
+    from rollout_cli.engine.scheduling import overlap_schedule
     from rollout_cli.process_gc import freeze_long_lived_objects
 
     engine = Engine(model, device=device, max_model_len=512, max_running=256, kv_cache_tokens=256 * 200)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 import time
 
-from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.scheduling.scheduler import Scheduler
 
 

@@ -10,10 +10,10 @@ import typer
 from rollout_cli.cli import options as opt
 from rollout_cli.cli.errors import fail
 from rollout_cli.cli.tensor_parallel_run import follow_leader, is_rank, launch_ranks, rank_config
+from rollout_cli.engine.scheduling.sessions import DEFAULT_RETENTION_SECONDS
 from rollout_cli.errors import RolloutError
 from rollout_cli.server.address import DEFAULT_MAX_REQUEST_BYTES, default_socket_path, socket_is_live
 from rollout_cli.server.daemon import serve
-from rollout_cli.engine.scheduling.sessions import DEFAULT_RETENTION_SECONDS
 
 LISTEN = "Listen"
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rollout_cli.engine.weights import weight_updates
 from rollout_cli.engine.memory.memory_saver import MEMORY_TAGS, free_device_bytes, parse_tags
+from rollout_cli.engine.weights import weight_updates
 from rollout_cli.engine.weights.tensor_ipc import serialize_named_tensors
 from rollout_cli.errors import RolloutError
 

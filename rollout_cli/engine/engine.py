@@ -13,17 +13,18 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from rollout_cli.config import EngineConfig
-from rollout_cli.engine.execution.attention import KVCache
-from rollout_cli.engine.memory.cache_split import hybrid_pool_sizes
 from rollout_cli.engine.control import EngineControl, RankOperations, SingleRank
-from rollout_cli.engine.memory.kv_sizing import kv_heads_here, kv_pool_tokens, profile_activation_bytes, run_largest_step
+from rollout_cli.engine.execution.attention import KVCache
 from rollout_cli.engine.execution.linear_state import LinearStatePool
-from rollout_cli.engine.memory.memory_saver import MemorySaver
 from rollout_cli.engine.execution.model_runner import ModelRunner
+from rollout_cli.engine.execution.routing_capture import RoutingCapture
+from rollout_cli.engine.memory.cache_split import hybrid_pool_sizes
+from rollout_cli.engine.memory.kv_sizing import (kv_heads_here, kv_pool_tokens, profile_activation_bytes,
+                                                 run_largest_step)
+from rollout_cli.engine.memory.memory_saver import MemorySaver
+from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.scheduling.request_maker import RequestMaker
-from rollout_cli.engine.execution.routing_capture import RoutingCapture
-from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduling.scheduler import Scheduler
 from rollout_cli.engine.step_loop import StepLoop
 from rollout_cli.engine.tensor_parallel import TensorParallelRanks, TensorParallelRunner, min_over_ranks

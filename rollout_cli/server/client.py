@@ -121,7 +121,8 @@ class EngineClient:
                                    partial: bool = False) -> dict:
         """(name, tensor) pairs, a dict or a FlattenedBucket, passed by handle (CUDA IPC / shared memory):
         the daemon must run on this machine, and the tensors stay alive until this returns."""
-        from rollout_cli.engine.weights.tensor_ipc import serialize_named_tensors  # heavy: torch (clients run in CLI processes)
+        # heavy: torch (clients run in CLI processes)
+        from rollout_cli.engine.weights.tensor_ipc import serialize_named_tensors
 
         return self.post("/update_weights_from_tensor", {
             "serialized_named_tensors": [serialize_named_tensors(named_tensors)],

@@ -24,9 +24,10 @@ import time
 import torch
 
 from rollout_cli.engine.execution.linear_state import HybridBatch, LinearBatch
-from rollout_cli.engine.execution.sampler import FLOAT_PADDING, NUM_FLOAT_ROWS, NUM_INT_ROWS, SamplingRows, sample_rows
-from rollout_cli.engine.execution.triton_attention import TritonAttentionBatch, invariant_decode_attention, warm_decode_splits
 from rollout_cli.engine.execution.routing_pool import GraphRoutingBuffer
+from rollout_cli.engine.execution.sampler import FLOAT_PADDING, NUM_FLOAT_ROWS, NUM_INT_ROWS, SamplingRows, sample_rows
+from rollout_cli.engine.execution.triton_attention import (TritonAttentionBatch, invariant_decode_attention,
+                                                           warm_decode_splits)
 from rollout_cli.models.moe import routing_recorder_swapped
 
 
@@ -126,8 +127,9 @@ class DecodeGraphs:
             with torch.cuda.stream(side):  # compiles the kernels, initialises cuBLAS, settles the allocator
                 for batch in self.buckets:
                     self._forward(batch)
+                # eager mixed steps use split counts no bucket has; q is the model's dtype (the pool's may be e4m3)
                 warm_decode_splits(self.kv, self.req_to_token, self.pad_row, self.scale,
-                                   self.model.model.embed_tokens.weight.dtype, _attention_heads(self.model))  # eager mixed steps use split counts no bucket has
+                                   self.model.model.embed_tokens.weight.dtype, _attention_heads(self.model))
             torch.cuda.current_stream().wait_stream(side)
         pool = None
         for batch in reversed(self.buckets):  # largest first so smaller graphs reuse its pool

@@ -110,7 +110,8 @@ class ModelRunner:
         self.per_token = deterministic and self.attention_backend != "triton"
         if self.attention_backend == "triton":
             # Triton: optional on the CPU
-            from rollout_cli.engine.execution.triton_attention import prepare_invariant_attention, prepare_triton_attention
+            from rollout_cli.engine.execution.triton_attention import (prepare_invariant_attention,
+                                                                       prepare_triton_attention)
 
             self._prepare = prepare_invariant_attention if deterministic else prepare_triton_attention
         else:

@@ -11,8 +11,8 @@ run leave the engine one step after they finished.
 
 from __future__ import annotations
 
-from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.execution.routing_pool import RoutingPool
+from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.moe import set_routing_recorder
 

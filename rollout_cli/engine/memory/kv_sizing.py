@@ -7,8 +7,8 @@ import torch
 from rollout_cli.engine.execution.attention import KVCache
 from rollout_cli.engine.execution.linear_state import LinearStatePool
 from rollout_cli.engine.execution.model_runner import ModelRunner
-from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.scheduling.schedule_output import BatchEntry, ScheduleOutput
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.llama import head_dim_of

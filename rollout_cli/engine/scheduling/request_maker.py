@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.trajectory import PartialSample, PromptInput, ScoreInput
 from rollout_cli.errors import RolloutError
 
