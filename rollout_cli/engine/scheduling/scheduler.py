@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from itertools import repeat
 
 from rollout_cli.engine.scheduling.kv_slots import SlotAllocator
 from rollout_cli.engine.scheduling.overlap_schedule import OverlapScheduling
@@ -237,7 +238,7 @@ class Scheduler(PrefixReuse, OverlapScheduling):
         `weight_version`: the weights the step ran on (recorded per token); `sample_tops`: per sampling
         request its position's most likely (token id, logprob) pairs (None for requests not asking)."""
         finished = []
-        sampled = iter(zip(tokens, logprobs, sample_tops if sample_tops is not None else [None] * len(tokens)))
+        sampled = iter(zip(tokens, logprobs, sample_tops if sample_tops is not None else repeat(None)))
         scored = iter(zip(scores, score_tops if score_tops is not None else [None] * len(scores)))
         now = time.monotonic()
         for entry in out.entries:
