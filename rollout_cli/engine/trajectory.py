@@ -67,6 +67,9 @@ class PromptInput:
     """A turn of a multi-turn conversation (`rollout run --env`, a daemon session): the previous turn's
     prompt length (0 for the first turn); None: not a turn. Hybrid models snapshot a turn's prompt state
     for the next turn and resume from the previous turn's snapshot (engine/scheduling/prefix_reuse.py)."""
+    images: tuple = ()
+    """Vision-language models: the prompt's images (engine.multimodal.ImageInput), in the order of their
+    placeholder runs in `prompt_token_ids`."""
 
 
 # Yielded by a live prompt source (Engine.stream) that has no prompt now but may have one at a later
