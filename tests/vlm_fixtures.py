@@ -40,7 +40,7 @@ _IDS = dict(image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD, vision_start_tok
             vision_end_token_id=VISION_END)
 _HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention", "linear_attention"])
-_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)  # 2 * 24 != hidden 64: layouts tell apart
 
 # name -> (config class, model class, text config, vision config extras)
 TINY_VLM_ARCHS = {

@@ -324,8 +324,19 @@ class Engine:
         if isinstance(prompt, PartialSample):  # `skip` names samples of prompt rows, not these
             self.scheduler.add(self.requests.partial(prompt, params))
             return
+        vision = self._vision_layout(prompt)
         for request in self.requests.samples(prompt, params, skip):
+            request.vision = vision
             self.scheduler.add(request)
+
+    def _vision_layout(self, prompt: PromptInput):
+        """The multimodal layout of a prompt with images (None without); refused for a text-only model."""
+        if not prompt.images:
+            return None
+        if not hasattr(self.model, "vision_layout"):
+            raise RolloutError(f"prompt {prompt.prompt_index} has images but {self.config.model} is a text-only "
+                               "model; drop the images or use a vision-language checkpoint")
+        return self.model.vision_layout(list(prompt.prompt_token_ids), tuple(prompt.images))
 
     def _add_scoring(self, sample: ScoreInput, params: SamplingParams, top_logprobs: int) -> None:
         self.scheduler.add(self.requests.scoring(sample, params, top_logprobs))

@@ -40,14 +40,17 @@ def load_model_config(model_dir: str):
 
 def _language_model_config(config, architectures: list[str]):
     """A vision-language checkpoint's text_config, named by the checkpoint's architecture (the registry
-    maps it to the language model that reads model.language_model.*); other configs unchanged."""
+    maps it to the model class), with the vision config and the image token id attached; other
+    configs unchanged."""
     name = next((a for a in architectures if a in MULTIMODAL_ARCHITECTURES), None)
     if name is None:
         return config
     text = config.text_config
     text.architectures = [name]
+    text.vision_config = config.vision_config
+    text.image_token_id = config.image_token_id
     # tying is decided by the outer config (the text config's own flag may say otherwise)
-    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False))
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         if getattr(text, key, None) is None and getattr(config, key, None) is not None:
             setattr(text, key, getattr(config, key))

@@ -172,6 +172,17 @@ class _RopeTables:
         return self._by_device[device]
 
 
+def mrope_rows(section: list[int], num_freqs: int) -> torch.Tensor:
+    """[2 * num_freqs] long: the position row each rotary column follows under interleaved multimodal
+    rotary (HF's Qwen3-VL): frequency i takes h (row 1) when i % 3 == 1 and i < 3 * section[1], w (row 2)
+    when i % 3 == 2 and i < 3 * section[2], else t (row 0); the second half repeats the first."""
+    rows = [0] * num_freqs
+    for row in (1, 2):
+        for i in range(row, min(3 * section[row], num_freqs), 3):
+            rows[i] = row
+    return torch.tensor(rows + rows, dtype=torch.long, device="cpu")
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE over the first `rotary_dim` dims of each head.
 
@@ -188,6 +199,11 @@ class RotaryEmbedding(nn.Module):
         self._tables = _RopeTables.shared(inv_freq.cpu(), scale, max_positions)
         self.cos, self.sin = self._tables.on(torch.device("cpu"))
         self.use_triton = False
+        params = getattr(config, "rope_parameters", None) or {}
+        section = params.get("mrope_section") if isinstance(params, dict) else None
+        # multimodal rotary (Qwen3-VL, Qwen3.5): which position row (0 t, 1 h, 2 w) each rotary column
+        # follows; None: one position per token only
+        self.mrope_rows = mrope_rows(section, inv_freq.numel()) if section else None
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -200,15 +216,29 @@ class RotaryEmbedding(nn.Module):
             self.cos, self.sin = self._tables.on(device)
         return self.cos, self.sin
 
+    def tables_for(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(index [T], cos, sin) such that cos[index[t]] is token t's row. positions [T] index the shared
+        tables; multimodal positions [3, T] (t, h, w rows; a text token has three equal ones) get a table
+        of their own, [T, rotary_dim], each column taken at the position row it follows."""
+        cos, sin = self.tables_on(positions.device)
+        if positions.dim() == 1:
+            return positions, cos, sin
+        if self.mrope_rows is None:
+            raise ValueError("3-row positions for a model without multimodal rotary (mrope_section)")
+        picked = positions[self.mrope_rows.to(positions.device)]  # [rotary_dim, T]
+        columns = torch.arange(self.rotary_dim, device=positions.device)
+        index = torch.arange(positions.shape[1], device=positions.device)
+        return index, cos[picked.T, columns], sin[picked.T, columns]
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, heads, head_dim]; k [T, kv_heads, head_dim]."""
-        self.tables_on(positions.device)
+        """positions [T] (or [3, T], multimodal); q [T, heads, head_dim]; k [T, kv_heads, head_dim]."""
+        positions, cos_table, sin_table = self.tables_for(positions)
         if self.use_triton:
             from rollout_kernels.rotary import apply_rotary  # Triton: optional on the CPU
 
-            return apply_rotary(q, k, positions, self.cos, self.sin)  # in place on the qkv views
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, rotary_dim]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+            return apply_rotary(q, k, positions, cos_table, sin_table)  # in place on the qkv views
+        cos = cos_table[positions].to(q.dtype).unsqueeze(1)  # [T, 1, rotary_dim]
+        sin = sin_table[positions].to(q.dtype).unsqueeze(1)
         r = self.rotary_dim
 
         def rotate(x: torch.Tensor) -> torch.Tensor:

@@ -69,10 +69,10 @@ class DecoderAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self._fuses_prologue(attn, q):  # q/k norm, RoPE and the KV write in one launch
-            cos, sin = self.rotary.tables_on(positions.device)
+            index, cos, sin = self.rotary.tables_for(positions)  # multimodal positions: rows of their own
             qn, kn = self.q_norm, self.k_norm
             out = attn.forward_prologue_fused(
-                self.layer_idx, q, k, v, positions, cos, sin,
+                self.layer_idx, q, k, v, index, cos, sin,
                 qn.weight if qn is not None else None, kn.weight if kn is not None else None,
                 qn.eps if qn is not None else 0.0)
             return self.o_proj(out.reshape(out.shape[0], -1))

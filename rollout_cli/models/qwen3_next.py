@@ -29,6 +29,7 @@ from rollout_cli.models.llama import (DecoderMLP, DecoderModel, LlamaForCausalLM
 from rollout_cli.models.moe import MoeMixin, SparseMoeBlock, moe_layer_ids
 from rollout_cli.models.norms import ZeroCentredRMSNorm
 from rollout_cli.models.tensor_parallel import HeadSplit, RowParallelLinear, column_parallel_qkv, tp_rank, tp_size
+from rollout_cli.models.vision_language import VisionLanguageModel
 
 
 class GatedAttention(nn.Module):
@@ -189,19 +190,10 @@ class Qwen3_5ForCausalLM(Qwen3_5MoeForCausalLM):
         return []
 
 
-class _LanguageModelOfVLM:
-    """Mixin: the language model inside a vision-language checkpoint (`*ForConditionalGeneration`,
-    as Qwen3.5 ships on the hub). Its tensors are named model.language_model.*; the vision tower
-    (model.visual.*) is not loaded: rollouts here are text in, text out. build.load_model_config
-    hands these classes the checkpoint's text_config."""
-
-    checkpoint_renames = (("model.language_model.", "model."),)
-    checkpoint_ignored_prefixes = ("mtp.", "model.visual.")
+class Qwen3_5ForConditionalGeneration(VisionLanguageModel, Qwen3_5ForCausalLM):
+    """Qwen3.5 as the hub ships it: the hybrid language model under model.language_model.*, the vision
+    tower (no deepstack) under model.visual.* (models/vision_language.py)."""
 
 
-class Qwen3_5ForConditionalGeneration(_LanguageModelOfVLM, Qwen3_5ForCausalLM):
-    pass
-
-
-class Qwen3_5MoeForConditionalGeneration(_LanguageModelOfVLM, Qwen3_5MoeForCausalLM):
+class Qwen3_5MoeForConditionalGeneration(VisionLanguageModel, Qwen3_5MoeForCausalLM):
     pass

@@ -17,6 +17,7 @@ from rollout_cli.engine.execution.attention import KVCache, prepare_attention
 from rollout_cli.engine.execution.linear_state import HybridBatch, begin_step, prepare_step
 from rollout_cli.engine.execution.on_policy import PoolTokenAttention, token_forward
 from rollout_cli.engine.execution.sampler import SamplingRows, sample_rows, sampled_top_logprobs, teacher_logprobs
+from rollout_cli.engine.execution.vision_step import EncoderCache, step_positions_and_images
 from rollout_cli.engine.scheduling.schedule_output import BatchEntry, ScheduleOutput
 
 
@@ -99,6 +100,8 @@ class ModelRunner:
         # step at batch 256, which no other caller reads
         self.count_distinct_context = False
         self.routing_pool = None  # a routing_pool.RoutingPool while routing capture is on (Engine sets it)
+        # vision-language models: the vision tower's outputs per image (engine/execution/vision_step.py)
+        self.encoder_cache = EncoderCache(model, device) if hasattr(model, "visual") else None
         self._set_mode(deterministic)
 
     def _set_mode(self, deterministic: bool) -> None:
@@ -307,9 +310,13 @@ class ModelRunner:
     def _eager_logits(self, out: ScheduleOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One forward over the step's entries -> (sampling logits [B, V], scored rows' logits [S, V])."""
         input_ids = torch.tensor([t for e in out.entries for t in e.token_ids], device=self.device)
-        positions = torch.tensor(
-            [p for e in out.entries for p in range(e.start, e.start + e.num_new_tokens)], device=self.device
-        )
+        vision = None
+        if self.encoder_cache is None:
+            positions = torch.tensor(
+                [p for e in out.entries for p in range(e.start, e.start + e.num_new_tokens)], device=self.device
+            )
+        else:  # multimodal positions; image rows and their embeddings (the vision tower runs here when needed)
+            positions, vision = step_positions_and_images(out.entries, self.encoder_cache, self.device)
         # [T] KV slot of every new token: the attention stores k/v there, routing capture its expert ids
         store_slots = torch.tensor([s for e in out.entries for s in e.new_slots], dtype=torch.long,
                                    device=self.device)
@@ -321,7 +328,10 @@ class ModelRunner:
             triton_kernels = self.attention_backend == "triton"
             attn = HybridBatch(attn, begin_step(self.linear_states, out, self.device, triton_kernels,
                                                 invariant=triton_kernels and self.deterministic))
-        hidden = self.model(input_ids, positions, attn)  # [T, hidden]
+        if vision is None:
+            hidden = self.model(input_ids, positions, attn)  # [T, hidden]
+        else:
+            hidden = self.model(input_ids, positions, attn, vision=vision)
         last_rows, score_rows, offset = [], [], 0
         for e in out.entries:
             if e.score_targets:

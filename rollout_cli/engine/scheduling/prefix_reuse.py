@@ -35,7 +35,7 @@ class PrefixReuse:
         if self.cache is not None:
             if self.linear is None:
                 # At least one token must run through the model to produce logits.
-                slots, node = self.cache.match_prefix(request.all_token_ids[: request.cacheable_prefix(request.num_tokens - 1)])
+                slots, node = self.cache.match_prefix(request.key_token_ids[: request.cacheable_prefix(request.num_tokens - 1)])
             else:
                 slots, node, snapshot = self._match_snapshot(request)
             self.cache.lock(node)
@@ -61,7 +61,7 @@ class PrefixReuse:
         for end in ends:
             if end <= 0:
                 continue
-            prefix = request.prompt_token_ids[:end]
+            prefix = request.prompt_key_ids[:end]
             slots, node = self.cache.match_prefix(prefix)
             if len(slots) == end:
                 snapshot = self.linear.lookup(prefix, node)
@@ -98,7 +98,7 @@ class PrefixReuse:
         """Move the request's first `upto` computed tokens into the radix cache."""
         if self.cache is None:
             return
-        tokens = request.all_token_ids[:upto]
+        tokens = request.key_token_ids[:upto]
         already = self.cache.insert(tokens, request.slots[:upto])
         tree_slots, node = self.cache.match_prefix(tokens)
         duplicates = [

@@ -66,6 +66,9 @@ class Request:
     scored_logprobs: list[float | None] | None = None
     score_top_k: int = 0  # also the k most likely tokens at each scored position (--top-logprobs)
     scored_top: list | None = None  # per scored position: (token ids [k], logprobs [k]), as scored_logprobs
+    # A prompt with images (vision-language models): where they sit, the multimodal positions and the
+    # prefix-cache key (models.vision_language.VisionLayout, shared by the prompt's samples); None: text
+    vision: object = None
 
     @property
     def is_scoring(self) -> bool:
@@ -75,6 +78,22 @@ class Request:
         """How many leading tokens (of at most `limit`) may come from the prefix cache: a scoring
         request computes every position whose logits it scores, from score_from - 1 on."""
         return min(limit, self.score_from - 1) if self.score_from is not None else limit
+
+    @property
+    def rope_delta(self) -> int:
+        """What a position past the prompt adds to its index (multimodal positions compress images)."""
+        return self.vision.delta if self.vision is not None else 0
+
+    @property
+    def prompt_key_ids(self) -> list[int]:
+        """The prompt as the prefix cache keys it: its ids, but each image's placeholder tokens keyed by
+        the image's pixels (engine.multimodal.cache_key_tokens)."""
+        return self.vision.key_ids if self.vision is not None else self.prompt_token_ids
+
+    @property
+    def key_token_ids(self) -> list[int]:
+        """prompt_key_ids + the response: what the prefix cache matches and stores."""
+        return self.prompt_key_ids + self.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -256,7 +256,7 @@ class Scheduler(PrefixReuse, OverlapScheduling):
             if request.num_computed_tokens == num_prompt - 1 and self._snapshots_prompt(request):
                 # publish the KV of the prefix, then snapshot the state that goes with it
                 self._cache_computed(request, num_prompt - 1)
-                self.linear.snapshot(request.prompt_token_ids[:num_prompt - 1], request.state_slot,
+                self.linear.snapshot(request.prompt_key_ids[:num_prompt - 1], request.state_slot,
                                      request.cache_node)
             if entry.sample:
                 token, logprob, top = next(sampled)
