@@ -139,3 +139,32 @@ class HFVisionReference:
         logits = self.model(**self._inputs(ids + response, images)).logits[0].float()
         logp = torch.log_softmax(logits, dim=-1)
         return [logp[len(ids) - 1 + i, t].item() for i, t in enumerate(response)]
+
+
+class ReferencePrompts:
+    """Prompts with images built the way HF's Qwen3VLProcessor builds them (its chat template, then each
+    <|image_pad|> repeated prod(grid_thw) / merge^2 times), independently of rollout's own encoder."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def image(self, picture):
+        from rollout_cli.engine.multimodal import ImageInput
+
+        out = self.processor(images=[picture], return_tensors="pt")
+        return ImageInput.of(out["pixel_values"], out["image_grid_thw"][0])
+
+    def build(self, pictures, text: str = "what is it") -> tuple[list[int], tuple]:
+        images = tuple(self.image(p) for p in pictures)
+        content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": text}]
+        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                 tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        expanded, pending = [], iter(images)
+        for token in ids:
+            expanded += [token] * (next(pending).num_tokens(2) if token == IMAGE_PAD else 1)
+        return expanded, images

@@ -57,14 +57,23 @@ def min_over_ranks(value: int, group) -> int:
 
 @dataclass(slots=True)
 class FollowerRequest:
-    """What a follower's forward reads of a request: its linear-state slot (hybrid models; -1 otherwise)."""
+    """What a follower's forward reads of a request: its linear-state slot (hybrid models; -1 otherwise);
+    for a prompt with images, its layout while the entry runs prompt tokens (engine/execution/vision_step.py)
+    and the position offset of the tokens after it."""
 
     state_slot: int
+    vision: object = None
+    num_prompt_tokens: int = 0
+    rope_delta: int = 0
 
 
 def _wire(entry: BatchEntry) -> BatchEntry:
-    """The entry as followers need it: no Request (only rank 0 samples), only its state slot."""
-    return BatchEntry(FollowerRequest(entry.request.state_slot), entry.table_row, entry.start, entry.token_ids,
+    """The entry as followers need it: no Request (only rank 0 samples), only what their forward reads
+    (the image layout, pixels included, only with prompt tokens: decode steps do not send it)."""
+    request = entry.request
+    vision = request.vision if request.vision is not None and entry.start < request.num_prompt_tokens else None
+    follower = FollowerRequest(request.state_slot, vision, request.num_prompt_tokens, request.rope_delta)
+    return BatchEntry(follower, entry.table_row, entry.start, entry.token_ids,
                       entry.table_start, entry.table_slots, entry.sample, score_first_row=entry.score_first_row,
                       score_targets=entry.score_targets)  # followers compute the same logits rows (all-gather)
 

@@ -38,10 +38,11 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 # rows of the int64 input buffer: the step's inputs, the row of the previous replay's tokens to
-# decode (-1: the token in _TOKEN), the linear-state slot (hybrid models; never read by others),
+# decode (-1: the token in _TOKEN), the linear-state slot (hybrid models; never read by others), the
+# rotary position (the position, but past a prompt with images: position + Request.rope_delta),
 # then the sampler's int table (engine.execution.sampler.SamplingRows.int_rows) from row _SAMPLING on
-_TOKEN, _POSITION, _ROW, _SLOT, _SOURCE, _STATE_SLOT = range(6)
-_SAMPLING = 6
+_TOKEN, _POSITION, _ROW, _SLOT, _SOURCE, _STATE_SLOT, _ROPE_POSITION = range(7)
+_SAMPLING = 7
 _NUM_INT_ROWS = _SAMPLING + NUM_INT_ROWS
 # the float32 input buffer is the sampler's float table (SamplingRows.float_rows)
 
@@ -103,7 +104,8 @@ class DecodeGraphs:
         if self.linear_states is not None:  # hybrid: state slots from the static buffer, filled before each replay
             linear = LinearBatch(self.linear_states, self.ints[_STATE_SLOT, :batch], triton_kernels=True)
             attn = HybridBatch(attn, linear)
-        logits = self.model.compute_logits(self.model(ids, positions, attn), upcast=False)  # [batch, vocab]
+        hidden = self.model(ids, self.ints[_ROPE_POSITION, :batch], attn)
+        logits = self.model.compute_logits(hidden, upcast=False)  # [batch, vocab]
         tokens, logprobs = sample_rows(logits, self.ints[_SAMPLING:], self.floats, use_triton=True)
         self.last_tokens[:batch].copy_(tokens)
         # float64 holds both the token ids and the float32 logprobs exactly
@@ -169,6 +171,7 @@ class DecodeGraphs:
             [e.new_slots[0] for e in entries] + pad,
             sources + [-1] * len(pad),
             [e.request.state_slot for e in entries] + pad,  # padding rows: linear-state slot 0
+            [e.start + e.request.rope_delta for e in entries] + pad,
             *sampling.int_rows(pad=len(pad)),
         ], dtype=torch.int64)
         floats[:, :bucket] = torch.tensor(sampling.float_rows(pad=len(pad)), dtype=torch.float32)

@@ -302,10 +302,13 @@ class ModelRunner:
             self.routing_pool.begin_step(torch.tensor([slot], dtype=torch.long, device=self.device))
         context = self.req_to_token[entry.table_row, : position + 1].long()  # [position + 1] slots, own included
         attn = PoolTokenAttention(self.kv, slot, context, self.scale)
+        one = BatchEntry(entry.request, entry.table_row, position, [token], position, [slot], sample=False)
         if self.linear_states is not None:
-            one = BatchEntry(entry.request, entry.table_row, position, [token], position, [slot], sample=False)
             attn = HybridBatch(attn, begin_step(self.linear_states, ScheduleOutput([one]), self.device))
-        return token_forward(self.model, token, position, attn, self.device, logits=keep_logits)
+        if self.encoder_cache is None:
+            return token_forward(self.model, token, position, attn, self.device, logits=keep_logits)
+        rope, vision = step_positions_and_images([one], self.encoder_cache, self.device)  # an image token's row
+        return token_forward(self.model, token, rope, attn, self.device, logits=keep_logits, vision=vision)
 
     def _eager_logits(self, out: ScheduleOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One forward over the step's entries -> (sampling logits [B, V], scored rows' logits [S, V])."""

@@ -46,10 +46,12 @@ class PoolTokenAttention:
         return attend_token(q, k_pool[self.context_slots], v_pool[self.context_slots], self.scale)
 
 
-def token_forward(model, token: int, position: int, attn, device, logits: bool = True) -> torch.Tensor | None:
+def token_forward(model, token: int, position: int | torch.Tensor, attn, device, logits: bool = True,
+                  vision=None) -> torch.Tensor | None:
     """One token's forward (the model reads and writes its context through `attn`) -> its logits
-    [1, vocab] float32, or None with logits=False (a position nobody samples or scores)."""
+    [1, vocab] float32, or None with logits=False (a position nobody samples or scores). `position`: an
+    int, or the rotary positions tensor ([1], or [3, 1] for an image token) with its `vision` rows."""
     ids = torch.tensor([token], device=device)
-    positions = torch.tensor([position], device=device)
-    hidden = model(ids, positions, attn)  # [1, hidden]
+    positions = torch.tensor([position], device=device) if isinstance(position, int) else position
+    hidden = model(ids, positions, attn) if vision is None else model(ids, positions, attn, vision=vision)  # [1, hidden]
     return model.compute_logits(hidden) if logits else None

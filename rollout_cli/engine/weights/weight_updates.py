@@ -115,6 +115,8 @@ def commit_weights(engine, staged: list[tuple[TensorTarget, torch.Tensor]], new_
     for target, tensor in staged:
         copy_into_parameters(params, target, tensor)
     engine.scheduler.flush_cache()
+    if engine.runner.encoder_cache is not None:  # image embeddings came from the old vision tower
+        engine.runner.encoder_cache.clear()
     engine.weight_version = new_version
     if complete:
         engine.memory.weights_loaded()
