@@ -228,7 +228,7 @@ class RotaryEmbedding(nn.Module):
         picked = positions[self.mrope_rows.to(positions.device)]  # [rotary_dim, T]
         columns = torch.arange(self.rotary_dim, device=positions.device)
         index = torch.arange(positions.shape[1], device=positions.device)
-        return index, cos[picked.T, columns], sin[picked.T, columns]
+        return index, cos[picked.T, columns].contiguous(), sin[picked.T, columns].contiguous()  # [T, rotary_dim]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T] (or [3, T], multimodal); q [T, heads, head_dim]; k [T, kv_heads, head_dim]."""
