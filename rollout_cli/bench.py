@@ -23,6 +23,7 @@ from rollout_cli.engine.engine import Engine, PromptInput
 from rollout_cli.engine.memory.memory_saver import sync_device
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.episodes import EnvStep, EpisodeRunner
+from rollout_cli.bench_vision import add_images, hf_image_kwargs, hf_model_class, vision_report
 from rollout_cli.errors import RolloutError
 
 
@@ -71,6 +72,10 @@ class BenchConfig:
     rounds of the workload (bench_long_tail.py)."""
     carry_at: float = 0.9
     """With carry_over: the share of a round's samples after which the rest are carried over."""
+    images: int = 0
+    """Vision-language models: images before each prompt's text, each prompt its own (bench_vision.py)."""
+    image_size: tuple[int, int] = (448, 448)
+    """With images: the width and height of each image, in pixels (multiples of patch x merge)."""
 
     def __post_init__(self):
         if self.baseline not in ("none", "hf"):
@@ -90,6 +95,10 @@ class BenchConfig:
             raise RolloutError("--long-tail and --output-len-range each set the output lengths; give one")
         if self.carry_over < 0 or not 0 < self.carry_at < 1:
             raise RolloutError("--carry-over needs a round count >= 0 and --carry-at in (0, 1)")
+        if self.images < 0:
+            raise RolloutError("--images is a count per prompt: 0 or more")
+        if self.images and (self.turns > 1 or self.carry_over):
+            raise RolloutError("--images runs single-turn prompts for now; drop --turns or --carry-over")
         if self.turns > 1 and self.capture_routing != "off":
             raise RolloutError("--turns runs episodes, which --capture-routing does not support yet; drop one")
 
@@ -98,9 +107,18 @@ class BenchConfig:
 class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
+    images: list[tuple] | None = None  # per prompt, its ImageInputs (--images); None: text only
 
 
-def make_workload(cfg: BenchConfig, vocab_size: int, data_prompts: list[list[int]] | None = None) -> Workload:
+def make_workload(cfg: BenchConfig, vocab_size: int, data_prompts: list[list[int]] | None = None,
+                  hf_config=None) -> Workload:
+    """The prompts (random ids, or --data's) and output lengths; with cfg.images, images before each
+    prompt (`hf_config` says where: bench_vision.add_images)."""
+    workload = _text_workload(cfg, vocab_size, data_prompts)
+    return add_images(workload, cfg, hf_config) if cfg.images else workload
+
+
+def _text_workload(cfg: BenchConfig, vocab_size: int, data_prompts: list[list[int]] | None) -> Workload:
     rng = random.Random(cfg.seed)
 
     def length(fixed: int, span: tuple[int, int] | None) -> int:
@@ -124,18 +142,21 @@ _HF_WARMUP_TOKENS = 8
 
 def run_hf_baseline(model_dir: str, load_format: str, device: torch.device, dtype: torch.dtype,
                     workload: Workload, cfg: BenchConfig) -> dict:
-    """transformers `generate` over the same prompts, left-padded batches, eos ignored."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """transformers `generate` over the same prompts (and images), left-padded batches, eos ignored."""
+    from transformers import AutoConfig
 
+    config = AutoConfig.from_pretrained(model_dir)
+    auto_class = hf_model_class(config)
     if load_format == "dummy":
         with torch.device(device):  # random init on the GPU: minutes faster for 8B shapes
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+            model = auto_class.from_config(config, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model = auto_class.from_pretrained(model_dir, dtype=dtype)
     model = model.to(device).eval()
     experts = _fastest_experts_implementation(model)
-    requests = [(p, o) for p, o in zip(workload.prompts, workload.output_lens) for _ in range(cfg.n)]
-    useful_tokens = sum(o for _, o in requests)
+    images = workload.images or [()] * len(workload.prompts)
+    requests = [(p, o, i) for p, o, i in zip(workload.prompts, workload.output_lens, images) for _ in range(cfg.n)]
+    useful_tokens = sum(o for _, o, _ in requests)
 
     sampling = dict(do_sample=True, temperature=cfg.temperature, top_p=1.0, top_k=0) if cfg.temperature > 0 \
         else dict(do_sample=False)
@@ -143,28 +164,29 @@ def run_hf_baseline(model_dir: str, load_format: str, device: torch.device, dtyp
 
     def generate(batch) -> int:
         """Runs one left-padded batch; returns the decode steps it made."""
-        width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
-        new = max(o for _, o in batch)
+        width = max(len(p) for p, _, _ in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _, _ in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _, _ in batch], device=device)
+        new = max(o for _, o, _ in batch)
+        vision = hf_image_kwargs([i for _, _, i in batch], ids, getattr(config, "image_token_id", -1))
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
-                             stopping_criteria=clock.criteria(), **sampling)
+                             stopping_criteria=clock.criteria(), **sampling, **vision)
         return out.shape[1] - width
 
     # Warm-up (kernel selection, allocator, compile caches) needs a few steps, not the whole output: a
     # full-length warm-up at a 2048-token output cost as much as the timed run itself.
-    generate([(p, min(o, _HF_WARMUP_TOKENS)) for p, o in requests[:2]])
+    generate([(p, min(o, _HF_WARMUP_TOKENS), i) for p, o, i in requests[:2]])
     sync_device(device)
     clock.start()
     batches = [requests[i : i + cfg.baseline_batch] for i in range(0, len(requests), cfg.baseline_batch)]
     done_tokens, remaining_steps = 0, 0
     for batch in batches:
         if clock.stopped:  # not started: each of its steps costs at least the fastest step seen
-            remaining_steps += max(o for _, o in batch)
+            remaining_steps += max(o for _, o, _ in batch)
             continue
         steps = generate(batch)
-        done_tokens += sum(min(o, steps) for _, o in batch)
-        remaining_steps += max(o for _, o in batch) - steps
+        done_tokens += sum(min(o, steps) for _, o, _ in batch)
+        remaining_steps += max(o for _, o, _ in batch) - steps
     sync_device(device)
     seconds = time.monotonic() - clock.started
     result = {"batch": cfg.baseline_batch, "experts_implementation": experts, "seconds": seconds}
@@ -234,20 +256,26 @@ def _fastest_experts_implementation(model) -> str | None:
     return getattr(model.config, "_experts_implementation", None)
 
 
-def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
+def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig, flops_per_s: float | None = None) -> dict:
+    images = workload.images or [()] * len(workload.prompts)
+
     def inputs():
         for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
             params = SamplingParams(n=cfg.n, max_new_tokens=out_len, temperature=cfg.temperature,
                                     seed=cfg.seed, ignore_eos=True)
-            yield PromptInput(i, prompt, params=params)
+            yield PromptInput(i, prompt, params=params, images=images[i])
 
     # Warm-up on the workload's own prompts (two tokens each): Triton compiles for the prefill
     # shapes here, not inside the timed run; the prefix cache is emptied afterwards.
     warm = SamplingParams(max_new_tokens=2, ignore_eos=True)
     count = min(len(workload.prompts), engine.config.max_running)
-    list(engine.stream([PromptInput(i, p) for i, p in enumerate(workload.prompts[:count])], warm))
+    list(engine.stream([PromptInput(i, p, images=images[i]) for i, p in enumerate(workload.prompts[:count])], warm))
     if engine.scheduler.cache is not None:  # the warm-up prompt must not count as a prefix hit
         engine.scheduler.cache.reset()
+    encoder = engine.runner.encoder_cache
+    if encoder is not None:  # the timed run encodes its images itself, and its encoder steps are timed
+        encoder.clear()
+        encoder.timed, encoder.seconds, encoder.grids = True, 0.0, []
     stats_before = dataclasses.replace(engine.scheduler.stats)
     engine.scheduler.stats.peak_running = 0  # the timed run's own peak
     engine.runner.traffic = type(engine.runner.traffic)()
@@ -270,6 +298,8 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
     # the long tail: how long the last 10% of the samples kept the run going after 90% were out
     ninety = finished_at[max(0, math.ceil(0.9 * len(finished_at)) - 1)] if finished_at else 0.0
     engine.runner.time_decode_steps = engine.runner.count_distinct_context = False
+    if encoder is not None:
+        encoder.timed = False
     traffic = engine.runner.traffic
     stats = engine.scheduler.stats
     # an episode's response holds the environment's tokens too: count the model's
@@ -307,6 +337,7 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig) -> dict:
         "prefill_step_ms": 1e3 * traffic.prefill_wall_seconds / traffic.prefill_steps if traffic.prefill_steps else None,
         "cuda_graph_capture_s": engine.cuda_graph_capture_seconds,
         **({"episodes": episode_report(episodes, results)} if episodes is not None else {}),
+        **(vision_report(engine, seconds, flops_per_s) if workload.images else {}),
     }
 
 

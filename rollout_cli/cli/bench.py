@@ -34,6 +34,8 @@ def bench_command(
     long_tail: Annotated[Optional[float], typer.Option(help="Long-tailed output lengths: this share of the prompts run to --output-len, the rest to lengths uniform in [output-len/16, output-len/4].", rich_help_panel=WORKLOAD)] = None,
     carry_over: Annotated[int, typer.Option(help="Above 0: also run this many rounds of the workload twice, waiting for every sample of a round, then carrying the unfinished samples over to the next round once --carry-at of them finished (partial rollouts); prints the tail's share of the time and the throughput gain.", rich_help_panel=WORKLOAD)] = 0,
     carry_at: Annotated[float, typer.Option(help="With --carry-over: the share of a round's samples after which the rest are carried over.", rich_help_panel=WORKLOAD)] = 0.9,
+    images: Annotated[int, typer.Option(help="Vision-language models: images before each prompt's text (random patch rows, each prompt its own); reports the vision tower's share of the run and its FLOP/s.", rich_help_panel=WORKLOAD)] = 0,
+    image_size: Annotated[tuple[int, int], typer.Option(help="With --images: each image's width and height in pixels (multiples of patch x merge, 32 for Qwen3-VL).", rich_help_panel=WORKLOAD)] = (448, 448),
     temperature: opt.Temperature = 1.0,
     seed: opt.Seed = 0,
     baseline: Annotated[str, typer.Option(help="none, or hf: also time transformers generate on the same prompts.")] = "none",
@@ -68,7 +70,8 @@ def bench_command(
                           temperature=temperature, seed=seed, baseline=baseline, baseline_batch=baseline_batch,
                           baseline_time_limit=baseline_time_limit,
                           capture_routing=capture_routing, turns=turns, observation_len=observation_len,
-                          long_tail=long_tail, carry_over=carry_over, carry_at=carry_at)
+                          long_tail=long_tail, carry_over=carry_over, carry_at=carry_at, images=images,
+                          image_size=tuple(image_size))
         engine_config = opt.engine_config(model=model, **engine_options)
         hf_config = load_model_config(engine_config.model)  # a hub id's snapshot directory
         if tp != 1:
@@ -77,7 +80,7 @@ def bench_command(
                 return  # a follower: rank 0 ran the benchmark
         torch_device = resolve_device(engine_config.device)
         data_prompts = _read_prompts(data, prompt_key, engine_config.model) if data else None
-        workload = make_workload(cfg, hf_config.vocab_size, data_prompts)
+        workload = make_workload(cfg, hf_config.vocab_size, data_prompts, hf_config)
         hbm = measure_hbm_bandwidth(torch_device)
         flops = measure_matmul_flops(torch_device, resolve_dtype(engine_config.dtype, torch_device))
         report: dict = {"workload": {**cfg.__dict__, "prompts": len(workload.prompts)}}
@@ -136,7 +139,7 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
         report.update(_compare_modes(engine, workload, cfg, console))
     else:
         with console.status("engine"):
-            report["rollout"] = run_engine(engine, workload, cfg)
+            report["rollout"] = run_engine(engine, workload, cfg, flops)
     if cfg.carry_over:
         with console.status(f"long tail: {cfg.carry_over} rounds waiting, then carrying over"):
             report["long_tail"] = compare_carry_over(engine, workload, cfg, cfg.carry_over, cfg.carry_at)
@@ -272,6 +275,11 @@ def _table(report: dict) -> Table:
     table.add_row("peak running / last 10% of samples", f"{r['peak_running']} / {r['last_10pct_seconds']:.2f} s "
                   f"({r['last_10pct_seconds'] / r['seconds']:.0%} of the run)")
     table.add_row("KV cache", f"{r['kv_cache_tokens']:,} tokens ({r['kv_cache_dtype']})")
+    if "images_encoded" in r:
+        rate = f", {r['vision_tflops_per_s']:,.1f} TFLOP/s" if r["vision_tflops_per_s"] else ""
+        peak = f" ({r['vision_peak_fraction']:.0%} of matmul peak)" if r["vision_peak_fraction"] else ""
+        table.add_row("vision tower", f"{r['images_encoded']} images, {r['vision_seconds']:.2f} s "
+                      f"({r['vision_share']:.1%} of the run){rate}{peak}")
     if r["peak_memory_gib"] is not None:
         table.add_row("peak memory", f"{r['peak_memory_gib']:.1f} GiB")
     if bw.get("limit_output_tokens_per_s"):

@@ -48,7 +48,8 @@ def _language_model_config(config, architectures: list[str]):
     text = config.text_config
     text.architectures = [name]
     text.vision_config = config.vision_config
-    text.image_token_id = config.image_token_id
+    for key in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+        setattr(text, key, getattr(config, key, None))
     # tying is decided by the outer config (the text config's own flag may say otherwise)
     text.tie_word_embeddings = getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False))
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):

@@ -176,6 +176,21 @@ class VisionTower(nn.Module):
                 deepstack.append(self.deepstack_merger_list[self.deepstack_indexes.index(i)](x))
         return self.merger(x), deepstack
 
+    def matmul_flops(self, grids: list[tuple[int, int, int]]) -> int:
+        """FLOPs of the tower's matmuls over images of these grids (2 per multiply-add): the patch embedding,
+        per block qkv, attention scores and values, the output projection and the MLP, and the mergers."""
+        patch_in = self.patch_embed.proj.weight[0].numel()
+        d = self.patch_embed.proj.weight.shape[0]
+        inter = self.blocks[0].mlp.linear_fc1.weight.shape[0] if len(self.blocks) else 0
+        merged, out = self.merger.merged, self.merger.linear_fc2.weight.shape[0]
+        total = 0
+        for t, h, w in grids:
+            n = t * h * w
+            per_block = 2 * n * (3 * d * d + d * d + 2 * d * inter) + 2 * 2 * n * (h * w) * d  # + attention
+            mergers = (1 + self.num_deepstack) * 2 * (n // self.merge ** 2) * (merged * merged + merged * out)
+            total += 2 * n * patch_in * d + len(self.blocks) * per_block + mergers
+        return total
+
     def _block_order(self, h: int, w: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, col) of each patch in the processor's order: m x m merge blocks, row-major within and across."""
         m = self.merge

@@ -198,3 +198,35 @@ def test_kv_pressure_reports_preemptions_what_they_recompute_and_the_tail(tmp_pa
     assert 2 <= rollout["peak_running"] <= 8
     assert 0 <= rollout["last_10pct_seconds"] <= rollout["seconds"]
     assert "recomputed tokens" in result.stdout and "last 10% of samples" in result.stdout
+
+
+def test_images_on_a_vision_language_model(tmp_path):
+    """--images: every prompt carries its own image; the vision tower runs once per image in the timed
+    run (the warm-up's encodings are dropped), its share of the run is reported, HF runs the same images."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from vlm_fixtures import build_tiny_vlm
+
+    model = build_tiny_vlm(tmp_path / "vlm", "qwen3_vl")
+    report_path = tmp_path / "bench.json"
+    result = _bench("--model", model, "--device", "cpu", "--num-prompts", 4, "--input-len", 6, "--output-len", 5,
+                    "--n", 2, "--images", 1, "--image-size", 32, 64, "--baseline", "hf", "--json", report_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    rollout = report["rollout"]
+    assert rollout["requests"] == 8 and rollout["output_tokens"] == 8 * 5
+    assert rollout["images_encoded"] == 4 and 0 < rollout["vision_share"] < 1
+    assert report["hf"]["output_tokens_per_s"] > 0 and "vision tower" in result.stdout
+    # 32 x 64 pixels = 8 x 16 patches of 4, 32 tokens after the 2 x 2 merge, between vision start and end
+    assert rollout["total_tokens_per_s"] * rollout["seconds"] == pytest.approx(8 * (34 + 6 + 5))
+
+
+def test_images_need_a_vision_model_and_a_whole_number_of_merged_patches(tmp_path):
+    result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 2, "--images", 1)
+    assert result.returncode != 0 and "needs a vision-language checkpoint" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    sys.path.insert(0, str(REPO / "tests"))
+    from vlm_fixtures import build_tiny_vlm
+
+    model = build_tiny_vlm(tmp_path / "vlm", "qwen3_vl")
+    result = _bench("--model", model, "--device", "cpu", "--num-prompts", 2, "--images", 1, "--image-size", 30, 64)
+    assert result.returncode != 0 and "multiple of 8" in result.stderr

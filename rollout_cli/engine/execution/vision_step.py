@@ -9,6 +9,7 @@ image it covers. The tower never runs inside a decode graph: decode steps carry 
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import torch
@@ -31,20 +32,34 @@ class EncoderCache:
         self.entries: OrderedDict[int, tuple[torch.Tensor, list]] = OrderedDict()
         self.tokens = 0
         self.images_encoded = 0  # vision-tower runs, per image (the bench and tests read it)
+        # `rollout bench` sets `timed`: each encoder step then waits for the device, and its time and
+        # the grids it ran (for the tower's FLOPs) are added up
+        self.timed = False
+        self.seconds = 0.0
+        self.grids: list[tuple[int, int, int]] = []
 
     def outputs(self, images) -> dict[int, tuple[torch.Tensor, list]]:
         """The outputs of every image in `images` (ImageInputs), running the tower once over the missing."""
         missing = list({im.digest: im for im in images if im.digest not in self.entries}.values())
         if missing:
+            started = self._clock()
             for im, out in zip(missing, self.model.encode_images(missing, self.device)):
                 self.entries[im.digest] = out
                 self.tokens += out[0].shape[0]
             self.images_encoded += len(missing)
+            if self.timed:
+                self.seconds += self._clock() - started
+                self.grids.extend(im.grid_thw for im in missing)
         wanted = {im.digest for im in images}
         for digest in wanted:
             self.entries.move_to_end(digest)
         self._evict(keep=wanted)
         return {digest: self.entries[digest] for digest in wanted}
+
+    def _clock(self) -> float:
+        if self.timed and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _evict(self, keep: set[int]) -> None:
         for digest in list(self.entries):
