@@ -25,12 +25,15 @@
 # U[1024, 16384] out; preemptions, recomputed tokens, peak batch, the last 10%'s time), controlfp8 (control, FP8 weights: reloads re-quantize), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
 # modes, HF bf16 teacher forcing), tunebi06 / tunebi8 (tune the batch-invariant matmul for the 0.6B / 8B
 # shapes, write kernels/configs/batch_invariant_matmul/ and tar it to $OUT/tunebi*.tar to commit; run before det06 /
-# det8 in the same call), fp8 (issue 20's FP8 kernels: their GPU tests, then scripts/bench_fp8_gemm.py). Logs and JSON go to $OUT.
+# det8 in the same call), fp8 (issue 20's FP8 kernels: their GPU tests, then scripts/bench_fp8_gemm.py), vlmtests
+# (issue 23: the VLM GPU tests, graphs vs eager, float32 vs HF), vlm8 (issue 23's target: the Qwen3-VL-8B shape, one
+# 448 x 448 image per prompt, HF stopped after 300 s). Logs and JSON go to $OUT.
 # torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 PARTS=${*:-tests b06 b8 mixed grpo moe30 moe30hf control memtests}
 Q06=recipes/configs/qwen3-0.6b Q8=recipes/configs/qwen3-8b Q30=recipes/configs/qwen3-30b-a3b
+QVL8=recipes/configs/qwen3-vl-8b
 NEXT=recipes/configs/qwen3-next-80b-a3b-12l DENSE12=recipes/configs/qwen3-dense-a3b-12l
 NEXTMLP=recipes/configs/qwen3-next-dense-mlp-12l
 bench() {  # NAME TIMEOUT ARGS...: one bench, its table to the log and the reply, its JSON to $OUT
@@ -118,6 +121,11 @@ for kv in (None, torch.float8_e4m3fn):
     control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;
     controlfp8) timeout 250 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp --quantization fp8 2>&1 \
                | tee "$OUT/control_plane_fp8.log" | tail -13 ;;
+    vlmtests) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu_vlm.py 2>&1 \
+               | tee "$OUT/gpu_vlm_tests.log" | grep -E "^FAILED|passed|failed" | tail -6 ;;
+    vlm8) bench vl8_images 580 --model $QVL8 --num-prompts 256 --input-len 256 --output-len 512 --images 1 \
+               --image-size 448 448 --baseline hf --baseline-time-limit 300
+          grep -E "vision tower" "$OUT/vl8_images.log" ;;
     *) echo "unknown part $part" ;;
     esac
 done

@@ -88,10 +88,12 @@ def build_tiny_vlm(directory: Path, arch: str = "qwen3_vl", seed: int = 11) -> P
 
 def image_processor():
     """The HF image processor of the tiny checkpoints: 4-pixel patches, 2 x 2 merge, 8 .. 48 pixels a side."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    try:  # transformers >= 5.2x: the PIL processor has a class of its own (no torchvision needed)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as cls
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as cls
 
-    return Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
-                                    size={"shortest_edge": 8 * 8, "longest_edge": 48 * 48})
+    return cls(patch_size=4, temporal_patch_size=2, merge_size=2, size={"shortest_edge": 8 * 8, "longest_edge": 48 * 48})
 
 
 def random_image(width: int, height: int, seed: int):
@@ -126,7 +128,8 @@ class HFVisionReference:
         if images:
             inputs["pixel_values"] = torch.cat([im.pixel_values for im in images])
             inputs["image_grid_thw"] = torch.tensor([list(im.grid_thw) for im in images])
-        return inputs
+        device = next(self.model.parameters()).device  # the GPU tests move the model there
+        return {name: value.to(device) for name, value in inputs.items()}
 
     @torch.no_grad()
     def greedy(self, ids: list[int], images, max_new_tokens: int) -> list[int]:
