@@ -104,11 +104,7 @@ def _is_int(v: Any) -> bool:
 
 def _encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
                  template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise RolloutError(
-            "the prompts are chat messages but the tokenizer has no chat template; add "
-            "chat_template to the checkpoint's tokenizer_config.json or pass plain-string prompts"
-        )
+    require_chat_template(tokenizer)
     clean = []
     for k, m in enumerate(messages):
         if not isinstance(m.get("role"), str) or not m["role"]:
@@ -118,9 +114,16 @@ def _encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
         # A list<struct> column holds the union of all messages' keys, so a message
         # gets e.g. name=None it never had; templates test `is defined`, so drop those.
         clean.append({key: val for key, val in m.items() if val is not None})
+    return chat_template_ids(tokenizer, clean, template_kwargs)
+
+
+def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]],
+                      template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """The token ids of checked chat messages through the tokenizer's chat template, generation prompt
+    appended (image_prompts.py renders messages with image parts through it too)."""
     _silence_length_warning(tokenizer)
     try:
-        out = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True,
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                             **dict(template_kwargs or {}))
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as err:
         # Templates reject rows with raise_exception (TemplateError) or trip on odd values.
@@ -135,6 +138,16 @@ def _encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     if not out:
         raise InvalidPrompt("empty prompt")
     return [int(t) for t in out]
+
+
+def require_chat_template(tokenizer: Any) -> None:
+    """A RolloutError when chat prompts cannot be rendered: wrong for every row alike, so no row is skipped."""
+    _require_tokenizer(tokenizer)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RolloutError(
+            "the prompts are chat messages but the tokenizer has no chat template; add "
+            "chat_template to the checkpoint's tokenizer_config.json or pass plain-string prompts"
+        )
 
 
 def _require_tokenizer(tokenizer: Any) -> None:
