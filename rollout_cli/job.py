@@ -30,6 +30,7 @@ from rollout_cli.io.output_dir import (
     prepare_output_dir,
     write_manifest,
 )
+from rollout_cli.io.image_prompts import VisionPromptEncoder
 from rollout_cli.io.prompts import PromptSource
 from rollout_cli.io.trajectories import TrajectoryWriter, trajectory_schema
 from rollout_cli.job_manifest import (
@@ -60,6 +61,8 @@ class JobConfig:
     """Output directory: OUT/trajectories/part-NNNNN.parquet and OUT/manifest.json."""
     prompt_key: str = "prompt"
     """Column holding the prompt: a string, a list of chat messages, or token ids."""
+    image_key: str | None = None
+    """Column holding each row's images (vision-language models); None: `images`, else `image`, if the file has one."""
     limit: int | None = None
     """Use only the first `limit` rows of the file."""
     resume: bool = False
@@ -121,19 +124,29 @@ def check_job_inputs(job: JobConfig, engine: Engine | None = None) -> PromptSour
     """
     prepare_output_dir(job.out, job.resume)
     source = _prompt_source(job, engine)
-    trajectory_schema(source.passthrough_schema, episodes=job.env is not None)
+    trajectory_schema(source.passthrough_schema, episodes=job.env is not None, images=source.has_images)
     if job.env is not None:
         load_environment(job.env)  # a missing or broken file is one line before anything is written
     return source
 
 
 def _prompt_source(job: JobConfig, engine: Engine | None) -> PromptSource:
-    """The job's prompts; with an engine, rows are tokenized and held to what its RequestMaker admits."""
+    """The job's prompts; with an engine, rows are tokenized and held to what its RequestMaker admits, and
+    a vision-language checkpoint reads the rows' images through its own image processor."""
     if engine is None:
-        return PromptSource(job.data, tokenizer=None, prompt_key=job.prompt_key, limit=job.limit)
-    return PromptSource(job.data, engine.tokenizer, prompt_key=job.prompt_key, limit=job.limit,
-                        max_prompt_len=engine.requests.max_prompt_len, skip_invalid=job.skip_invalid,
-                        vocab_size=engine.requests.vocab_size)
+        return PromptSource(job.data, tokenizer=None, prompt_key=job.prompt_key, limit=job.limit,
+                            image_key=job.image_key)
+    vision = VisionPromptEncoder.from_checkpoint(engine.config.model, engine.tokenizer)
+    source = PromptSource(job.data, engine.tokenizer, prompt_key=job.prompt_key, limit=job.limit,
+                          max_prompt_len=engine.requests.max_prompt_len, skip_invalid=job.skip_invalid,
+                          vocab_size=engine.requests.vocab_size, image_key=job.image_key, vision=vision)
+    if source.has_images and job.env is not None:  # an episode's later turns are built without the images
+        raise RolloutError(f"--env episodes do not carry images yet, and {job.data} has the image column "
+                           f"{source.image_column!r}; drop --env, or the image column")
+    if source.has_images and job.continue_aborted:  # a partial sample does not keep its prompt's images
+        raise RolloutError("--continue-aborted does not carry images yet; drop it (--resume alone keeps the "
+                           "aborted samples as they are)")
+    return source
 
 
 def run_job(
@@ -212,7 +225,7 @@ def run_job(
                               routing_dtype=routing_dtype,
                               routing_shape=(len(engine.model.moe_layers), engine.model.top_k) if routing_dtype else (0, 0),
                               replica=None if group.alone else group.rank, episodes=job.env is not None,
-                              top_logprobs=params.top_logprobs > 0)
+                              top_logprobs=params.top_logprobs > 0, images=source.has_images)
     episodes = EpisodeRunner(engine, load_environment(job.env), job.max_turns) if job.env is not None else None
     finish_reasons: Counter[str] = Counter()
     stats_before = dataclasses.replace(engine.scheduler.stats)

@@ -33,6 +33,7 @@ def job_settings(engine: Engine, job: JobConfig, params: SamplingParams) -> dict
         "model_source": engine.config.model_source and engine.config.model_source.as_dict(),
         "data": job.data,
         "prompt_key": job.prompt_key,
+        "image_key": job.image_key,
         "limit": job.limit,
         "sampling": dataclasses.asdict(params),
         "capture_routing": job.capture_routing,

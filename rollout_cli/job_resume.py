@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 # Manifest keys that must be equal for --resume to continue a run. The checkpoint, the prompt file and
 # the weights are compared by content (the manifest's "fingerprints"), never by the paths as typed.
-RESUME_KEYS = ("prompt_key", "limit", "sampling", "capture_routing", "deterministic", "quantization", "kv_cache_dtype",
-               "env")
+RESUME_KEYS = ("prompt_key", "image_key", "limit", "sampling", "capture_routing", "deterministic", "quantization",
+               "kv_cache_dtype", "env")
 SAMPLING_DEFAULTS = dataclasses.asdict(SamplingParams())
 # A manifest written before fingerprints were recorded: its paths are compared as typed, as they were then.
 LEGACY_RESUME_KEYS = ("model", "data", *RESUME_KEYS)

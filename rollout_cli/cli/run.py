@@ -42,6 +42,7 @@ def run_command(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Generate past eos tokens until --max-new-tokens.", rich_help_panel=opt.SAMPLING)] = False,
     logprobs_mode: Annotated[str, typer.Option(help="processed: log_softmax(logits / temperature) over the tokens top-k / top-p / min-p keep; raw: before temperature and filters.", rich_help_panel=opt.SAMPLING)] = "processed",
     prompt_key: Annotated[str, typer.Option(help="Column with the prompt: text, chat messages, or token ids.", rich_help_panel=DATA)] = "prompt",
+    image_key: Annotated[Optional[str], typer.Option(help="Vision-language models: column with each row's images ({bytes, path} structs, a list of them, bytes or paths; paths relative to the Parquet file's folder), placed at the prompt's <image> placeholders or image parts; default: images, else image, if the file has one. Rows gain image_grid_thw.", rich_help_panel=DATA)] = None,
     limit: Annotated[Optional[int], typer.Option(help="Use only the first N rows.", rich_help_panel=DATA)] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run in OUT: generate only missing samples.", rich_help_panel=DATA)] = False,
     continue_aborted: Annotated[bool, typer.Option("--continue-aborted", help="With --resume: continue the samples an aborted job wrote with finish_reason abort from their response so far, on the weights loaded now (each token records its weight version), instead of counting them done.", rich_help_panel=DATA)] = False,
@@ -86,6 +87,8 @@ def run_command(
                       shard_rows=shard_rows, flush_seconds=flush_seconds, capture_routing=capture_routing)
     if env is not None:
         job_fields.update(env=env, max_turns=max_turns)
+    if image_key is not None:  # only when given: a daemon from before --image-key still takes text runs
+        job_fields.update(image_key=image_key)
     launch(job_fields, params, quiet)
 
 

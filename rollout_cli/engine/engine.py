@@ -358,6 +358,7 @@ class Engine:
             ttft_seconds=(request.first_token_time or request.arrival_time) - request.arrival_time,
             cached_prompt_tokens=request.cached_prompt_tokens,
             routed_experts=routed_experts,
+            image_grid_thw=[list(image.grid_thw) for image in request.images] if request.images else None,
         )
 
 

@@ -39,9 +39,15 @@ class Trajectory:
     # most likely first (None for tokens carried over from a partial response); the Python API and the
     # daemon's OpenAI routes return them; `rollout run --top-logprobs` writes them as two columns (to_row)
     response_top_logprobs: list | None = None
+    # a prompt with images: each image's [t, h, w] patch grid (the processor's image_grid_thw), in prompt
+    # order, which a trainer needs to rebuild the vision inputs; None for a text prompt. A run over an image
+    # column writes it as a column (io.trajectories.IMAGE_FIELDS; [] for its text rows), a text run has none
+    image_grid_thw: list | None = None
 
     def to_row(self) -> dict[str, Any]:
         row = {k: v for k, v in self.__dict__.items() if k not in METRIC_FIELDS}
+        if self.image_grid_thw is None:
+            del row["image_grid_thw"]
         row.update(self.episode or {})
         if self.response_top_logprobs is not None:  # io.trajectories.TOP_LOGPROB_FIELDS
             row["response_top_token_ids"] = [[t for t, _ in top] if top else [] for top in self.response_top_logprobs]

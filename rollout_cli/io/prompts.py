@@ -9,11 +9,19 @@ iteration then reads all columns, batch by batch.
 What a cell may hold and how it becomes token ids is `prompt_encoding.py`; the ids
 validate() computed are kept for iteration, within a memory budget, by
 `prompt_token_cache.py`, so that each row is tokenized once.
+
+Images (vision-language checkpoints, `image_prompts.py`): an image column is read with the prompt
+column. validate() decodes every image (a corrupt one fails the run, or is skipped, before any GPU
+work) and keeps only the ids; the patch rows, megabytes an image, are made as iteration yields the
+row, so memory holds the images of the rows in flight, never those of the file.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +32,8 @@ import pyarrow.parquet as pq
 from rollout_cli.engine.scheduling.request_maker import token_id_problem
 from rollout_cli.engine.trajectory import PromptInput
 from rollout_cli.errors import RolloutError, one_line
+from rollout_cli.io.image_cells import holds_images
+from rollout_cli.io.image_prompts import ImageCountMismatch, VisionPromptEncoder
 from rollout_cli.io.prompt_encoding import InvalidPrompt, encode_batch
 from rollout_cli.io.prompt_token_cache import TokenIdCache
 
@@ -31,6 +41,12 @@ from rollout_cli.io.prompt_token_cache import TokenIdCache
 _MAX_LISTED_COLUMNS = 20
 # How many bytes of token ids validate() keeps for iteration (see TokenIdCache).
 DEFAULT_CACHE_BYTES = 256 * 2**20
+# Rows per batch when the file has an image column: its cells hold encoded images (often 100 KB+ each).
+_IMAGE_BATCH_ROWS = 64
+# Image columns looked for when --image-key is not given, in this order (verl's, then HF datasets' single image).
+DEFAULT_IMAGE_KEYS = ("images", "image")
+# Threads that decode a batch's images in validate() (PIL decodes without the GIL).
+_DECODE_THREADS = min(8, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -41,7 +57,7 @@ class SkippedRow:
     reason: str
 
 
-def _cells(column: pa.Array | pa.ChunkedArray) -> list[Any]:
+def _cells(column: pa.Array | pa.ChunkedArray, what: str = "prompt") -> list[Any]:
     """column.to_pylist(), except that a cell that is not valid UTF-8 becomes an InvalidPrompt.
 
     Parquet does not check that a string column holds UTF-8, so such a file reads fine and only
@@ -57,9 +73,17 @@ def _cells(column: pa.Array | pa.ChunkedArray) -> list[Any]:
         try:
             values.append(column[i].as_py())
         except UnicodeDecodeError as err:
-            values.append(InvalidPrompt(f"prompt is not valid UTF-8 (byte 0x{err.object[err.start]:02x} "
+            values.append(InvalidPrompt(f"{what} is not valid UTF-8 (byte 0x{err.object[err.start]:02x} "
                                         f"at offset {err.start})"))
     return values
+
+
+def _listed(schema: pa.Schema) -> str:
+    """The file's column names for an error line, elided past _MAX_LISTED_COLUMNS."""
+    listed = ", ".join(schema.names[:_MAX_LISTED_COLUMNS])
+    if len(schema.names) > _MAX_LISTED_COLUMNS:
+        listed += f", ... ({len(schema.names)} in all)"
+    return listed
 
 
 class PromptSource:
@@ -69,7 +93,13 @@ class PromptSource:
         num_rows: rows considered, min(file rows, limit).
         num_valid: rows that iteration yields; None until validate() ran.
         passthrough_schema: the input schema minus the prompt column (no metadata),
-            what the trajectory writer appends to its fixed columns.
+            what the trajectory writer appends to its fixed columns; minus the image
+            column too when `vision` reads it (image bytes do not belong in trajectories).
+        image_column: the column holding the rows' images (None: none); `image_key`,
+            else the first of DEFAULT_IMAGE_KEYS the file has.
+
+    `vision` encodes rows for a vision-language checkpoint (image_prompts.py); without it
+    (a text-only model) a row whose image column holds an image fails the run.
 
     `cache_bytes` bounds the token ids validate() keeps so that iteration need not
     tokenize again (prompt_token_cache.py); rows past it are tokenized twice.
@@ -86,6 +116,8 @@ class PromptSource:
         batch_rows: int = 1024,
         vocab_size: int | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        image_key: str | None = None,
+        vision: VisionPromptEncoder | None = None,
     ) -> None:
         if limit is not None and limit < 1:
             raise RolloutError(f"--limit must be at least 1, got {limit}; pass a positive row count")
@@ -99,6 +131,7 @@ class PromptSource:
         self.skip_invalid = skip_invalid
         self.vocab_size = vocab_size
         self.batch_rows = batch_rows
+        self.vision = vision
 
         if not self.path.exists():
             raise RolloutError(f"prompt file {self.path} does not exist; check the --data path")
@@ -113,15 +146,16 @@ class PromptSource:
             ) from err
         schema = self._file.schema_arrow
         if prompt_key not in schema.names:
-            listed = ", ".join(schema.names[:_MAX_LISTED_COLUMNS])
-            if len(schema.names) > _MAX_LISTED_COLUMNS:
-                listed += f", ... ({len(schema.names)} in all)"
-            raise RolloutError(
-                f"{self.path} has no column {prompt_key!r} (columns: {listed}); "
-                "pass --prompt-key NAME to pick the prompt column"
-            )
+            raise RolloutError(f"{self.path} has no column {prompt_key!r} (columns: {_listed(schema)}); "
+                               "pass --prompt-key NAME to pick the prompt column")
+        self.image_column = self._image_column(schema, image_key)
+        if vision is not None and self.image_column is not None:
+            self.batch_rows = min(batch_rows, _IMAGE_BATCH_ROWS)
+        # A text-only model keeps an image column as a passthrough column, as before images were read: it
+        # holds none (validate() refuses a row with one), and a resumed text run keeps its output schema.
+        dropped = {prompt_key, self.image_column} if vision is not None else {prompt_key}
         # Schema metadata (pandas index info) describes the input table, not ours: drop it.
-        self.passthrough_schema = pa.schema([f for f in schema if f.name != prompt_key])
+        self.passthrough_schema = pa.schema([f for f in schema if f.name not in dropped])
         file_rows = self._file.metadata.num_rows
         self.num_rows = file_rows if limit is None else min(file_rows, limit)
         self.num_valid: int | None = None
@@ -129,40 +163,103 @@ class PromptSource:
         self._skipped_index: set[int] = set()
         self._cache = TokenIdCache(cache_bytes)
 
+    def _image_column(self, schema: pa.Schema, image_key: str | None) -> str | None:
+        if image_key is None:
+            return next((name for name in DEFAULT_IMAGE_KEYS if name in schema.names and name != self.prompt_key), None)
+        if image_key not in schema.names:
+            raise RolloutError(f"{self.path} has no column {image_key!r} (columns: {_listed(schema)}); "
+                               "pass --image-key NAME to pick the image column")
+        if image_key == self.prompt_key:
+            raise RolloutError(f"--image-key and --prompt-key both name the column {image_key!r}; "
+                               "images and prompts are two columns")
+        return image_key
+
+    @property
+    def has_images(self) -> bool:
+        """Whether the rows may carry images: a vision-language model and an image column (the output
+        then has an image_grid_thw column)."""
+        return self.vision is not None and self.image_column is not None
+
     def validate(self) -> list[SkippedRow]:
         """Tokenize every considered row; fail on the first bad row unless skip_invalid.
 
         Returns the skipped rows (empty without skip_invalid). Reads only the
-        prompt column. Keeps the ids for iteration (up to cache_bytes). Idempotent:
-        a second call returns the first result.
+        prompt column (and the image column). Keeps the ids for iteration (up to
+        cache_bytes). Idempotent: a second call returns the first result.
         """
         if self._skipped_rows is not None:
             return list(self._skipped_rows)
         skipped: list[SkippedRow] = []
-        for start, batch in self._batches(columns=[self.prompt_key]):
-            values = _cells(batch.column(0))
-            encoded = encode_batch(self.tokenizer, values)
-            for offset, result in enumerate(encoded):
-                index = start + offset
-                problem = self._problem(result)
-                if problem is None:
-                    continue
-                reason, fix = problem
-                if not self.skip_invalid:
-                    raise RolloutError(
-                        f"row {index} of {self.path}: {reason}; {fix}, or pass --skip-invalid "
-                        "to leave invalid rows out"
-                    )
-                skipped.append(SkippedRow(index, reason))
-                encoded[offset] = None
-            self._cache.add(start, encoded)  # type: ignore[arg-type] # bad rows are None by now
+        columns = [self.prompt_key] + ([self.image_column] if self.image_column is not None else [])
+        decoding = self.has_images and _DECODE_THREADS > 1
+        with ThreadPoolExecutor(_DECODE_THREADS) if decoding else nullcontext() as pool:
+            for start, batch in self._batches(columns=columns):
+                skipped += self._validate_batch(start, batch, pool)
         self._skipped_rows = skipped
         self._skipped_index = {s.prompt_index for s in skipped}
         self.num_valid = self.num_rows - len(skipped)
         return list(skipped)
 
+    def _validate_batch(self, start: int, batch: pa.RecordBatch, pool: ThreadPoolExecutor | None) -> list[SkippedRow]:
+        """Encode one batch, keep its ids in the cache; the rows it skipped (raises without skip_invalid)."""
+        skipped = []
+        values = _cells(batch.column(0))
+        images = _cells(batch.column(1), "image path") if self.image_column is not None else None
+        if self.vision is not None:
+            counts = (self._token_counts(images, pool) if images is not None else [[] for _ in values])
+            encoded = self.vision.ids_batch(values, counts)
+        else:
+            if images is not None:
+                self._refuse_images(start, images)
+            encoded = encode_batch(self.tokenizer, values)
+        for offset, result in enumerate(encoded):
+            index = start + offset
+            problem = self._problem(result)
+            if problem is None:
+                continue
+            reason, fix = problem
+            if not self.skip_invalid:
+                raise RolloutError(
+                    f"row {index} of {self.path}: {reason}; {fix}, or pass --skip-invalid "
+                    "to leave invalid rows out"
+                )
+            skipped.append(SkippedRow(index, reason))
+            encoded[offset] = None
+        self._cache.add(start, encoded)  # type: ignore[arg-type] # bad rows are None by now
+        return skipped
+
+    def _token_counts(self, cells: list[Any], pool: ThreadPoolExecutor | None) -> list[list[int] | InvalidPrompt]:
+        """Per row: the image tokens of each of its images, or why they cannot be read (images decoded
+        on `pool`'s threads, then dropped: validation keeps no pixels)."""
+        vision, base = self.vision, self.path.parent
+        assert vision is not None
+
+        def counts(cell: Any) -> list[int] | InvalidPrompt:
+            if isinstance(cell, InvalidPrompt):
+                return cell
+            try:
+                return vision.token_counts(cell, base)
+            except InvalidPrompt as err:
+                return err
+
+        if pool is None or sum(map(holds_images, cells)) < 2:
+            return [counts(cell) for cell in cells]
+        return list(pool.map(counts, cells))
+
+    def _refuse_images(self, start: int, cells: list[Any]) -> None:
+        """A text-only model cannot take the rows' images: wrong for the whole run, so no --skip-invalid."""
+        for offset, cell in enumerate(cells):
+            if holds_images(cell):
+                raise RolloutError(
+                    f"row {start + offset} of {self.path} holds an image in column {self.image_column!r}, but the "
+                    "model is text-only and takes no images; drop that column from the file (or run a "
+                    "vision-language checkpoint)"
+                )
+
     def _problem(self, result: list[int] | InvalidPrompt) -> tuple[str, str] | None:
         """(reason, fix) when a row cannot be used, else None."""
+        if isinstance(result, ImageCountMismatch) and self.image_column is None:
+            return f"{result} (the file has no image column)", "pass --image-key NAME to pick the image column"
         if isinstance(result, InvalidPrompt):
             return str(result), "fix or drop that row"
         problem = token_id_problem(result, self.vocab_size, self.max_prompt_len)
@@ -196,10 +293,38 @@ class PromptSource:
         for start, batch in self._batches(columns=None):
             keep = [o for o in range(batch.num_rows) if start + o not in self._skipped_index]
             ids = [self._cache.pop(start + o) for o in keep]
-            self._encode_uncached(batch, start, keep, ids)
             passthrough = self._passthrough(batch.select(names), start, keep)
+            if self.vision is not None:
+                yield from self._vision_rows(batch, start, keep, ids, passthrough)
+                continue
+            self._encode_uncached(batch, start, keep, ids)
             for offset, row_ids in zip(keep, ids):
                 yield PromptInput(start + offset, row_ids, passthrough[offset])  # type: ignore[arg-type]
+
+    def _vision_rows(self, batch: pa.RecordBatch, start: int, keep: list[int], ids: list[list[int] | None],
+                     passthrough: dict[int, dict[str, Any]]) -> Iterator[PromptInput]:
+        """The kept rows of a batch with their images, each made as the row is asked for (the patch rows
+        of a batch's images would be gigabytes); ids the cache did not hold are encoded again."""
+        vision = self.vision
+        assert vision is not None
+        prompts = _cells(batch.column(self.prompt_key))
+        cells = (_cells(batch.column(self.image_column), "image path") if self.image_column is not None
+                 else [None] * batch.num_rows)
+        for offset, row_ids in zip(keep, ids):
+            index = start + offset
+            try:
+                images = vision.images(cells[offset], self.path.parent)
+                counts = [image.num_tokens(vision.merge_size) for image in images]
+                if row_ids is None:
+                    row_ids = vision.prompt_ids(prompts[offset], counts)
+            except InvalidPrompt as err:  # a file the row names changed or went away since validate()
+                raise RolloutError(f"row {index} of {self.path}: {err}, though it passed validation when the run "
+                                   "started; restore its images and --resume") from err
+            if row_ids.count(vision.image_token_id) != sum(counts):
+                # validate() counted the tokens by the processor's resize rule; the processor disagrees
+                raise RuntimeError(f"row {index}: the image processor made {sum(counts)} image tokens, "
+                                   f"validation counted {row_ids.count(vision.image_token_id)}")
+            yield PromptInput(index, row_ids, passthrough[offset], images=images)
 
     def _encode_uncached(self, batch: pa.RecordBatch, start: int, keep: list[int],
                          ids: list[list[int] | None]) -> None:

@@ -51,12 +51,20 @@ EPISODE_FIELDS: tuple[pa.Field, ...] = (
     pa.field("turn_cached_tokens", pa.list_(pa.int32())),  # per model turn: prompt tokens the prefix cache served
 )
 
+# a run over an image column (vision-language models): per row, each image's [t, h, w] patch grid in
+# prompt order ([] for a row without images), which a trainer needs with prompt_token_ids to rebuild the
+# vision inputs (the image processor's image_grid_thw)
+IMAGE_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("image_grid_thw", pa.list_(pa.list_(pa.int32()))),
+)
 
-def trajectory_schema(passthrough_schema: pa.Schema, episodes: bool = False, top_logprobs: bool = False) -> pa.Schema:
-    """The fixed columns in order (then the episode columns, the top-logprob columns, as asked), then the
-    input's passthrough columns in input order."""
+
+def trajectory_schema(passthrough_schema: pa.Schema, episodes: bool = False, top_logprobs: bool = False,
+                      images: bool = False) -> pa.Schema:
+    """The fixed columns in order (then the episode columns, the top-logprob columns, the image columns, as
+    asked), then the input's passthrough columns in input order."""
     fields = (list(FIXED_FIELDS) + (list(EPISODE_FIELDS) if episodes else [])
-              + (list(TOP_LOGPROB_FIELDS) if top_logprobs else []))
+              + (list(TOP_LOGPROB_FIELDS) if top_logprobs else []) + (list(IMAGE_FIELDS) if images else []))
     names = [f.name for f in fields]
     for name in passthrough_schema.names:
         if name in names:
@@ -195,6 +203,8 @@ class ShardWriter:
 class TrajectoryWriter(ShardWriter):
     """ShardWriter over trajectory_schema(passthrough_schema).
 
+    With `images` the rows get an image_grid_thw column; a row without it (a text prompt of the run) gets [].
+
     With `routing_dtype` ("uint8" or "int16") every row comes with its routing (`add(row, routing)`,
     routing a numpy array [num_tokens, num_layers, top_k]) and each flush also writes
     OUT/routing/part-NNNNN.parquet with the same number: both temp files, then the routing rename,
@@ -214,16 +224,18 @@ class TrajectoryWriter(ShardWriter):
         replica: int | None = None,
         episodes: bool = False,
         top_logprobs: bool = False,
+        images: bool = False,
     ) -> None:
         super().__init__(
             out_dir,
-            trajectory_schema(passthrough_schema, episodes, top_logprobs),
+            trajectory_schema(passthrough_schema, episodes, top_logprobs, images),
             shard_rows=shard_rows,
             flush_seconds=flush_seconds,
             subdir=subdir,
             clock=clock,
             replica=replica,
         )
+        self.images = images
         self.routing_dtype = routing_dtype
         self.routing_shape = routing_shape  # (num_layers, top_k): the shape of an empty routing
         if routing_dtype is not None:
@@ -233,6 +245,8 @@ class TrajectoryWriter(ShardWriter):
             self._routing: list[tuple[int, int, np.ndarray]] = []
 
     def add(self, row: dict[str, Any], routing: np.ndarray | None = None) -> None:
+        if self.images and "image_grid_thw" not in row:
+            row = {**row, "image_grid_thw": []}
         if self.routing_dtype is not None:
             if routing is None:  # e.g. a sample aborted before any token was computed
                 routing = np.zeros((0, *self.routing_shape), dtype=self.routing_dtype)

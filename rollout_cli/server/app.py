@@ -66,6 +66,8 @@ class GenerateRequest(_Body):
     out: str = Field(max_length=PATH_CHARS, description="Output directory, an absolute path on the engine's machine.")
     sampling_params: SamplingRequest = SamplingRequest()
     prompt_key: str = Field("prompt", max_length=NAME_CHARS)
+    image_key: Optional[str] = Field(None, max_length=NAME_CHARS,
+                                     description="rollout run --image-key: the column of the rows' images.")
     limit: Optional[int] = None
     resume: bool = False
     continue_aborted: bool = False
@@ -258,8 +260,8 @@ def create_app(worker: EngineWorker, token: str | None, request_exit: Callable[[
             return _error(503, "the engine is still loading; retry in a moment")
         try:
             params = SamplingParams(**body.sampling_params.model_dump())
-            job = JobConfig(data=body.data, out=body.out, prompt_key=body.prompt_key, limit=body.limit,
-                            resume=body.resume, continue_aborted=body.continue_aborted,
+            job = JobConfig(data=body.data, out=body.out, prompt_key=body.prompt_key, image_key=body.image_key,
+                            limit=body.limit, resume=body.resume, continue_aborted=body.continue_aborted,
                             skip_invalid=body.skip_invalid, shard_rows=body.shard_rows,
                             flush_seconds=body.flush_seconds, capture_routing=body.capture_routing,
                             env=body.env, max_turns=body.max_turns)

@@ -97,7 +97,20 @@ def _unknown_key(model: type[BaseModel] | None, path: tuple) -> str:
     close = difflib.get_close_matches(key, names, n=1) if len(key) <= 2 * ECHO_CHARS else []
     if close:
         return f"{message}; did you mean {close[0]}?"
-    return f"{message}; valid keys: {', '.join(names)}"
+    return f"{message}{_VALID_KEYS}{', '.join(names)}"
+
+
+_VALID_KEYS = "; valid keys: "
+
+
+def _once(problems: list[str]) -> list[str]:
+    """The problems with each list of valid keys given once: three unknown keys name the valid ones once."""
+    out, listed = [], set()
+    for problem in problems:
+        head, sep, keys = problem.partition(_VALID_KEYS)
+        out.append(head if sep and keys in listed else problem)
+        listed.add(keys)
+    return out
 
 
 def _problem(model: type[BaseModel] | None, error: dict) -> str:
@@ -123,7 +136,7 @@ def _body_model(request: Request) -> type[BaseModel] | None:
 async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
     model = _body_model(request)
     problems = list(dict.fromkeys(_problem(model, e) for e in exc.errors()))
-    shown = "; ".join(problems[:MAX_PROBLEMS])
+    shown = "; ".join(_once(problems[:MAX_PROBLEMS]))
     if len(problems) > MAX_PROBLEMS:  # a body of 10,000 bad keys gets a line, not 10,000
         shown += f"; and {len(problems) - MAX_PROBLEMS:,} more"
     return error_response(400, f"invalid request to {request.url.path}: {shown}", path=request.url.path)

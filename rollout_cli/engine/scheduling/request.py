@@ -55,6 +55,7 @@ class Request:
     final_slots: list[int] | None = None  # `slots` as they were when the request finished (routing capture)
     group_leader: "Request | None" = None  # the sample that computes a shared prompt first
     conversation: int | None = None  # a conversation turn: the previous turn's prompt length (PromptInput's)
+    images: tuple = ()  # the prompt's images (engine.multimodal.ImageInput), as PromptInput.images
     payload: object = None  # caller data carried to the result (passthrough columns)
     arrival_time: float = 0.0  # time.monotonic() when queued; with first_token_time gives TTFT
     first_token_time: float | None = None
