@@ -55,6 +55,8 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
+    use_triton = False  # the Triton rotary kernel, in place on q and k (layers.enable_triton_kernels)
+
     def __init__(self, config):
         super().__init__()
         self.num_heads = config.num_heads
@@ -62,38 +64,57 @@ class VisionAttention(nn.Module):
         self.qkv = Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
         self.proj = Linear(config.hidden_size, config.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """x [N, D]; cos/sin [N, head_dim] float32; `lengths`: the patches of each image (frame), in order."""
+    def forward(self, x: torch.Tensor, rope: tuple, plan) -> torch.Tensor:
+        """x [N, D]; rope: (rows [N] int64, cos, sin [N, head_dim] float32); `plan`: attention_plan's groups."""
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, heads, head_dim] each
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = torch.empty_like(q)
-        # images of one length attend in one batched call: [images, heads, length, head_dim]
-        for length, starts in _runs_by_length(lengths):
-            index = torch.cat([torch.arange(s, s + length, device=x.device) for s in starts])
-            qs, ks, vs = (t[index].view(len(starts), length, self.num_heads, self.head_dim).transpose(1, 2)
-                          for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qs, ks, vs)  # bidirectional within each image
-            out[index] = o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+        rows, cos, sin = rope
+        qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
+        if self.use_triton:  # float32 math in registers, written back in place into the qkv views
+            from rollout_kernels.rotary import apply_rotary  # Triton: optional on the CPU
+
+            q, k = apply_rotary(qkv[:, 0], qkv[:, 1], rows, cos, sin)
+        else:
+            q, k = _rotate(qkv[:, :2], cos[:, None, None], sin[:, None, None]).unbind(1)  # [N, heads, head_dim] each
+        v = qkv[:, 2]
+        if len(plan) == 1 and plan[0][2] is None:  # one length, images end to end: no gather
+            length, count, _ = plan[0]
+            out = _attend(q, k, v, count, length)
+        else:
+            out = torch.empty_like(q)
+            for length, count, index in plan:
+                out[index] = _attend(q[index], k[index], v[index], count, length)
         return self.proj(out.reshape(n, -1))
 
 
-def _runs_by_length(lengths: list[int]) -> list[tuple[int, list[int]]]:
-    """[(length, start rows of the images of that length)], over images laid end to end."""
+def _attend(q, k, v, count: int, length: int) -> torch.Tensor:
+    """Bidirectional attention within each of `count` images of `length` patches laid end to end:
+    q, k, v [count * length, heads, head_dim] -> the same shape."""
+    heads, dim = q.shape[1], q.shape[2]
+    q, k, v = (t.reshape(count, length, heads, dim).transpose(1, 2) for t in (q, k, v))  # [count, heads, L, d]
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(count * length, heads, dim)
+
+
+def attention_plan(lengths: list[int], device) -> list[tuple[int, int, torch.Tensor | None]]:
+    """[(length, image count, their rows or None)]: images of one length attend in one batched call; rows
+    None when every image has the one length (a plain reshape). Built once per forward, for every block."""
     groups: dict[int, list[int]] = {}
     start = 0
     for length in lengths:
         groups.setdefault(length, []).append(start)
         start += length
-    return list(groups.items())
+    if len(groups) == 1:
+        length, starts = next(iter(groups.items()))
+        return [(length, len(starts), None)]
+    return [(length, len(starts), torch.cat([torch.arange(s, s + length, device=device) for s in starts]))
+            for length, starts in groups.items()]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE in float32 over the whole head: x [N, heads, head_dim], cos/sin [N, head_dim]."""
+    """Rotate-half RoPE in float32 over the whole last dim: x [N, ..., head_dim], cos/sin broadcast to it."""
     dtype, x = x.dtype, x.float()
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos[:, None] + rotated * sin[:, None]).to(dtype)
+    return (x * cos + rotated * sin).to(dtype)
 
 
 class VisionMLP(nn.Module):
@@ -115,8 +136,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config)
         self.mlp = VisionMLP(config)
 
-    def forward(self, x, cos, sin, lengths):
-        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+    def forward(self, x, rope, plan):
+        x = x + self.attn(self.norm1(x), rope, plan)
         return x + self.mlp(self.norm2(x))
 
 
@@ -167,11 +188,11 @@ class VisionTower(nn.Module):
         (embeddings [N / m^2, out_hidden], deepstack features: one [N / m^2, out_hidden] per tapped block)."""
         x = self.patch_embed(pixels)
         x = x + self._positions(grids, x.device).to(x.dtype)
-        cos, sin = self._rotary(grids, x.device)
-        lengths = [h * w for t, h, w in grids for _ in range(t)]  # attention within each frame
+        rope = (torch.arange(x.shape[0], device=x.device), *self._rotary(grids, x.device))  # row t: patch t's
+        plan = attention_plan([h * w for t, h, w in grids for _ in range(t)], x.device)  # within each frame
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, lengths)
+            x = block(x, rope, plan)
             if i in self.deepstack_indexes:
                 deepstack.append(self.deepstack_merger_list[self.deepstack_indexes.index(i)](x))
         return self.merger(x), deepstack
@@ -200,26 +221,30 @@ class VisionTower(nn.Module):
 
     def _positions(self, grids, device) -> torch.Tensor:
         """The learned [side, side] position table resampled to each grid (bilinear, corners aligned) -> [N, D]."""
-        side, table, out = self.side, self.pos_embed.weight, []
+        side, table, out, by_grid = self.side, self.pos_embed.weight, [], {}
         for t, h, w in grids:
+            if (h, w) in by_grid:  # images of one size share their resampled table
+                out.append(by_grid[h, w].repeat(t, 1))
+                continue
             rows, cols = self._block_order(h, w, device)
             (h0, h1), (wh0, wh1) = _taps(rows, h, side)
             (w0, w1), (ww0, ww1) = _taps(cols, w, side)
             # four taps, summed in HF's order (h0w0, h0w1, h1w0, h1w1)
             taps = torch.stack((h0 * side + w0, h0 * side + w1, h1 * side + w0, h1 * side + w1), dim=1)
             weights = torch.stack((wh0 * ww0, wh0 * ww1, wh1 * ww0, wh1 * ww1), dim=1)  # [h * w, 4]
-            pos = (table[taps] * weights[:, :, None].to(table.dtype)).sum(1)
+            by_grid[h, w] = pos = (table[taps] * weights[:, :, None].to(table.dtype)).sum(1)
             out.append(pos.repeat(t, 1))
         return torch.cat(out)
 
     def _rotary(self, grids, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, head_dim] float32 of each patch's (row, col)."""
         inv_freq = self.inv_freq.to(device)
-        parts = []
+        parts, by_grid = [], {}
         for t, h, w in grids:
-            rows, cols = self._block_order(h, w, device)
-            freqs = torch.cat((rows[:, None].float() * inv_freq, cols[:, None].float() * inv_freq), dim=-1)
-            parts.append(freqs.repeat(t, 1))
+            if (h, w) not in by_grid:
+                rows, cols = self._block_order(h, w, device)
+                by_grid[h, w] = torch.cat((rows[:, None].float() * inv_freq, cols[:, None].float() * inv_freq), dim=-1)
+            parts.append(by_grid[h, w].repeat(t, 1))
         freqs = torch.cat(parts)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()

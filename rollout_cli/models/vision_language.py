@@ -80,7 +80,8 @@ class VisionLanguageModel:
     def encode_images(self, images: list[ImageInput], device: torch.device) -> list[tuple[torch.Tensor, list]]:
         """The vision tower over several images in one forward -> per image (embeddings [n, hidden],
         deepstack features [[n, hidden] per tapped layer]), n its placeholder tokens."""
-        pixels = torch.cat([im.pixel_values for im in images]).to(device)
+        # each image's rows copied on their own, joined on the device: no host-side copy of them all first
+        pixels = torch.cat([im.pixel_values.to(device, non_blocking=True) for im in images])
         embeds, deepstack = self.visual(pixels, [im.grid_thw for im in images])
         sizes = [im.num_tokens(self.spatial_merge_size) for im in images]
         per_image = embeds.split(sizes)

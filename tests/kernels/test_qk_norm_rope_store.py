@@ -118,6 +118,13 @@ def test_matches_reference(t, h, kvh, d, rotary_dim, dtype, norm):
         assert torch.equal(case[1][..., rotary_dim:], ref_case[1][..., rotary_dim:])
 
 
+# Bit-exact with the chain in the interpreter's numpy order; compiled for a GPU the two kernels contract
+# the rotary multiply-adds into FMAs differently and agree to rounding only (test_gpu and _check).
+interpreter_order = pytest.mark.skipif(torch.cuda.is_available(),
+                                       reason="bit-exactness with the chain holds in the interpreter's order only")
+
+
+@interpreter_order
 @pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("t,h,kvh,d,rotary_dim", [SHAPES[1], SHAPES[2], SHAPES[3]])
@@ -131,6 +138,7 @@ def test_bit_exact_with_unfused_chain(t, h, kvh, d, rotary_dim, dtype, norm):
     assert torch.equal(got[2].nan_to_num(123.0), want[2].nan_to_num(123.0))
 
 
+@interpreter_order
 @pytest.mark.parametrize("block_h", [2, 3])
 def test_head_blocks(block_h):
     """Several heads per program, with a partial last block of q and of k heads."""
