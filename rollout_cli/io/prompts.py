@@ -19,6 +19,7 @@ row, so memory holds the images of the rows in flight, never those of the file.
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -45,8 +46,12 @@ DEFAULT_CACHE_BYTES = 256 * 2**20
 _IMAGE_BATCH_ROWS = 64
 # Image columns looked for when --image-key is not given, in this order (verl's, then HF datasets' single image).
 DEFAULT_IMAGE_KEYS = ("images", "image")
-# Threads that decode a batch's images in validate() (PIL decodes without the GIL).
+# Threads that decode a batch's images in validate() and prepare rows ahead of the engine at iteration
+# (PIL decodes, numpy resizes and blake2b hashes without the GIL).
 _DECODE_THREADS = min(8, os.cpu_count() or 1)
+# Rows whose images iteration prepares ahead of the engine: ~17 ms of host work a 448 x 448 image (decode,
+# processor, digest) would stall the step loop; 32 rows of such images hold ~150 MB of patch rows.
+_PREPARE_AHEAD = 32
 
 
 @dataclass(frozen=True)
@@ -310,21 +315,38 @@ class PromptSource:
         prompts = _cells(batch.column(self.prompt_key))
         cells = (_cells(batch.column(self.image_column), "image path") if self.image_column is not None
                  else [None] * batch.num_rows)
-        for offset, row_ids in zip(keep, ids):
-            index = start + offset
-            try:
-                images = vision.images(cells[offset], self.path.parent)
-                counts = [image.num_tokens(vision.merge_size) for image in images]
-                if row_ids is None:
-                    row_ids = vision.prompt_ids(prompts[offset], counts)
-            except InvalidPrompt as err:  # a file the row names changed or went away since validate()
-                raise RolloutError(f"row {index} of {self.path}: {err}, though it passed validation when the run "
-                                   "started; restore its images and --resume") from err
-            if row_ids.count(vision.image_token_id) != sum(counts):
-                # validate() counted the tokens by the processor's resize rule; the processor disagrees
-                raise RuntimeError(f"row {index}: the image processor made {sum(counts)} image tokens, "
-                                   f"validation counted {row_ids.count(vision.image_token_id)}")
-            yield PromptInput(index, row_ids, passthrough[offset], images=images)
+        with ThreadPoolExecutor(_DECODE_THREADS) as pool:
+            rows = iter(zip(keep, ids))
+            ahead: deque = deque()  # (offset, cached ids or None, future of the row's ImageInputs), in row order
+
+            def prepare_next() -> None:
+                for offset, row_ids in rows:
+                    ahead.append((offset, row_ids, pool.submit(vision.images, cells[offset], self.path.parent)))
+                    return
+
+            for _ in range(_PREPARE_AHEAD):
+                prepare_next()
+            while ahead:
+                offset, row_ids, images = ahead.popleft()
+                prepare_next()
+                yield self._vision_row(start + offset, row_ids, images, prompts[offset], passthrough[offset])
+
+    def _vision_row(self, index: int, row_ids: list[int] | None, images, prompt: Any, passthrough: dict) -> PromptInput:
+        """One row with its images (`images`: the future of vision.images on its cell)."""
+        vision: VisionPromptEncoder = self.vision  # type: ignore[assignment] # _vision_rows' caller checked
+        try:
+            images = images.result()
+            counts = [image.num_tokens(vision.merge_size) for image in images]
+            if row_ids is None:
+                row_ids = vision.prompt_ids(prompt, counts)
+        except InvalidPrompt as err:  # a file the row names changed or went away since validate()
+            raise RolloutError(f"row {index} of {self.path}: {err}, though it passed validation when the run "
+                               "started; restore its images and --resume") from err
+        if row_ids.count(vision.image_token_id) != sum(counts):
+            # validate() counted the tokens by the processor's resize rule; the processor disagrees
+            raise RuntimeError(f"row {index}: the image processor made {sum(counts)} image tokens, "
+                               f"validation counted {row_ids.count(vision.image_token_id)}")
+        return PromptInput(index, row_ids, passthrough, images=images)
 
     def _encode_uncached(self, batch: pa.RecordBatch, start: int, keep: list[int],
                          ids: list[list[int] | None]) -> None:
