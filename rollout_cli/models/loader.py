@@ -25,6 +25,10 @@ SCALE_SUFFIX = "_scale_inv"
 FP8_CHECKPOINT_DTYPE = "F8_E4M3"
 FP8_BLOCK = 128
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+# Shard id of a stacked tensor stored with dims 1 and 2 swapped ([E, K, N] for a parameter [E, N, K]: the
+# hub's Qwen3-VL-MoE experts); only parameters with `loads_transposed` take it, and the weight loader
+# transposes it back (models/moe.FusedExperts)
+TRANSPOSED = "transposed"
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,7 @@ def plan_tensors(model, headers, require_all: bool = True) -> tuple[list[TensorT
         scale = False
         if key in by_layout:  # stacked experts: one of several layouts
             param_name, shard_id, _ = by_layout[key]
+            shard_id = _stored_transposed(params[param_name], shard_id, header.shape)
         elif key in expert_scales:  # an FP8 checkpoint's expert scales
             param_name, shard_id, weight_name = expert_scales[key]
             want = _checkpoint_scale_shape(params[weight_name], shard_id)
@@ -230,6 +235,17 @@ def plan_tensors(model, headers, require_all: bool = True) -> tuple[list[TensorT
     return targets, problems, missing
 
 
+def _stored_transposed(param, shard_id, shape) -> object:
+    """TRANSPOSED for a whole stacked tensor whose dims 1 and 2 are swapped, where `param` takes that layout;
+    else `shard_id`. A shape that fits both ways (square) reads as the model's own layout, as HF reads it."""
+    if shard_id is not None or not getattr(param, "loads_transposed", False):
+        return shard_id
+    shape = tuple(shape)
+    if shape != model_shard_shape(param, None) and shape == model_shard_shape(param, TRANSPOSED):
+        return TRANSPOSED
+    return shard_id
+
+
 def _checkpoint_scale_shape(weight, shard_id) -> tuple[int, int]:
     """An FP8 checkpoint's weight_scale_inv shape for the weight tensor of `shard_id`: one scale per 128 x 128 block."""
     n, k = model_shard_shape(weight, shard_id)
@@ -241,7 +257,7 @@ def _fp8_problems(params: dict, targets: list[TensorTarget]) -> list[str]:
     names = {t.checkpoint_name for t in targets}
     fp8 = [t for t in targets if t.dtype == FP8_CHECKPOINT_DTYPE]
     kept = [t.checkpoint_name for t in fp8 if not hasattr(params[t.param_name], "load_dtype")]
-    stacked = [t.checkpoint_name for t in fp8 if t.shard_id is None
+    stacked = [t.checkpoint_name for t in fp8 if t.shard_id in (None, TRANSPOSED)
                and getattr(params[t.param_name], "checkpoint_layouts", None)]
     unscaled = [t.checkpoint_name for t in fp8 if t.checkpoint_name + SCALE_SUFFIX not in names]
     fp8_names = {t.checkpoint_name for t in fp8}

@@ -31,6 +31,7 @@ from torch import nn
 
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.layers import Linear, _copy_checked, default_weight_loader, linear
+from rollout_cli.models.loader import TRANSPOSED
 from rollout_cli.models.tensor_parallel import all_reduce, split_experts, tp_rank, tp_size
 
 
@@ -158,7 +159,10 @@ class FusedExperts(nn.Module):
     Per-expert tensors `experts.{e}.{gate,up,down}_proj.weight` (hub format, and what
     transformers' save_pretrained writes) fill one expert's slice, shard id (e, part);
     fused `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] (transformers'
-    in-memory layout) fill the whole parameter, shard id None.
+    in-memory layout) fill the whole parameter, shard id None; the same stored with dims 1 and 2
+    swapped ([E, H, 2I] / [E, I, H]: the hub's Qwen3-VL-MoE checkpoints) load transposed, shard id
+    loader.TRANSPOSED. A square stack (H == 2I, or H == I for down_proj) always reads as [E, 2I, H],
+    HF's own rule (its Transpose(check_dims=True) keeps a tensor whose shape already fits).
 
     Under --tp N each rank holds i = I / N of every expert's intermediate size (w13 [E, 2i, H],
     w2 [E, H, i], models/tensor_parallel.split_experts) and its forward returns the rank's partial
@@ -195,14 +199,15 @@ class FusedExperts(nn.Module):
         for param, rows in ((self.w13, I), (self.w2, H)):
             param.shard_rows = rows
             param.weight_loader = self._load
-            param.shard_shape = lambda shard_id, shapes=full_shapes[param]: shapes[0] if shard_id is None else shapes[1]
+            param.shard_shape = lambda shard_id, shapes=full_shapes[param]: _expert_shard_shape(shapes, shard_id)
+            param.loads_transposed = True  # a stacked tensor may come [E, K, N] for [E, N, K] (loader.TRANSPOSED)
         if tp_size() > 1:
             split_experts(self.w13, self.w2, full, tp_rank())
 
     @staticmethod
     def _load(param: nn.Parameter, tensor: torch.Tensor, shard_id) -> None:
-        if shard_id is None:
-            _copy_checked(param.data, tensor, "stacked experts")
+        if shard_id is None or shard_id == TRANSPOSED:
+            _copy_checked(param.data, tensor if shard_id is None else tensor.transpose(1, 2), "stacked experts")
             return
         expert, part = shard_id
         rows = param.shard_rows
@@ -230,6 +235,16 @@ class FusedExperts(nn.Module):
                                      self.intermediate_size, hidden.shape[1], hidden.dtype)
             return fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids, configs=configs)
         return fused_moe_ref(hidden, self.w13, self.w2, topk_weights, topk_ids)
+
+
+def _expert_shard_shape(shapes: tuple, shard_id) -> tuple[int, ...]:
+    """The full checkpoint shape of a shard of w13 / w2; shapes = (stacked [E, N, K], one expert part)."""
+    if shard_id is None:
+        return shapes[0]
+    if shard_id == TRANSPOSED:
+        experts, n, k = shapes[0]
+        return experts, k, n
+    return shapes[1]
 
 
 class SparseMoeBlock(nn.Module):

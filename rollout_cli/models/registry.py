@@ -7,7 +7,7 @@ from rollout_cli.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from rollout_cli.models.mixtral import MixtralForCausalLM
 from rollout_cli.models.qwen2_moe import Qwen2MoeForCausalLM
 from rollout_cli.models.qwen3 import Qwen3ForCausalLM, Qwen3VLForConditionalGeneration
-from rollout_cli.models.qwen3_moe import Qwen3MoeForCausalLM
+from rollout_cli.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3VLMoeForConditionalGeneration
 from rollout_cli.models.qwen3_next import (
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
@@ -28,11 +28,12 @@ MODEL_CLASSES = {
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     # vision-language checkpoints (build.load_model_config hands them the text config, vision config attached)
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
 }
-MULTIMODAL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
-                            "Qwen3_5MoeForConditionalGeneration")
+MULTIMODAL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+                            "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 
 
 def model_class_for(config):

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.layers import FusedLinear, Linear, _copy_checked
+from rollout_cli.models.loader import TRANSPOSED
 
 
 @dataclass
@@ -207,13 +208,16 @@ def split_experts(w13: torch.nn.Parameter, w2: torch.nn.Parameter, intermediate:
 
     Per-expert checkpoint tensors: gate / up [I, H] give rows [rank i, rank i + i), down [H, I] the same
     columns. Fused ones: gate_up_proj [E, 2 I, H] gives those rows of both halves, down_proj [E, H, I]
-    those columns."""
+    those columns; transposed ([E, H, 2 I], [E, I, H], shard id TRANSPOSED) the same along the other dim."""
     experts, local = w13.shape[0], w2.shape[2]
     start = rank * local
     w13.tp_split = {(e, part): (0, start, local, intermediate) for e in range(experts) for part in (0, 1)}
     w13.tp_split[None] = (1, start, local, 2 * intermediate, 2)
     w2.tp_split = {(e, 0): (1, start, local, intermediate) for e in range(experts)}
     w2.tp_split[None] = (2, start, local, intermediate)
+    # the same stacks stored transposed (the hub's Qwen3-VL-MoE): [E, H, 2 I] and [E, I, H], the other dim
+    w13.tp_split[TRANSPOSED] = (2, start, local, 2 * intermediate, 2)
+    w2.tp_split[TRANSPOSED] = (1, start, local, intermediate)
 
 
 class VocabParallelEmbedding(torch.nn.Module):

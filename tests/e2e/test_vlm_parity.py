@@ -24,7 +24,7 @@ from vlm_fixtures import HFVisionReference, ReferencePrompts, build_tiny_vlm, ra
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
 def vlm(request, tmp_path_factory):
     """(checkpoint dir, HF reference, prompt builder, arch) of one tiny VLM."""
     directory = build_tiny_vlm(tmp_path_factory.mktemp(request.param), request.param)
