@@ -36,6 +36,7 @@ from torch import nn
 from rollout_cli.config import QUANTIZATIONS
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.layers import FusedLinear, Linear
+from rollout_cli.models.loader import TRANSPOSED
 from rollout_cli.models.moe import FusedExperts
 from rollout_kernels.fp8_blockwise_ref import FP8_DTYPE, quantize_weight_blockwise
 
@@ -179,8 +180,9 @@ def quantize_experts(module: FusedExperts, empty: bool = False) -> None:
             for expert in range(num_experts):
                 weight[expert], scale[expert] = _quantized(old.data[expert], block_rows)
         param = nn.Parameter(weight, requires_grad=False)
-        for attr in ("checkpoint_layouts", "shard_rows", "shard_shape"):
-            setattr(param, attr, getattr(old, attr))
+        for attr in ("checkpoint_layouts", "shard_rows", "shard_shape", "loads_transposed"):
+            if hasattr(old, attr):
+                setattr(param, attr, getattr(old, attr))
         param.load_dtype = old.dtype  # updates arrive in the model's dtype (loader.copy_into_parameters)
         scales = nn.Parameter(scale, requires_grad=False)
         # written by the weight's loader from a bf16 checkpoint; an FP8 checkpoint's per-expert scales
@@ -204,6 +206,8 @@ def _load_quantized_experts(module: FusedExperts, scales: nn.Parameter, param: n
     experts stacked (None), quantized as they arrive; the other rows keep their bits."""
     block_rows = module.fp8_block_rows
     tensor = tensor.to(param.device)
+    if shard_id == TRANSPOSED:  # the hub's Qwen3-VL-MoE stacks: [E, K, N] for our [E, N, K]
+        tensor, shard_id = tensor.transpose(1, 2), None
     if shard_id is None:
         _copy_shape_checked(param, tensor, "stacked experts")
         for expert in range(param.shape[0]):

@@ -117,3 +117,16 @@ def test_routing_capture_of_an_image_prompt_equals_hf_router_topk(checkpoints):
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def test_fp8_quantization_takes_both_expert_layouts(checkpoints):
+    """--quantization fp8 quantizes the experts as they load: the hub's transposed stacks give the same
+    e4m3 weights, scales and samples as transformers' layout."""
+    saved, hub = checkpoints
+    prompts = _prompts(saved)[:2]
+    engines = [_engine(path, quantization="fp8") for path in (saved, hub)]
+    for name in ("w13", "w2", "w13_weight_scale_inv", "w2_weight_scale_inv"):
+        a, b = (getattr(e.model.model.layers[0].mlp.experts, name) for e in engines)
+        assert torch.equal(a.float(), b.float()), name
+    runs = [_run(e, prompts) for e in engines]
+    assert [r.response_token_ids for r in runs[0]] == [r.response_token_ids for r in runs[1]]
