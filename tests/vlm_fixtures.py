@@ -54,6 +54,11 @@ TINY_VLM_ARCHS = {
     "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration",
                 dict(_TEXT, **_HYBRID, rope_parameters=dict(_ROPE, partial_rotary_factor=0.25, mrope_section=[2, 1, 1])),
                 {}),
+    # Qwen3.5-MoE: the same hybrid stack with every MLP sparse (4 experts top-2 + the shared expert)
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration",
+                    dict(_TEXT, **_HYBRID, **_MOE, shared_expert_intermediate_size=48,
+                         rope_parameters=dict(_ROPE, partial_rotary_factor=0.25, mrope_section=[2, 1, 1])),
+                    {}),
 }
 
 

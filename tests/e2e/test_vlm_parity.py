@@ -24,7 +24,7 @@ from vlm_fixtures import HFVisionReference, ReferencePrompts, build_tiny_vlm, ra
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
 def vlm(request, tmp_path_factory):
     """(checkpoint dir, HF reference, prompt builder, arch) of one tiny VLM."""
     directory = build_tiny_vlm(tmp_path_factory.mktemp(request.param), request.param)
@@ -111,7 +111,8 @@ def test_on_policy_one_token_forwards_equal_the_batched_run(vlm):
     alone = _run(_engine(model_dir, deterministic=True), prompts)
     for a, b in zip(batched, alone):
         assert a.response_token_ids == b.response_token_ids
-        assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-5)
+        # float32 noise only (the hybrids' recurrent one-token DeltaNet against the chunked one): 1e-4
+        assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-4)
 
 
 def test_seeded_samples_do_not_depend_on_the_batch(vlm):
