@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_weights import perturb_for_loading
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if not torch.cuda.is_available():
@@ -123,17 +125,7 @@ def _build_checkpoint(name: str, directory: Path, **overrides) -> Path:
     config = getattr(transformers, config_cls)(**{**_COMMON, **extra, **overrides})
     torch.manual_seed(1234 + sum(map(ord, name)))
     model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        # HF initialises norms to 1 and biases to 0: perturb them so loading them is tested too.
-        for pname, param in model.named_parameters():
-            if "norm" in pname:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif pname.endswith(".bias"):
-                param.copy_(0.2 * torch.randn_like(param))
-            elif pname.endswith(".A_log"):
-                # slow decay (exp(-A * softplus(..)) per token with A in [0.05, 0.5]): the linear layers'
-                # state carries information across many tokens, so a lost or stale state shows in the outputs
-                param.copy_(torch.empty_like(param).uniform_(0.05, 0.5).log())
+    perturb_for_loading(model)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 

@@ -10,9 +10,13 @@ processor (patch 4, merge 2: a 16 x 16 image is 16 patches, 4 placeholder tokens
 from __future__ import annotations
 
 import io
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tiny_weights, from any importer
+from tiny_weights import perturb_for_loading  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_MODEL = REPO_ROOT / "recipes" / "example_model"
@@ -71,16 +75,7 @@ def build_tiny_vlm(directory: Path, arch: str = "qwen3_vl", seed: int = 11) -> P
                                                tie_word_embeddings=True, **_IDS)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():  # norms and biases off their init so that loading each is tested; large weights vary text
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif name.endswith(".bias"):
-                param.copy_(0.2 * torch.randn_like(param))
-            elif name.endswith(".A_log"):
-                param.copy_(torch.empty_like(param).uniform_(0.05, 0.5).log())
-            elif param.dim() > 1:  # large weights: greedy text varies instead of repeating one token
-                param.normal_(0.0, 0.3)
+    perturb_for_loading(model, matrix_std=0.3)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer = AutoTokenizer.from_pretrained(EXAMPLE_MODEL)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *VISION_TOKENS]})
