@@ -235,3 +235,12 @@ def test_batch_routes_text_rows_and_passes_errors(encoder):
     out = encoder.ids_batch(prompts, counts)
     assert out[0] == encode_prompt(encoder.tokenizer, "plain")
     assert out[1].count(IMAGE_PAD) == 4 and out[2] is bad and "cannot be decoded" in str(out[3])
+
+
+def test_the_io_layer_knows_every_vision_language_architecture_the_models_do():
+    """io/image_prompts.py keeps its own list (the io layer does not import the model code): it must name
+    exactly the registry's multimodal architectures."""
+    from rollout_cli.io.image_prompts import VISION_LANGUAGE_ARCHITECTURES
+    from rollout_cli.models.registry import MULTIMODAL_ARCHITECTURES
+
+    assert VISION_LANGUAGE_ARCHITECTURES == frozenset(MULTIMODAL_ARCHITECTURES)
