@@ -23,7 +23,8 @@ from rollout_cli.engine.engine import Engine, PromptInput
 from rollout_cli.engine.memory.memory_saver import sync_device
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.episodes import EnvStep, EpisodeRunner
-from rollout_cli.bench_vision import add_images, hf_image_kwargs, hf_model_class, vision_report
+from rollout_cli.bench_vision import (add_images, hf_image_kwargs, hf_model_class, vision_report,
+                                      without_vision_tokens)
 from rollout_cli.errors import RolloutError
 
 
@@ -115,7 +116,11 @@ def make_workload(cfg: BenchConfig, vocab_size: int, data_prompts: list[list[int
     """The prompts (random ids, or --data's) and output lengths; with cfg.images, images before each
     prompt (`hf_config` says where: bench_vision.add_images)."""
     workload = _text_workload(cfg, vocab_size, data_prompts)
-    return add_images(workload, cfg, hf_config) if cfg.images else workload
+    if cfg.images:
+        return add_images(workload, cfg, hf_config)
+    if data_prompts is None and getattr(hf_config, "vision_config", None) is not None:  # random ids, no images
+        return dataclasses.replace(workload, prompts=without_vision_tokens(workload.prompts, hf_config))
+    return workload
 
 
 def _text_workload(cfg: BenchConfig, vocab_size: int, data_prompts: list[list[int]] | None) -> Workload:

@@ -32,17 +32,22 @@ def add_images(workload, cfg, hf_config):
     rows = grid[1] * grid[2]
     row_width = vision.in_channels * vision.temporal_patch_size * patch * patch
     tokens = rows // (merge * merge)
-    special = {hf_config.image_token_id, hf_config.vision_start_token_id, hf_config.vision_end_token_id,
-               getattr(hf_config, "video_token_id", None)}
     placeholder = [hf_config.vision_start_token_id] + [hf_config.image_token_id] * tokens + [hf_config.vision_end_token_id]
     generator = torch.Generator().manual_seed(cfg.seed)
     prompts, images = [], []
-    for prompt in workload.prompts:
+    for prompt in without_vision_tokens(workload.prompts, hf_config):
         images.append(tuple(ImageInput.of(torch.randn(rows, row_width, generator=generator), grid)
                             for _ in range(cfg.images)))
-        text = [0 if t in special else t for t in prompt]  # random ids must not read as vision tokens
-        prompts.append(placeholder * cfg.images + text)
+        prompts.append(placeholder * cfg.images + prompt)
     return dataclasses.replace(workload, prompts=prompts, images=images)
+
+
+def without_vision_tokens(prompts: list[list[int]], hf_config) -> list[list[int]]:
+    """Random ids with every vision token id (image, video, start, end) replaced by 0: the engine refuses
+    image placeholders that come without images."""
+    special = {getattr(hf_config, key, None) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                         "vision_end_token_id")} - {None}
+    return [[0 if t in special else t for t in prompt] for prompt in prompts]
 
 
 def hf_image_kwargs(batch_images: list[tuple], ids: torch.Tensor, image_token_id: int) -> dict:

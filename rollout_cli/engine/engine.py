@@ -322,6 +322,7 @@ class Engine:
 
     def _add_prompt(self, prompt: PromptInput | PartialSample, params: SamplingParams, skip) -> None:
         if isinstance(prompt, PartialSample):  # `skip` names samples of prompt rows, not these
+            self._refuse_image_tokens_without_images(prompt.prompt_index, prompt.prompt_token_ids, "continued")
             self.scheduler.add(self.requests.partial(prompt, params))
             return
         vision = self._vision_layout(prompt)
@@ -332,6 +333,7 @@ class Engine:
     def _vision_layout(self, prompt: PromptInput):
         """The multimodal layout of a prompt with images (None without); refused for a text-only model."""
         if not prompt.images:
+            self._refuse_image_tokens_without_images(prompt.prompt_index, prompt.prompt_token_ids, "generated")
             return None
         if not hasattr(self.model, "vision_layout"):
             raise RolloutError(f"prompt {prompt.prompt_index} has images but {self.config.model} is a text-only "
@@ -339,7 +341,18 @@ class Engine:
         return self.model.vision_layout(list(prompt.prompt_token_ids), tuple(prompt.images))
 
     def _add_scoring(self, sample: ScoreInput, params: SamplingParams, top_logprobs: int) -> None:
+        self._refuse_image_tokens_without_images(sample.prompt_index, sample.prompt_token_ids, "scored")
         self.scheduler.add(self.requests.scoring(sample, params, top_logprobs))
+
+    def _refuse_image_tokens_without_images(self, index: int, ids, what: str) -> None:
+        """A vision-language model would read image placeholder tokens without their images as text and
+        give wrong logprobs without a word: refused (scoring and continuing take no images yet)."""
+        token = getattr(self.model, "image_token_id", None)
+        if token is not None and token in ids:
+            raise RolloutError(f"prompt {index} holds image placeholder tokens but no images, and {what} without "
+                               "them its tokens would be conditioned on placeholders, not pictures; pass the "
+                               "images with the prompt (rollout run --image-key); rollout score and "
+                               "--continue-aborted do not take images yet")
 
     def trajectory(self, request: Request, routed_experts=None) -> Trajectory:
         return Trajectory(

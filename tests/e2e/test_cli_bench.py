@@ -230,3 +230,18 @@ def test_images_need_a_vision_model_and_a_whole_number_of_merged_patches(tmp_pat
     model = build_tiny_vlm(tmp_path / "vlm", "qwen3_vl")
     result = _bench("--model", model, "--device", "cpu", "--num-prompts", 2, "--images", 1, "--image-size", 30, 64)
     assert result.returncode != 0 and "multiple of 8" in result.stderr
+
+
+def test_random_ids_on_a_vision_language_model_hold_no_vision_tokens():
+    """Without --images, the random prompt ids of a VL checkpoint's workload never hold its vision token
+    ids (the engine refuses image placeholders without images)."""
+    from types import SimpleNamespace
+
+    from rollout_cli.bench import BenchConfig, make_workload
+
+    config = SimpleNamespace(vision_config=object(), image_token_id=3, video_token_id=4, vision_start_token_id=1,
+                             vision_end_token_id=2)
+    workload = make_workload(BenchConfig(num_prompts=16, input_len=64), 6, hf_config=config)
+    tokens = {t for prompt in workload.prompts for t in prompt}
+    assert tokens == {0, 5}  # 1..4 drawn from range(6) became 0
+    assert make_workload(BenchConfig(num_prompts=16, input_len=64), 6).prompts[0] != workload.prompts[0]

@@ -145,3 +145,21 @@ def test_images_for_a_text_model_or_wrong_placeholders_are_refused(vlm, example_
     with pytest.raises(RolloutError, match="placeholder tokens"):
         _run(engine, [(ids[:-3] + [770] + ids[-3:], images)])
     assert torch.equal(torch.tensor(0), torch.tensor(engine.scheduler.has_work()))
+
+
+def test_placeholders_without_their_images_are_refused(vlm):
+    """A VL model would read image tokens without their pictures as text: generating, scoring and continuing
+    such a prompt is refused in one line, never answered with wrong logprobs."""
+    from rollout_cli.engine.trajectory import PartialSample, ScoreInput
+
+    model_dir, _, build, _ = vlm
+    ids, _ = build.build([random_image(16, 16, 1)])
+    engine = _engine(model_dir)
+    with pytest.raises(RolloutError, match="placeholder tokens but no images"):
+        _run(engine, [(ids, ())])
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    with pytest.raises(RolloutError, match="rollout score"):
+        list(engine.score([ScoreInput(0, 0, ids, [5, 6])], params))
+    with pytest.raises(RolloutError, match="placeholder tokens but no images"):
+        list(engine.stream([PartialSample(0, 0, ids, [5], [-1.0], ["v0"])], params))
+    assert not engine.scheduler.has_work()
