@@ -72,13 +72,15 @@ def load_images(cell: Any, base_dir: Path | None = None) -> list:
     return [load_image(source, number, base_dir) for number, source in enumerate(image_sources(cell), 1)]
 
 
-def load_image(source: Source, number: int, base_dir: Path | None = None):
-    """One image (`number`, 1-based, names it in errors) as an RGB PIL image."""
+def load_image(source: Source, number: int, base_dir: Path | None = None, label: str | None = None):
+    """One image (`number`, 1-based, names it in errors) as an RGB PIL image; `label` names it instead
+    where it is not a row's (the daemon's chat requests: "image 2 (message 0, content part 3)")."""
+    what = label or f"image {number} of the row"
     if _is_pil(source):
         return source.convert("RGB")
     if isinstance(source, str):
         if "://" in source:
-            raise InvalidPrompt(f"image {number} of the row is a URL ({_clip(source)}); only local files are "
+            raise InvalidPrompt(f"{what} is a URL ({_clip(source)}); only local files are "
                                 "read: download the images and store their bytes or paths")
         path = Path(source)
         if not path.is_absolute() and base_dir is not None:
@@ -86,11 +88,11 @@ def load_image(source: Source, number: int, base_dir: Path | None = None):
         if not path.is_file():
             relative = base_dir is not None and path != Path(source)
             where = f" (relative paths are read from {base_dir})" if relative else ""
-            raise InvalidPrompt(f"image {number} of the row: no file {_clip(str(path))}{where}")
+            raise InvalidPrompt(f"{what}: no file {_clip(str(path))}{where}")
         try:
             data = path.read_bytes()
         except OSError as err:
-            raise InvalidPrompt(f"image {number} of the row: cannot read {_clip(str(path))} "
+            raise InvalidPrompt(f"{what}: cannot read {_clip(str(path))} "
                                 f"({err.strerror or one_line(err)})") from err
     else:
         data = bytes(source)
@@ -99,12 +101,12 @@ def load_image(source: Source, number: int, base_dir: Path | None = None):
             image.load()  # decode every pixel now: a truncated file raises here
             return image.convert("RGB")
     except Image.UnidentifiedImageError as err:  # its message names a BytesIO object: say what was there
-        raise InvalidPrompt(f"image {number} of the row cannot be decoded: not an image format Pillow reads "
+        raise InvalidPrompt(f"{what} cannot be decoded: not an image format Pillow reads "
                             f"({len(data):,} bytes starting {data[:8]!r})") from err
     except Image.DecompressionBombError as err:
-        raise InvalidPrompt(f"image {number} of the row is too large to decode ({one_line(err)})") from err
+        raise InvalidPrompt(f"{what} is too large to decode ({one_line(err)})") from err
     except (OSError, ValueError, SyntaxError, EOFError) as err:  # PIL's UnidentifiedImageError is an OSError
-        raise InvalidPrompt(f"image {number} of the row cannot be decoded: {one_line(err)}") from err
+        raise InvalidPrompt(f"{what} cannot be decoded: {one_line(err)}") from err
 
 
 def _clip(text: str, most: int = 200) -> str:

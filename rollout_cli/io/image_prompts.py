@@ -160,14 +160,16 @@ class VisionPromptEncoder:
             raise InvalidPrompt(f"image {number} of the row ({width}x{height}) is refused by the image processor: "
                                 f"{one_line(err)}") from err
 
-    def prompt_ids(self, prompt_cell: Any, token_counts: Sequence[int]) -> list[int]:
-        """The prompt's ids with its k-th image token repeated token_counts[k] times.
+    def prompt_ids(self, prompt_cell: Any, token_counts: Sequence[int],
+                   template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """The prompt's ids with its k-th image token repeated token_counts[k] times; `template_kwargs` go
+        to the chat template (the daemon's chat_template_kwargs and tools).
 
         A prompt without images or image parts is the text path's (encode_prompt), so a text row of a
         vision-language run gets the ids a text-only run would give it.
         """
         if not token_counts and not needs_parts(prompt_cell):
-            return self._without_images(encode_prompt(self.tokenizer, prompt_cell))
+            return self._without_images(encode_prompt(self.tokenizer, prompt_cell, template_kwargs))
         if isinstance(prompt_cell, str):
             if not prompt_cell:
                 raise InvalidPrompt("empty prompt")
@@ -184,7 +186,7 @@ class VisionPromptEncoder:
             raise ImageCountMismatch(
                 f"prompt has {_plural(placeholders, 'image placeholder')} ({PLACEHOLDER} or image parts) but the "
                 f"row has {_plural(len(token_counts), 'image')}; give one placeholder per image")
-        ids = chat_template_ids(self.tokenizer, clean)
+        ids = chat_template_ids(self.tokenizer, clean, template_kwargs)
         rendered = ids.count(self.image_token_id)
         if rendered != placeholders:
             raise InvalidPrompt(f"the chat template rendered {_plural(rendered, f'{self.image_token} token')} for "

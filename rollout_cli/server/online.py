@@ -50,11 +50,12 @@ class OnlineRequest:
 
     def __init__(self, request_id: str, prompts: list[list[int]], params: SamplingParams, tokenizer: Any,
                  stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), stream: bool = False,
-                 session_id: str | None = None):
+                 session_id: str | None = None, images: list[tuple] | None = None):
         self.request_id = request_id
         self.session_id = session_id  # one turn of this conversation (one prompt, n = 1)
         self.conversation: int | None = None  # with a session: the previous turn's prompt length (set on admission)
         self.prompts = prompts
+        self.images = images  # per prompt, its images (engine.multimodal.ImageInput); None: text only
         self.params = params
         self.stream = stream
         self.watch = stream or bool(stop) or bool(stop_token_ids)  # fed after every step, not only at the end
@@ -76,7 +77,8 @@ class OnlineRequest:
     def prompt_inputs(self) -> list[PromptInput]:
         # prompt i keys its samples' random streams like row i of a prompt file: the same seed gives
         # the same samples as `rollout run` over these prompts
-        return [PromptInput(i, ids, {ONLINE_KEY: (self.request_id, i)}, self.params, self.conversation)
+        return [PromptInput(i, ids, {ONLINE_KEY: (self.request_id, i)}, self.params, self.conversation,
+                            images=self.images[i] if self.images else ())
                 for i, ids in enumerate(self.prompts)]
 
     # ---- engine thread -------------------------------------------------------------

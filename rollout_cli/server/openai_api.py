@@ -6,7 +6,7 @@ them): `return_token_ids` (the prompt's and each choice's token ids, and the wei
 token), token ids as the completions prompt, `stop_token_ids`, `top_k`, `min_p`, `ignore_eos`,
 `request_id` (abort it with POST /abort_request {"request_id": ...}), `session_id` (one turn of a
 multi-turn conversation whose KV stays pinned for the next turn, engine/scheduling/sessions.py) and
-`chat_template_kwargs`.
+`chat_template_kwargs`. Vision-language checkpoints take image parts in chat messages (openai_images.py).
 
 The request bodies and their translation are in openai_requests.py. Each request becomes an OnlineRequest (server/online.py) served by the engine thread together with
 every other request in flight. A sample's random stream is keyed as in `rollout run`: with the same
@@ -27,9 +27,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from rollout_cli.engine.tokenizer import load_tokenizer
 from rollout_cli.errors import Conflict, RolloutError
+from rollout_cli.io.image_prompts import VisionPromptEncoder
 from rollout_cli.io.prompt_encoding import InvalidPrompt, encode_prompt
 from rollout_cli.server.http_errors import OPENAI_PREFIX, engine_error
 from rollout_cli.server.online import Choice, OnlineRequest
+from rollout_cli.server.openai_images import encode_chat
 from rollout_cli.server.tool_calls import ToolCallStream, parse_tool_calls, template_takes_tools
 from rollout_cli.server.openai_requests import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
                                                 SamplingKeys, chat_messages, check_session, refuse_unsupported,
@@ -49,6 +51,8 @@ class OpenAIRoutes:
         self.created = int(time.time())
         self._tokenizer = None
         self._tokenizer_loaded = False
+        self._vision: VisionPromptEncoder | None = None
+        self._vision_loaded = False
 
     @property
     def tokenizer(self):
@@ -56,6 +60,14 @@ class OpenAIRoutes:
             self._tokenizer = load_tokenizer(self.worker.engine.config.model)
             self._tokenizer_loaded = True
         return self._tokenizer
+
+    @property
+    def vision(self) -> VisionPromptEncoder | None:
+        """A vision-language checkpoint's prompt encoder (on this side's tokenizer); None for a text-only one."""
+        if not self._vision_loaded:
+            self._vision = VisionPromptEncoder.from_checkpoint(self.worker.engine.config.model, self.tokenizer)
+            self._vision_loaded = True
+        return self._vision
 
     def check_model(self, name: str) -> None:
         if name not in (self.served_model_name, self.worker.engine_config.model):
@@ -123,7 +135,9 @@ async def _serve(routes: OpenAIRoutes, body: SamplingKeys, http: Request, chat: 
                                        "see them; use a checkpoint whose template takes tools, or describe them in "
                                        "the messages")
                 template_kwargs["tools"] = body.tools
-            prompts = [routes.encode(chat_messages(body.messages), template_kwargs)]
+            messages, image_parts = chat_messages(body.messages)
+            ids, images = await encode_chat(routes, messages, image_parts, template_kwargs, body.session_id)
+            prompts, prompt_images = [ids], [images]
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:  # up to the context length, as vLLM does
                 max_tokens = max(1, worker.engine.max_model_len - len(prompts[0]))
@@ -131,6 +145,7 @@ async def _serve(routes: OpenAIRoutes, body: SamplingKeys, http: Request, chat: 
             prompt = body.prompt
             many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
             prompts = [routes.encode(p) for p in (prompt if many else [prompt])]
+            prompt_images = None
             max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         check_session(body, prompts)
         params = sampling_params(body, max_tokens)
@@ -138,7 +153,8 @@ async def _serve(routes: OpenAIRoutes, body: SamplingKeys, http: Request, chat: 
             raise RolloutError("stop strings need the model's tokenizer files; pass stop_token_ids instead")
         request_id = body.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         request = OnlineRequest(request_id, prompts, params, worker.engine.tokenizer, stop_strings(body),
-                                tuple(body.stop_token_ids), stream=body.stream, session_id=body.session_id)
+                                tuple(body.stop_token_ids), stream=body.stream, session_id=body.session_id,
+                                images=prompt_images)
         await asyncio.wrap_future(worker.submit_online(request))
     except Conflict as err:
         return _error(409, str(err))

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.errors import RolloutError
+from rollout_cli.server.openai_images import IMAGE_PART_TYPES, ImagePart
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -141,18 +142,32 @@ def stop_strings(body: SamplingKeys) -> tuple[str, ...]:
     return (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages for the chat template: content parts of type text are joined; other parts are refused."""
-    out = []
+def chat_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[ImagePart]]:
+    """Messages for the chat template, and the image parts they hold in order (openai_images.py reads
+    them). A message's text parts are joined into one string; a message with image parts keeps its parts
+    in order, text as {type: text} and each image as {type: image}, which the template places. Other
+    part types are refused."""
+    out, images = [], []
     for k, message in enumerate(messages):
         item = message.model_dump(exclude_none=True)
         content = item.get("content")
         if isinstance(content, list):
-            kinds = {part.get("type") for part in content}
-            if kinds - {"text"}:
-                raise RolloutError(f"message {k} has content parts of type {sorted(kinds - {'text'})}; "
-                                   "this engine takes text only")
-            item["content"] = "".join(part.get("text", "") for part in content)
+            kinds = [part.get("type") for part in content]
+            unknown = sorted(set(kinds) - {"text"} - IMAGE_PART_TYPES, key=str)
+            if unknown:
+                raise RolloutError(f"message {k} has content parts of type {unknown}; this engine takes text and "
+                                   "image parts (image_url, image)")
+            if IMAGE_PART_TYPES.intersection(kinds):
+                parts = []
+                for j, part in enumerate(content):
+                    if part["type"] == "text":
+                        parts.append({"type": "text", "text": part.get("text")})
+                    else:
+                        images.append(ImagePart(k, j, part))
+                        parts.append({"type": "image"})
+                item["content"] = parts
+            else:
+                item["content"] = "".join(part.get("text", "") for part in content)
         item.setdefault("content", "")
         out.append(item)
-    return out
+    return out, images

@@ -292,7 +292,7 @@ def test_chat_refusals_and_the_token(server):
     client = server["client"]
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs true"):
         client.chat.completions.create(model="example", messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="this engine takes text only"):
+    with pytest.raises(openai.BadRequestError, match="has image parts but the served model 'example' is text-only"):
         client.chat.completions.create(model="example", messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
     wrong = openai.OpenAI(base_url=f"{server['url']}/v1", api_key="wrong", max_retries=0)
