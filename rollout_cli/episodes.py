@@ -88,6 +88,7 @@ class Episode:
     reward: float = 0.0
     finish_reason: str = ""  # done, max_turns, length or abort, once it ended
     ttft_seconds: float = 0.0  # the first turn's: queueing to the first model token
+    images: tuple = ()  # the prompt row's images (vision-language models): every turn's prompt holds them
 
     @property
     def key(self) -> tuple[int, int]:
@@ -100,7 +101,18 @@ class Episode:
     def next_turn(self, previous_prompt_len: int) -> PartialSample:
         """The next model turn: the conversation so far is its prompt."""
         return PartialSample(self.prompt_index, self.sample_index, self.prompt_token_ids + self.response, [], [], [],
-                             self.passthrough, self.params, conversation=previous_prompt_len)
+                             self.passthrough, self.params, conversation=previous_prompt_len, images=self.images)
+
+
+def _user_call(what: str, fn, *args):
+    """Call the --env file's code: what it raises becomes one line naming the call, not a traceback."""
+    try:
+        return fn(*args)
+    except RolloutError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the user's code: say where and why, in one line
+        raise RolloutError(f"--env {what} raised {type(err).__name__}: {err}; fix the environment or the "
+                           "rows it reads") from err
 
 
 def check_max_turns(max_turns: int) -> None:
@@ -190,8 +202,13 @@ class EpisodeRunner:
         for sample in range(params.n):
             if (row.prompt_index, sample) in skip:
                 continue
-            env = self.make_env({**row.passthrough, "prompt_token_ids": list(row.prompt_token_ids)})
-            episode = Episode(row.prompt_index, sample, list(row.prompt_token_ids), env, row.passthrough, turn_params)
+            env = _user_call(f"make_env(row) on row {row.prompt_index}", self.make_env,
+                             {**row.passthrough, "prompt_token_ids": list(row.prompt_token_ids)})
+            if not callable(getattr(env, "step", None)):
+                raise RolloutError(f"--env make_env(row) returned {type(env).__name__}, which has no step(turn) "
+                                   "method; return an environment object (see recipes/envs/calculator.py)")
+            episode = Episode(row.prompt_index, sample, list(row.prompt_token_ids), env, row.passthrough, turn_params,
+                              images=tuple(row.images))
             active[episode.key] = episode
             started = True
         return [dataclasses.replace(row, params=params, conversation=0)] if started else []
@@ -215,10 +232,12 @@ class EpisodeRunner:
         if turn.finish_reason == "abort":
             episode.finish_reason = "abort"
             return None
-        self.sessions.turn_finished(self.engine.scheduler, episode.session_id, turn.prompt_token_ids, ids,
+        # pinned by its cache key: image placeholder tokens are cached under their pixels' digest
+        self.sessions.turn_finished(self.engine.scheduler, episode.session_id,
+                                    self.engine.cache_key(turn.prompt_token_ids, episode.images), ids,
                                     turn.cached_prompt_tokens)
-        step = episode.env.step(ModelTurn(turn.response_text, list(ids), turn.finish_reason,
-                                          len(episode.model_turns) - 1))
+        step = _user_call(f"the environment's step on row {episode.prompt_index}", episode.env.step,
+                          ModelTurn(turn.response_text, list(ids), turn.finish_reason, len(episode.model_turns) - 1))
         if not isinstance(step, EnvStep):
             raise RolloutError(f"the environment's step returned {type(step).__name__}; return an EnvStep")
         episode.reward += float(step.reward)
@@ -263,6 +282,7 @@ class EpisodeRunner:
             finish_reason=episode.finish_reason, weight_version=last.weight_version,
             response_weight_versions=episode.versions, passthrough=episode.passthrough,
             ttft_seconds=episode.ttft_seconds,
+            image_grid_thw=[list(im.grid_thw) for im in episode.images] if episode.images else None,
             episode={"response_loss_mask": episode.loss_mask, "model_turns": episode.model_turns,
                      "episode_reward": episode.reward, "turn_cached_tokens": episode.turn_cached_tokens},
         )

@@ -140,9 +140,6 @@ def _prompt_source(job: JobConfig, engine: Engine | None) -> PromptSource:
     source = PromptSource(job.data, engine.tokenizer, prompt_key=job.prompt_key, limit=job.limit,
                           max_prompt_len=engine.requests.max_prompt_len, skip_invalid=job.skip_invalid,
                           vocab_size=engine.requests.vocab_size, image_key=job.image_key, vision=vision)
-    if source.has_images and job.env is not None:  # an episode's later turns are built without the images
-        raise RolloutError(f"--env episodes do not carry images yet, and {job.data} has the image column "
-                           f"{source.image_column!r}; drop --env, or the image column")
     if source.has_images and job.continue_aborted:  # a partial sample does not keep its prompt's images
         raise RolloutError("--continue-aborted does not carry images yet; drop it (--resume alone keeps the "
                            "aborted samples as they are)")

@@ -22,6 +22,7 @@ from rollout_cli.engine.memory.cache_split import hybrid_pool_sizes
 from rollout_cli.engine.memory.kv_sizing import (kv_heads_here, kv_pool_tokens, profile_activation_bytes,
                                                  run_largest_step)
 from rollout_cli.engine.memory.memory_saver import MemorySaver
+from rollout_cli.engine.multimodal import cache_key_tokens
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.scheduling.request_maker import RequestMaker
@@ -322,23 +323,31 @@ class Engine:
 
     def _add_prompt(self, prompt: PromptInput | PartialSample, params: SamplingParams, skip) -> None:
         if isinstance(prompt, PartialSample):  # `skip` names samples of prompt rows, not these
-            self._refuse_image_tokens_without_images(prompt.prompt_index, prompt.prompt_token_ids, "continued")
-            self.scheduler.add(self.requests.partial(prompt, params))
+            request = self.requests.partial(prompt, params)
+            request.vision, request.images = self._vision_layout(prompt, "continued"), tuple(prompt.images)
+            self.scheduler.add(request)
             return
         vision = self._vision_layout(prompt)
         for request in self.requests.samples(prompt, params, skip):
             request.vision = vision
             self.scheduler.add(request)
 
-    def _vision_layout(self, prompt: PromptInput):
+    def _vision_layout(self, prompt: PromptInput | PartialSample, what: str = "generated"):
         """The multimodal layout of a prompt with images (None without); refused for a text-only model."""
         if not prompt.images:
-            self._refuse_image_tokens_without_images(prompt.prompt_index, prompt.prompt_token_ids, "generated")
+            self._refuse_image_tokens_without_images(prompt.prompt_index, prompt.prompt_token_ids, what)
             return None
         if not hasattr(self.model, "vision_layout"):
             raise RolloutError(f"prompt {prompt.prompt_index} has images but {self.config.model} is a text-only "
                                "model; drop the images or use a vision-language checkpoint")
         return self.model.vision_layout(list(prompt.prompt_token_ids), tuple(prompt.images))
+
+    def cache_key(self, ids: list[int], images=()) -> list[int]:
+        """The ids the prefix cache keys a prompt by (a pin must name them): the ids themselves, but each
+        image's placeholder tokens keyed by its pixels (engine.multimodal.cache_key_tokens)."""
+        if not images:
+            return list(ids)
+        return cache_key_tokens(list(ids), self.model.image_token_id, tuple(images), self.model.spatial_merge_size)
 
     def _add_scoring(self, sample: ScoreInput, params: SamplingParams, top_logprobs: int) -> None:
         self._refuse_image_tokens_without_images(sample.prompt_index, sample.prompt_token_ids, "scored")

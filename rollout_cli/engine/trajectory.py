@@ -105,6 +105,9 @@ class PartialSample:
     """A turn of a multi-turn conversation (`rollout run --env`, a daemon session): the previous turn's
     prompt length (0 for the first turn); None: not a turn. Hybrid models snapshot a turn's prompt state
     for the next turn and resume from the previous turn's snapshot (engine/scheduling/prefix_reuse.py)."""
+    images: tuple = ()
+    """Vision-language models: the prompt's images (PromptInput.images); an episode's later turns carry the
+    first turn's."""
 
     @classmethod
     def of(cls, trajectory: Trajectory, params: SamplingParams | None = None) -> PartialSample:

@@ -173,13 +173,20 @@ def _env_file(tmp_path: Path, body: str) -> Path:
     ("no_make_env", "defines no make_env(row) function"),
     ("broken", "failed to import: ZeroDivisionError"),
     ("bad_step", "the environment's step returned NoneType; return an EnvStep"),
+    ("raising_make_env", "--env make_env(row) on row 0 raised KeyError: 'no_such_column'"),
+    ("stepless_env", "--env make_env(row) returned int, which has no step(turn) method"),
+    ("raising_step", "--env the environment's step on row 0 raised ValueError: no tool"),
     ("data_parallel", "--env runs episodes on one engine, in this process or on a daemon: drop --dp and --tp"),
     ("max_turns", "--max-turns must be at least 1"),
 ])
 def test_bad_environments_and_flags_get_one_line(case, message, prompts, tmp_path):
     bodies = {"no_make_env": "x = 1\n", "broken": "1 / 0\n",
               "bad_step": "class E:\n    def step(self, turn):\n        return None\n\n"
-                          "def make_env(row):\n    return E()\n"}
+                          "def make_env(row):\n    return E()\n",
+              "raising_make_env": "def make_env(row):\n    return row['no_such_column']\n",
+              "stepless_env": "def make_env(row):\n    return 7\n",
+              "raising_step": "class E:\n    def step(self, turn):\n        raise ValueError('no tool')\n\n"
+                              "def make_env(row):\n    return E()\n"}
     env = tmp_path / "nope.py" if case == "missing" else _env_file(tmp_path, bodies[case]) if case in bodies else CALCULATOR
     args = ["run", "--data", prompts, "--out", tmp_path / "out", "--env", env, "--max-new-tokens", 4, "--quiet"]
     args += ["--model", MODEL, "--device", "cpu"]

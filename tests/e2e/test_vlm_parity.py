@@ -8,6 +8,7 @@ mode's one-token forwards and a weight reload that changes the vision tower.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -163,3 +164,55 @@ def test_placeholders_without_their_images_are_refused(vlm):
     with pytest.raises(RolloutError, match="placeholder tokens but no images"):
         list(engine.stream([PartialSample(0, 0, ids, [5], [-1.0], ["v0"])], params))
     assert not engine.scheduler.has_work()
+
+
+class _Observer:
+    """An environment answering every model turn with the same tokens; done after three turns. It notes how
+    many tokens its session has pinned when it is asked (after the turn's pin moved)."""
+
+    def __init__(self, runner, session_id: str):
+        self.runner, self.session_id = runner, session_id
+        self.turns = 0
+        self.pinned: list[int] = []
+
+    def step(self, turn):
+        from rollout_cli.episodes import EnvStep
+
+        self.turns += 1
+        self.pinned.append(self.runner.sessions._open[self.session_id].pin.num_tokens)
+        return EnvStep(observation=[11, 12, 13], reward=1.0, done=self.turns == 3)
+
+
+def test_episode_turns_keep_the_images(vlm):
+    """An episode's later turns carry the first turn's images: each model turn's tokens are what the engine
+    samples for the conversation so far sent as one prompt with them, and the pinned conversation (its
+    image tokens keyed by their pixels) serves the later turns' prefill."""
+    from rollout_cli.episodes import EpisodeRunner
+
+    model_dir, _, build, _ = vlm
+    ids, images = build.build([random_image(20, 12, 1)])
+    engine = _engine(model_dir)
+    params = SamplingParams(n=2, max_new_tokens=4, temperature=1.0, seed=9, ignore_eos=True)
+    envs = []
+
+    def make_env(row):
+        envs.append(_Observer(runner, f"episode-0-{len(envs)}"))
+        return envs[-1]
+
+    runner = EpisodeRunner(engine, make_env, max_turns=5)
+    episodes = sorted(runner.stream([PromptInput(0, ids, images=images)], params), key=lambda t: t.sample_index)
+    assert len(episodes) == 2
+    for episode, env in zip(episodes, envs):
+        # the pin holds the conversation's KV, image tokens included (keyed by their pixels, not their ids)
+        spans = episode.episode["model_turns"]
+        hybrid = engine.linear_states is not None  # a hybrid turn pins its prompt but the last token
+        assert env.pinned == [len(ids) + (start - 1 if hybrid else end - 1) for start, end in spans]
+        spans = episode.episode["model_turns"]
+        assert len(spans) == 3 and episode.image_grid_thw == [list(images[0].grid_thw)]
+        for start, end in spans:
+            conversation = PromptInput(0, episode.prompt_token_ids + episode.response_token_ids[:start], images=images,
+                                       params=dataclasses.replace(params, n=episode.sample_index + 1))
+            alone = [t for t in engine.stream([conversation], params) if t.sample_index == episode.sample_index][0]
+            assert alone.response_token_ids == episode.response_token_ids[start:end]
+            assert alone.response_logprobs == pytest.approx(episode.response_logprobs[start:end], abs=1e-4)
+        assert all(cached > len(ids) // 2 for cached in episode.episode["turn_cached_tokens"][1:])
