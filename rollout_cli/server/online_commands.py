@@ -56,8 +56,12 @@ class OnlineCommands:
 
     def _session_turn(self, request: OnlineRequest, choice) -> dict:
         """A session's turn finished: the KV its next turn starts from stays pinned (engine/scheduling/sessions.py)."""
-        return self.sessions.turn_finished(self.engine.scheduler, request.session_id, request.prompts[choice.prompt],
-                                           choice.token_ids, choice.cached_prompt_tokens)
+        prompt = request.prompts[choice.prompt]
+        images = request.images[choice.prompt] if request.images else ()
+        # pinned by its cache key: an image's placeholder tokens are cached under its pixels' digest
+        return self.sessions.turn_finished(self.engine.scheduler, request.session_id,
+                                           self.engine.cache_key(prompt, images), choice.token_ids,
+                                           choice.cached_prompt_tokens)
 
     # ---- online requests (server/online.py) --------------------------------------------
 

@@ -136,7 +136,7 @@ async def _serve(routes: OpenAIRoutes, body: SamplingKeys, http: Request, chat: 
                                        "the messages")
                 template_kwargs["tools"] = body.tools
             messages, image_parts = chat_messages(body.messages)
-            ids, images = await encode_chat(routes, messages, image_parts, template_kwargs, body.session_id)
+            ids, images = await encode_chat(routes, messages, image_parts, template_kwargs)
             prompts, prompt_images = [ids], [images]
             max_tokens = body.max_completion_tokens or body.max_tokens
             if max_tokens is None:  # up to the context length, as vLLM does

@@ -123,8 +123,8 @@ def decode_images(encoder, parts: list[ImagePart]) -> tuple[ImageInput, ...]:
         raise RolloutError(f"invalid image: {err}") from err
 
 
-async def encode_chat(routes, messages: list[dict[str, Any]], parts: list[ImagePart], template_kwargs: dict[str, Any],
-                      session_id: str | None) -> tuple[list[int], tuple[ImageInput, ...]]:
+async def encode_chat(routes, messages: list[dict[str, Any]], parts: list[ImagePart],
+                      template_kwargs: dict[str, Any]) -> tuple[list[int], tuple[ImageInput, ...]]:
     """A chat request's prompt ids and images. `routes`: OpenAIRoutes (its tokenizer, vision encoder and
     text encoding). A vision-language checkpoint encodes text-only chats too, so that a literal image token
     without an image is refused as `rollout run` refuses it."""
@@ -137,10 +137,6 @@ async def encode_chat(routes, messages: list[dict[str, Any]], parts: list[ImageP
         raise RolloutError(f"message {parts[0].message} has image parts but the served model "
                            f"{routes.served_model_name!r} is text-only; send text, or serve a vision-language "
                            "checkpoint (Qwen3-VL, Qwen3.5) for images")
-    if session_id is not None:
-        raise RolloutError("session_id with images is not supported yet (a session pins its KV by token ids, and an "
-                           "image's tokens are cached under its pixels); send the turns without session_id: the "
-                           "prefix cache still reuses the conversation's KV while it stays cached")
     images = await asyncio.to_thread(decode_images, vision, parts)
     return _prompt_ids(vision, messages, [image.num_tokens(vision.merge_size) for image in images],
                        template_kwargs), images

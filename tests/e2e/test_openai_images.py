@@ -177,7 +177,17 @@ def test_bad_images_get_400_and_one_line(vlm, case):
     assert case == "audio" or "image 1 (message 0, content part 1)" in caught.value.message
 
 
-def test_a_session_with_images_is_refused_in_one_line(vlm):
-    with pytest.raises(openai.BadRequestError, match="session_id with images is not supported yet"):
-        _chat(vlm, [_image_url(_data_url(random_image(16, 16, 6)))],
-              extra_body={"session_id": "s", "return_token_ids": True})
+def test_a_session_with_images_pins_its_image_tokens(vlm):
+    """Two turns of one session, the client resending the conversation with its image: the first turn's KV,
+    image tokens included (cached under the image's pixels), stays pinned and serves the second's prefill."""
+    picture = _data_url(random_image(16, 16, 6))
+    messages = [{"role": "user", "content": [_image_url(picture), _text("look")]}]
+    args = {**GREEDY, "extra_body": {"session_id": "s-img", "return_token_ids": True, "ignore_eos": True}}
+    first = vlm["client"].chat.completions.create(model="vlm", messages=messages, **args)
+    prompt, answer = first.model_extra["prompt_token_ids"], first.choices[0].model_extra["token_ids"]
+    assert first.model_extra["session"]["pinned_tokens"] == len(prompt) + len(answer) - 1
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": [_text("and now")]}]
+    second = vlm["client"].chat.completions.create(model="vlm", messages=messages, **args)
+    stats = second.model_extra["session"]
+    assert stats["turns"] == 2 and stats["cached_tokens"] >= prompt.count(IMAGE_PAD) + prompt.index(IMAGE_PAD)
