@@ -20,11 +20,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 from rollout_cli.engine.engine import Engine
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.trajectory import ScoreInput
 from rollout_cli.errors import RolloutError
+from rollout_cli.io.prompt_encoding import InvalidPrompt
 from rollout_cli.io.output_dir import (
     TRAJECTORIES_SUBDIR,
     completed_pairs,
@@ -57,6 +59,10 @@ class ScoreJobConfig:
     flush_seconds: float = 10.0
     top_logprobs: int = 0
     """K > 0: also the K most likely tokens and their logprobs at every response position."""
+    images_from: str | None = None
+    """An image run's prompt file (the pixels its trajectories do not hold); None: the file its manifest names."""
+    image_key: str | None = None
+    """That file's image column; None: the run's (its manifest), else images, else image."""
 
 
 @dataclass
@@ -83,10 +89,15 @@ def trajectories_path(data: str) -> Path:
 
 def run_sampling(data: str) -> dict:
     """The sampling settings recorded by the run that wrote `data` (its manifest.json), or {}."""
+    return dict(_run_manifest(data).get("sampling") or {})
+
+
+def _run_manifest(data: str) -> dict:
+    """The manifest of the run that wrote `data`, or {}."""
     path = trajectories_path(data)
     folder = path.parent if path.is_file() else path
     run_dir = folder.parent if folder.name == TRAJECTORIES_SUBDIR else folder
-    return dict((read_manifest(run_dir) or {}).get("sampling") or {})
+    return read_manifest(run_dir) or {}
 
 
 def _dataset(data: str) -> ds.Dataset:
@@ -97,16 +108,55 @@ def _dataset(data: str) -> ds.Dataset:
     return dataset
 
 
-def _samples(dataset: ds.Dataset, done: set, run_logprobs: dict) -> Iterator[ScoreInput]:
-    """The trajectories not yet scored, one Parquet batch at a time; their run logprobs go to `run_logprobs`."""
-    for batch in dataset.to_batches(columns=list(NEEDED)):
+def _samples(dataset: ds.Dataset, done: set, run_logprobs: dict, images=None) -> Iterator[ScoreInput]:
+    """The trajectories not yet scored, one Parquet batch at a time; their run logprobs go to `run_logprobs`.
+    `images`: an image run's (VisionPromptEncoder, ImageRows), the pixels looked up by prompt_index."""
+    columns = list(NEEDED) + (["image_grid_thw"] if images is not None else [])
+    for batch in dataset.to_batches(columns=columns):
         for row in batch.to_pylist():
             key = (row["prompt_index"], row["sample_index"])
             if key in done:
                 continue
             run_logprobs[key] = row["response_logprobs"]
             yield ScoreInput(row["prompt_index"], row["sample_index"], row["prompt_token_ids"],
-                             row["response_token_ids"])
+                             row["response_token_ids"], images=_row_images(row, images))
+
+
+def _row_images(row: dict, images) -> tuple:
+    """A trajectory's images from the run's prompt file, checked against the grids the run recorded."""
+    if images is None or not row["image_grid_thw"]:
+        return ()
+    encoder, rows = images
+    try:
+        found = encoder.images(rows.cell(row["prompt_index"]), rows.base_dir)
+    except InvalidPrompt as err:
+        raise RolloutError(f"the images of prompt {row['prompt_index']} in {rows.path}: {err}") from err
+    if [list(im.grid_thw) for im in found] != row["image_grid_thw"]:
+        raise RolloutError(f"the images of prompt {row['prompt_index']} in {rows.path} have grids "
+                           f"{[list(im.grid_thw) for im in found]}, the run's had {row['image_grid_thw']}; pass the "
+                           "run's own prompt file with --images-from")
+    return found
+
+
+def _image_source(engine: Engine, dataset: ds.Dataset, job: ScoreJobConfig):
+    """(encoder, ImageRows) for the trajectories of an image run (an image_grid_thw column), else None."""
+    if "image_grid_thw" not in dataset.schema.names:
+        return None
+    from rollout_cli.io.image_prompts import VisionPromptEncoder  # transformers' image processor: image runs only
+    from rollout_cli.io.image_rows import ImageRows
+
+    encoder = VisionPromptEncoder.from_checkpoint(engine.config.model, engine.tokenizer)
+    if encoder is None:
+        raise RolloutError(f"{job.data} holds an image run's trajectories but {engine.config.model} is a text-only "
+                           "model; score them with the vision-language checkpoint that sampled them")
+    recorded = _run_manifest(job.data)
+    path = job.images_from or recorded.get("data")
+    if not path:
+        raise RolloutError(f"{job.data} holds an image run's trajectories and no manifest names its prompt file; "
+                           "pass it with --images-from")
+    names = pq.ParquetFile(path).schema_arrow.names if Path(path).is_file() else []
+    key = job.image_key or recorded.get("image_key") or next((k for k in ("images", "image") if k in names), "images")
+    return encoder, ImageRows(path, key)
 
 
 def run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig,
@@ -117,6 +167,7 @@ def run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig,
     if job.top_logprobs < 0:
         raise RolloutError(f"--top-logprobs {job.top_logprobs}: give 0 (off) or the number of tokens to keep")
     dataset = _dataset(job.data)
+    images = _image_source(engine, dataset, job)  # before OUT exists: a missing prompt file is refused first
     prepare_output_dir(job.out, job.resume)
     create_output_dir(job.out, (SCORES_SUBDIR,))
     done = completed_pairs(job.out, SCORES_SUBDIR) if job.resume else set()
@@ -140,7 +191,7 @@ def run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig,
         with ShardWriter(job.out, schema, job.shard_rows, job.flush_seconds, subdir=SCORES_SUBDIR) as writer:
             if on_progress is not None:
                 on_progress(progress)
-            scores = engine.score(_samples(dataset, done, run_logprobs), params, on_step=writer.maybe_flush,
+            scores = engine.score(_samples(dataset, done, run_logprobs, images), params, on_step=writer.maybe_flush,
                                   top_logprobs=job.top_logprobs)
             for score in scores:
                 run_logprobs.pop((score.prompt_index, score.sample_index), None)

@@ -27,6 +27,8 @@ def score_command(
     top_k: Annotated[Optional[int], typer.Option(help="The run's top-k; default: the run's, else 0 (off).", rich_help_panel=opt.SAMPLING)] = None,
     min_p: Annotated[Optional[float], typer.Option(help="The run's min-p; default: the run's, else 0 (off).", rich_help_panel=opt.SAMPLING)] = None,
     top_logprobs: Annotated[int, typer.Option(help="Also write the K most likely tokens and their logprobs at every response position (teacher scoring for distillation); 0 = off.", rich_help_panel=DATA)] = 0,
+    images_from: Annotated[Optional[str], typer.Option(help="An image run's prompt Parquet file (trajectories hold the image tokens, not the pixels); default: the file the run's manifest names.", rich_help_panel=DATA)] = None,
+    image_key: Annotated[Optional[str], typer.Option(help="The image column of --images-from; default: the run's.", rich_help_panel=DATA)] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed job in OUT: score only the missing samples.", rich_help_panel=DATA)] = False,
     shard_rows: Annotated[int, typer.Option(help="Rows per output shard.", rich_help_panel=DATA)] = 1024,
     flush_seconds: Annotated[float, typer.Option(help="Close a shard when its oldest row waited this long.", rich_help_panel=DATA)] = 10.0,
@@ -57,7 +59,7 @@ def score_command(
         params = SamplingParams(**{name: value if value is not None else recorded.get(name, defaults[name])
                                    for name, value in given.items()})
         job = ScoreJobConfig(data=data, out=out, resume=resume, shard_rows=shard_rows, flush_seconds=flush_seconds,
-                             top_logprobs=top_logprobs)
+                             top_logprobs=top_logprobs, images_from=images_from, image_key=image_key)
         config = opt.engine_config(model=model, quiet=quiet, **engine_options)
         with console.status("loading model"):
             engine = Engine(config)

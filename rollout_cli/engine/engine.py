@@ -22,7 +22,7 @@ from rollout_cli.engine.memory.cache_split import hybrid_pool_sizes
 from rollout_cli.engine.memory.kv_sizing import (kv_heads_here, kv_pool_tokens, profile_activation_bytes,
                                                  run_largest_step)
 from rollout_cli.engine.memory.memory_saver import MemorySaver
-from rollout_cli.engine.multimodal import cache_key_tokens
+from rollout_cli.engine.multimodal import model_cache_key, prompt_layout
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.scheduling.request_maker import RequestMaker
@@ -332,36 +332,20 @@ class Engine:
             request.vision = vision
             self.scheduler.add(request)
 
-    def _vision_layout(self, prompt: PromptInput | PartialSample, what: str = "generated"):
-        """The multimodal layout of a prompt with images (None without); refused for a text-only model."""
-        if not prompt.images:
-            self._refuse_image_tokens_without_images(prompt.prompt_index, prompt.prompt_token_ids, what)
-            return None
-        if not hasattr(self.model, "vision_layout"):
-            raise RolloutError(f"prompt {prompt.prompt_index} has images but {self.config.model} is a text-only "
-                               "model; drop the images or use a vision-language checkpoint")
-        return self.model.vision_layout(list(prompt.prompt_token_ids), tuple(prompt.images))
+    def _vision_layout(self, prompt: PromptInput | PartialSample | ScoreInput, what: str = "generated"):
+        """The multimodal layout of a prompt with images, None without (engine/multimodal.py)."""
+        return prompt_layout(self.model, prompt, what, self.config.model)
 
     def cache_key(self, ids: list[int], images=()) -> list[int]:
-        """The ids the prefix cache keys a prompt by (a pin must name them): the ids themselves, but each
-        image's placeholder tokens keyed by its pixels (engine.multimodal.cache_key_tokens)."""
-        if not images:
-            return list(ids)
-        return cache_key_tokens(list(ids), self.model.image_token_id, tuple(images), self.model.spatial_merge_size)
+        """The ids the prefix cache keys a prompt by (a pin must name them; engine/multimodal.py)."""
+        return model_cache_key(self.model, ids, images)
 
     def _add_scoring(self, sample: ScoreInput, params: SamplingParams, top_logprobs: int) -> None:
-        self._refuse_image_tokens_without_images(sample.prompt_index, sample.prompt_token_ids, "scored")
-        self.scheduler.add(self.requests.scoring(sample, params, top_logprobs))
-
-    def _refuse_image_tokens_without_images(self, index: int, ids, what: str) -> None:
-        """A vision-language model would read image placeholder tokens without their images as text and
-        give wrong logprobs without a word: refused (scoring and continuing take no images yet)."""
-        token = getattr(self.model, "image_token_id", None)
-        if token is not None and token in ids:
-            raise RolloutError(f"prompt {index} holds image placeholder tokens but no images, and {what} without "
-                               "them its tokens would be conditioned on placeholders, not pictures; pass the "
-                               "images with the prompt (rollout run --image-key); rollout score and "
-                               "--continue-aborted do not take images yet")
+        request = self.requests.scoring(sample, params, top_logprobs)
+        # the layout spans prompt + response: a scoring request's "prompt" is both
+        request.vision = self._vision_layout(dataclasses.replace(sample, prompt_token_ids=request.prompt_token_ids),
+                                             "scored")
+        self.scheduler.add(request)
 
     def trajectory(self, request: Request, routed_experts=None) -> Trajectory:
         return Trajectory(

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout_cli.errors import RolloutError
+
 # Pseudo token ids that stand for an image's placeholder tokens in prefix-cache keys: a digest's low
 # 30 bits, offset past any vocabulary (the radix cache compares ints; the model never sees these).
 _DIGEST_TOKEN_BASE = 1 << 40
@@ -64,3 +66,31 @@ def cache_key_tokens(token_ids: list[int], image_token_id: int, images: tuple[Im
         key[i] = _DIGEST_TOKEN_BASE + (current.digest & ((1 << 30) - 1))
         left -= 1
     return key
+
+
+def prompt_layout(model, prompt, what: str, model_name: str):
+    """The model's layout (models.vision_language.VisionLayout) of a prompt with images (a PromptInput,
+    PartialSample or ScoreInput: index, ids, images), None without; RolloutError for images on a text-only
+    model, or image placeholder tokens without their images (a vision-language model would read them as
+    text and give wrong logprobs without a word). `what` says what the prompt was going to be: generated,
+    continued or scored."""
+    if not prompt.images:
+        token = getattr(model, "image_token_id", None)
+        if token is not None and token in prompt.prompt_token_ids:
+            raise RolloutError(f"prompt {prompt.prompt_index} holds image placeholder tokens but no images, and "
+                               f"{what} without them its tokens would be conditioned on placeholders, not "
+                               "pictures; pass the images with the prompt (rollout run --image-key, rollout "
+                               "score of an image run); --continue-aborted does not take images yet")
+        return None
+    if not hasattr(model, "vision_layout"):
+        raise RolloutError(f"prompt {prompt.prompt_index} has images but {model_name} is a text-only model; drop "
+                           "the images or use a vision-language checkpoint")
+    return model.vision_layout(list(prompt.prompt_token_ids), tuple(prompt.images))
+
+
+def model_cache_key(model, ids: list[int], images=()) -> list[int]:
+    """The ids the prefix cache keys a prompt by: the ids, but each image's placeholder tokens keyed by its
+    pixels (cache_key_tokens)."""
+    if not images:
+        return list(ids)
+    return cache_key_tokens(list(ids), model.image_token_id, tuple(images), model.spatial_merge_size)

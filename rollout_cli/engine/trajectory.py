@@ -125,6 +125,8 @@ class ScoreInput:
     prompt_token_ids: list[int]
     response_token_ids: list[int]
     passthrough: dict[str, Any] = field(default_factory=dict)
+    images: tuple = ()
+    """Vision-language models: the prompt's images (PromptInput.images)."""
 
 
 @dataclass

@@ -5,6 +5,7 @@ responses and logprobs are HF's, with each row's image grids; --resume completes
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -113,3 +114,26 @@ def test_prompt_ids_are_the_processors(job, tmp_path):
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     at = ids.index(770)
     assert row["prompt_token_ids"] == ids[:at] + [770] * image.num_tokens(2) + ids[at + 1:]
+
+
+def _score(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "rollout_cli.cli.main", "score", *map(str, args)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+
+
+def test_rollout_score_pairs_an_image_runs_trajectories_with_its_images(job, full_run, tmp_path):
+    """The trajectories hold the image tokens, not the pixels: score reads them from the run's prompt file (its
+    manifest names it) by prompt_index, and teacher forcing gives the run's logprobs (float32, 1e-4)."""
+    model, data, _ = job
+    out = tmp_path / "scores"
+    result = _score("--model", model, "--data", full_run, "--out", out, "--device", "cpu", "--dtype", "float32",
+                    "--quiet")
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["samples"] == 6 and manifest["max_abs_diff"] < 1e-4
+    # a prompt file elsewhere, or without the images, is named in one line and nothing is written
+    missing = _score("--model", model, "--data", full_run, "--out", tmp_path / "none", "--device", "cpu",
+                     "--images-from", tmp_path / "moved.parquet", "--quiet")
+    assert missing.returncode != 0 and "--images-from" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1 and not (tmp_path / "none").exists()
