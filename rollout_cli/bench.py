@@ -343,6 +343,8 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig, flops_per_s
         "cuda_graph_capture_s": engine.cuda_graph_capture_seconds,
         **({"episodes": episode_report(episodes, results)} if episodes is not None else {}),
         **(vision_report(engine, seconds, flops_per_s) if workload.images else {}),
+        **({"acceptance_length": 1 + (stats.accepted_draft_tokens - stats_before.accepted_draft_tokens) / verify_steps,
+            "verify_steps": verify_steps} if (verify_steps := stats.verify_steps - stats_before.verify_steps) else {}),
     }
 
 

@@ -15,6 +15,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8_e4m3: vLLM's spelling of the same
+SPECULATIVE = (None, "siblings")  # --speculative: drafts from sibling samples (MTP heads: not yet)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -72,6 +73,11 @@ class EngineConfig:
     layer for k and for v, twice the tokens in the same memory (kernels/kv_store.py)."""
     tensor_parallel_size: int = 1
     """Tensor parallel ranks (`rollout run --tp N`): processes started by torch.distributed.run, one per GPU."""
+    speculative: str | None = None
+    """siblings: speculative decoding with drafts from the prompt's other samples (engine/scheduling/
+    sibling_drafts.py), verified so that the tokens are those decoding without it gives; None: off."""
+    num_draft_tokens: int = 4
+    """With speculative: the most draft tokens a request verifies in one step."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -111,5 +117,11 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.deterministic:
             raise RolloutError("--kv-cache-dtype fp8 with --deterministic: the trainer's forward keeps k/v in the "
                                "model's dtype, so the two could not agree bit for bit; drop one of the two")
+        if self.speculative not in SPECULATIVE:
+            raise RolloutError(f"unknown --speculative {self.speculative!r}; choose siblings (or leave it off)")
+        if self.speculative is not None and self.num_draft_tokens < 1:
+            raise RolloutError("--num-draft-tokens must be at least 1")
+        if self.speculative is not None and self.tensor_parallel_size > 1:
+            raise RolloutError("--speculative runs on one GPU for now (--tp 1); drop --tp or --speculative")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise RolloutError("--max-model-len must be at least 2")

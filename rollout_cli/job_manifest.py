@@ -110,6 +110,7 @@ def engine_settings(engine: Engine) -> dict:
         "enable_prefix_cache": cfg.enable_prefix_cache,
         "tensor_parallel": cfg.tensor_parallel_size,
         "attention_backend": engine.attention_backend,
+        "speculative": cfg.speculative and {"method": cfg.speculative, "num_draft_tokens": cfg.num_draft_tokens},
     }
 
 
@@ -133,4 +134,15 @@ def job_summary(engine, progress: JobProgress, writer, finish_reasons, skipped: 
         "wall_seconds": round(wall, 3),
         "output_tokens_per_s": round(progress.output_tokens / max(wall, 1e-9), 1),
         "skipped_rows": [dataclasses.asdict(s) for s in skipped],
+        **_speculation_summary(stats, before),
     }
+
+
+def _speculation_summary(stats, before) -> dict:
+    """With --speculative: the drafts verified this run and the tokens a verifying request gained a step."""
+    steps = stats.verify_steps - before.verify_steps
+    if not steps:
+        return {}
+    accepted = stats.accepted_draft_tokens - before.accepted_draft_tokens
+    return {"speculation": {"verify_steps": steps, "draft_tokens": stats.draft_tokens - before.draft_tokens,
+                            "accepted_draft_tokens": accepted, "acceptance_length": round(1 + accepted / steps, 3)}}

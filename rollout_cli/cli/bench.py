@@ -275,6 +275,9 @@ def _table(report: dict) -> Table:
     table.add_row("peak running / last 10% of samples", f"{r['peak_running']} / {r['last_10pct_seconds']:.2f} s "
                   f"({r['last_10pct_seconds'] / r['seconds']:.0%} of the run)")
     table.add_row("KV cache", f"{r['kv_cache_tokens']:,} tokens ({r['kv_cache_dtype']})")
+    if "acceptance_length" in r:
+        table.add_row("speculation", f"{r['acceptance_length']:.2f} tokens per verifying step "
+                      f"({r['verify_steps']:,} verify steps)")
     if "images_encoded" in r:
         rate = f", {r['vision_tflops_per_s']:,.1f} TFLOP/s" if r["vision_tflops_per_s"] else ""
         peak = f" ({r['vision_peak_fraction']:.0%} of matmul peak)" if r["vision_peak_fraction"] else ""

@@ -27,6 +27,7 @@ from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.scheduling.request_maker import RequestMaker
 from rollout_cli.engine.scheduling.scheduler import Scheduler
+from rollout_cli.engine.scheduling.sibling_drafts import SiblingDrafter
 from rollout_cli.engine.step_loop import StepLoop
 from rollout_cli.engine.tensor_parallel import TensorParallelRanks, TensorParallelRunner, min_over_ranks
 from rollout_cli.engine.tokenizer import checkpoint_eos_token_ids, load_tokenizer
@@ -128,6 +129,11 @@ class Engine:
                                   self.attention_backend, self.linear_states, deterministic=cfg.deterministic)
         self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache,
                                    linear_state_slots=state_slots)
+        if cfg.speculative is not None:
+            if self.linear_states is not None:
+                raise RolloutError("--speculative on a hybrid linear-attention model needs its recurrent state kept "
+                                   "per draft position, which is not built yet; drop --speculative")
+            self.scheduler.enable_speculation(SiblingDrafter(), cfg.num_draft_tokens)
         self.cuda_graph_capture_seconds = None
         # MoE models too: the Triton backend also switches the router and experts to the fused
         # kernels (enable_triton_kernels), which never read tensor values on the host. Hybrid models
@@ -325,11 +331,20 @@ class Engine:
         if isinstance(prompt, PartialSample):  # `skip` names samples of prompt rows, not these
             request = self.requests.partial(prompt, params)
             request.vision, request.images = self._vision_layout(prompt, "continued"), tuple(prompt.images)
-            self.scheduler.add(request)
+            self._queue([request])
             return
         vision = self._vision_layout(prompt)
-        for request in self.requests.samples(prompt, params, skip):
+        requests = self.requests.samples(prompt, params, skip)
+        for request in requests:
             request.vision = vision
+        self._queue(requests)
+
+    def _queue(self, requests: list[Request]) -> None:
+        """Hand one prompt's requests to the scheduler (and to the sibling drafter, which keeps the prompt's
+        responses as draft sources until all of them have ended)."""
+        if requests and self.scheduler.drafter is not None:
+            self.scheduler.drafter.expect(requests[0].prompt_index, len(requests))
+        for request in requests:
             self.scheduler.add(request)
 
     def _vision_layout(self, prompt: PromptInput | PartialSample | ScoreInput, what: str = "generated"):

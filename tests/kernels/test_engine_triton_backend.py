@@ -65,3 +65,30 @@ def test_fp8_kv_cache_on_both_backends(tiny_checkpoints, arch):
                                              max_batch_tokens=16, kv_cache_dtype="fp8")
     assert engine.kv.is_fp8
     assert_same_samples(runs)
+
+
+@interpreter_only
+def test_verified_drafts_on_the_triton_backend(tiny_checkpoints):
+    """Speculative decoding's verify steps (a decode carrying draft tokens: an extend over the cached context)
+    on the Triton kernels: the tokens and logprobs of plain decoding on the torch path."""
+    import sys
+    from pathlib import Path
+
+    from rollout_cli import Engine
+    from rollout_cli.engine.trajectory import PromptInput
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from speculative_oracle import OracleDrafter
+
+    prompts = [[3, 9, 27, 81, 5], [7, 1, 4]]
+    params = SamplingParams(n=2, temperature=1.0, seed=4, max_new_tokens=9, ignore_eos=True)
+    runs = {}
+    for backend in ("torch", "triton"):
+        engine = Engine(tiny_checkpoints["qwen3"], device="cpu", attention_backend=backend, max_model_len=64)
+        if backend == "triton":
+            truth = {(r.prompt_index, r.sample_index): r.response_token_ids for r in runs["torch"]}
+            engine.scheduler.enable_speculation(OracleDrafter(truth, lambda k: k == 2), 3)
+        runs[backend] = sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(prompts)], params),
+                               key=lambda t: (t.prompt_index, t.sample_index))
+    assert engine.scheduler.stats.accepted_draft_tokens > 0
+    assert_same_samples(runs)

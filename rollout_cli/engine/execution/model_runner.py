@@ -240,15 +240,18 @@ class ModelRunner:
             scores = scored.tolist()
         if not sampled:
             return [], [], scores, tops, None
-        # each row draws the token at start + num_new_tokens: that position keys its random number
-        sampling = SamplingRows([e.request for e in sampled], [e.start + e.num_new_tokens for e in sampled])
+        # each row draws the token at the position after its own: that position keys its random number (an
+        # entry verifying drafts samples at its last 1 + num_draft rows, engine/scheduling/speculation.py)
+        requests = [e.request for e in sampled for _ in range(1 + e.num_draft)]
+        positions = [e.start + e.num_new_tokens - e.num_draft + j for e in sampled for j in range(1 + e.num_draft)]
+        sampling = SamplingRows(requests, positions)
         tokens, logprobs = sample_rows(logits, *sampling.to_device(self.device),
                                        use_triton=self.attention_backend == "triton", per_row=self.per_token)
         # one device-to-host copy: float64 holds both the token ids and the float32 logprobs exactly
         token_values, logprob_values = torch.stack((tokens.double(), logprobs.double())).tolist()
         sample_tops = None
         if any(e.request.params.top_logprobs for e in sampled):
-            sample_tops = sampled_top_logprobs(logits, [e.request for e in sampled], tokens, per_row=self.per_token)
+            sample_tops = sampled_top_logprobs(logits, requests, tokens, per_row=self.per_token)
         return [int(t) for t in token_values], logprob_values, scores, tops, sample_tops
 
     def _launch_graph(self, out: ScheduleOutput, tokens_on_device: bool, started: float) -> StepHandle:
@@ -286,7 +289,7 @@ class ModelRunner:
         sample_rows, score_rows = [], []
         for e in out.entries:
             for j, token in enumerate(e.token_ids):
-                sample = e.sample and j == e.num_new_tokens - 1
+                sample = e.sample and j >= e.num_new_tokens - 1 - e.num_draft
                 scored = e.score_targets is not None and 0 <= j - e.score_first_row < len(e.score_targets)
                 logits = self._token_forward(e, j, token, keep_logits=sample or scored)
                 if sample:
@@ -341,8 +344,8 @@ class ModelRunner:
                 first = offset + e.score_first_row
                 score_rows.extend(range(first, first + len(e.score_targets)))
             offset += e.num_new_tokens
-            if e.sample:
-                last_rows.append(offset - 1)
+            if e.sample:  # the last row, or the last 1 + num_draft rows of an entry verifying drafts
+                last_rows.extend(range(offset - 1 - e.num_draft, offset))
         if not last_rows and not score_rows:
             return None, None
         # the Triton sampler takes model-dtype logits (it upcasts in registers); the torch one float32

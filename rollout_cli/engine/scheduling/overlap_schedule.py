@@ -23,6 +23,8 @@ class OverlapScheduling:
         out; one that `prev` ends by eos cannot be foreseen: its entry becomes a ghost in
         commit_ahead. Nothing here preempts or evicts: short of free slots, None. Call
         commit_ahead(result) after postprocess(prev)."""
+        if self.drafter is not None:  # speculation: how many tokens `prev` keeps is known only after it
+            return None
         entries = prev.entries
         # True decodes only: a prompt's last token publishes the prompt into the radix cache in
         # postprocess, which may swap its slots for the tree's (the next step then rewrites its table)

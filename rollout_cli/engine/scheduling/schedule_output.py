@@ -28,6 +28,9 @@ class BatchEntry:
     # the logprob of score_targets[0], [1], ... (the token at the next position of each row).
     score_first_row: int = 0
     score_targets: list[int] | None = None
+    # Speculative decoding: the last `num_draft` of token_ids are draft tokens to verify; the entry samples
+    # at its last 1 + num_draft rows (engine/scheduling/speculation.py)
+    num_draft: int = 0
 
     def __post_init__(self) -> None:
         self.num_new_tokens = len(self.token_ids)

@@ -27,6 +27,7 @@ from rollout_cli.engine.scheduling.prefix_reuse import PrefixReuse
 from rollout_cli.engine.scheduling.radix_cache import RadixCache
 from rollout_cli.engine.scheduling.request import Request, RequestStatus
 from rollout_cli.engine.scheduling.schedule_output import BatchEntry, ScheduleOutput
+from rollout_cli.engine.scheduling.speculation import Speculation
 from rollout_cli.engine.scheduling.state_slots import LinearStateSlots
 from rollout_cli.errors import RolloutError
 
@@ -41,13 +42,23 @@ class SchedulerStats:
     # prefix cache gave back): the price of preemption
     recomputed_tokens: int = 0
     peak_running: int = 0  # the most requests running at once
+    # speculative decoding (engine/scheduling/speculation.py): request-steps that verified drafts, the
+    # draft tokens they carried and how many of those were accepted
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Tokens a verifying request gained per step (1 + accepted drafts), None without speculation."""
+        return 1 + self.accepted_draft_tokens / self.verify_steps if self.verify_steps else None
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-class Scheduler(PrefixReuse, OverlapScheduling):
+class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
     """The steps of the engine loop; schedule_ahead / commit_ahead / cancel_ahead (planning the next
     decode step while one runs) are in engine/scheduling/overlap_schedule.py, the prefix cache's side (matching,
     publishing, flushing, pinning) in engine/scheduling/prefix_reuse.py."""
@@ -113,7 +124,7 @@ class Scheduler(PrefixReuse, OverlapScheduling):
         out = ScheduleOutput()
         budget = self.max_batch_tokens
         if self._schedule_all_decodes(out):
-            budget -= len(out.entries)
+            budget -= out.num_tokens  # drafts included
             self._admit(out, budget)
             return out
         scheduled: set[int] = set()
@@ -145,6 +156,8 @@ class Scheduler(PrefixReuse, OverlapScheduling):
                 return False
             if request.score_from is not None:  # scoring requests never sample: the general path scores them
                 return False
+        if self.drafter is not None:
+            return self._schedule_decodes_with_drafts(out)
         slots = self.allocator.allocate(len(running))
         entries = out.entries
         for request, slot in zip(running, slots):
@@ -155,6 +168,28 @@ class Scheduler(PrefixReuse, OverlapScheduling):
             entries.append(BatchEntry(request, request.table_row, start, [last], table_start,
                                       request.slots[table_start:], True))
         self.stats.computed_tokens += len(running)
+        return True
+
+    def _schedule_decodes_with_drafts(self, out: ScheduleOutput) -> bool:
+        """The steady state with speculation: every running request decodes its last token and the drafts
+        proposed for it, within the token budget and the free slots (short of slots: no drafts)."""
+        running = self.running
+        budget = self.max_batch_tokens - len(running)
+        drafts = []
+        for request in running:
+            draft = self._draft(request, budget)
+            budget -= len(draft)
+            drafts.append(draft)
+        if self.allocator.num_free < len(running) + sum(map(len, drafts)):
+            drafts = [[] for _ in running]
+        for request, draft in zip(running, drafts):
+            start = request.num_computed_tokens
+            request.slots.extend(self.allocator.allocate(1 + len(draft)))
+            table_start = request.num_slots_in_table
+            last = request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
+            out.entries.append(BatchEntry(request, request.table_row, start, [last] + draft, table_start,
+                                          request.slots[table_start:], True, num_draft=len(draft)))
+            self.stats.computed_tokens += 1 + len(draft)
         return True
 
     def _allocate_or_preempt(self, request: Request, count: int, scheduled: set[int]) -> list[int] | None:
@@ -244,10 +279,17 @@ class Scheduler(PrefixReuse, OverlapScheduling):
         for entry in out.entries:
             request = entry.request
             if entry.ghost or request.status is not RequestStatus.RUNNING:  # finished or aborted meanwhile
-                if entry.sample:
+                for _ in range(1 + entry.num_draft if entry.sample else 0):
                     next(sampled)
                 for _ in entry.score_targets or ():
                     next(scored)
+                continue
+            if entry.num_draft:  # a decode that verified drafts (engine/scheduling/speculation.py)
+                self._accept_drafts(entry, sampled, weight_version)
+                self._observe(request)
+                if request.finish_reason is not None:
+                    self._finish(request)
+                    finished.append(request)
                 continue
             num_prompt = len(request.prompt_token_ids)
             prompt_was_computed = request.num_computed_tokens >= num_prompt
@@ -263,6 +305,7 @@ class Scheduler(PrefixReuse, OverlapScheduling):
                 if request.first_token_time is None:
                     request.first_token_time = now
                 request.append_token(token, logprob, weight_version, top)
+                self._observe(request)
             if entry.score_targets:
                 first = entry.start + entry.score_first_row + 1 - request.score_from  # index of the first target
                 for i in range(len(entry.score_targets)):
@@ -306,6 +349,7 @@ class Scheduler(PrefixReuse, OverlapScheduling):
         request.final_slots = request.slots[: request.num_computed_tokens]
         self._release(request)
         request.status = RequestStatus.FINISHED
+        self._sample_gone(request)
 
     def preempt(self, request: Request) -> None:
         request.computed_before_preemption = request.num_computed_tokens
@@ -344,6 +388,7 @@ class Scheduler(PrefixReuse, OverlapScheduling):
                 continue
             request.status = RequestStatus.FINISHED
             request.finish_reason = request.finish_reason or "abort"
+            self._sample_gone(request)
         if leaving:  # one pass over the queue, not one per request
             self.waiting = deque(r for r in self.waiting if r not in leaving)
 

@@ -1,0 +1,96 @@
+"""Draft tokens from sibling samples (`--speculative siblings`, issue 22): no extra weights.
+
+The n samples of a prompt (a GRPO group) often say the same thing in places: a sample about to write what
+a sibling already wrote after the same few tokens can be handed that continuation as a draft, and one
+forward verifies it (engine/scheduling/speculation.py). Here is only the proposing: per prompt, an index
+from every n-gram (the last `ngram` tokens) the group's samples produced to where it ended, in each
+sample's response; a request's draft is what followed its own last n-gram the most recent time a sibling
+wrote it. Finished siblings stay sources until the whole group is done.
+
+Plain Python over ints, like the scheduler: unit-tested on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Group:
+    """One prompt's samples: their responses (by request id) and the n-gram index over them."""
+
+    responses: dict[int, list[int]] = field(default_factory=dict)
+    indexed: dict[int, int] = field(default_factory=dict)  # request id -> response tokens indexed so far
+    # n-gram -> (request id, index in its response of the token after the n-gram), most recent last
+    ends: dict[tuple[int, ...], list[tuple[int, int]]] = field(default_factory=dict)
+    expected: int = 0  # samples the engine made of the prompt (SiblingDrafter.expect)
+    finished: int = 0
+
+
+class SiblingDrafter:
+    """Proposes drafts for a request from the responses of the other samples of its prompt."""
+
+    def __init__(self, ngram: int = 3, max_sources: int = 4):
+        if ngram < 1:
+            raise ValueError("ngram must be at least 1")
+        self.ngram = ngram
+        self.max_sources = max_sources  # occurrences kept per n-gram: the most recent ones
+        self._groups: dict[int, _Group] = {}
+
+    def observe(self, request) -> None:
+        """Index the response tokens `request` appended since the last call (and, at its first call, the
+        prompt's last n-gram, after which every sample's response starts)."""
+        group = self._groups.setdefault(request.prompt_index, _Group())
+        response = request.output_token_ids
+        group.responses[request.request_id] = response  # the live list: later tokens show up as they come
+        first = group.indexed.get(request.request_id, -1) + 1
+        for end in range(first, len(response) + 1):  # the n-gram ending just before response[end]
+            window = self._last_ngram(request.prompt_token_ids, response, end)
+            if window is None:
+                continue
+            seen = group.ends.setdefault(window, [])
+            seen.append((request.request_id, end))
+            if len(seen) > self.max_sources:
+                del seen[0]
+        group.indexed[request.request_id] = len(response)
+
+    def propose(self, request, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens a sibling wrote after `request`'s last n-gram ([] if none did)."""
+        group = self._groups.get(request.prompt_index)
+        if group is None or max_tokens <= 0:
+            return []
+        response = request.output_token_ids
+        tail = self._last_ngram(request.prompt_token_ids, response, len(response))
+        for source, end in reversed(group.ends.get(tail, ())):
+            if source == request.request_id:
+                continue
+            draft = group.responses[source][end:end + max_tokens]
+            if draft:
+                return list(draft)
+        return []
+
+    def _last_ngram(self, prompt: list[int], response: list[int], end: int) -> tuple[int, ...] | None:
+        """The `ngram` tokens of prompt + response[:end] that end it (None if there are fewer)."""
+        if end >= self.ngram:
+            return tuple(response[end - self.ngram:end])
+        need = self.ngram - end
+        if need > len(prompt):
+            return None
+        return tuple(prompt[len(prompt) - need:]) + tuple(response[:end])
+
+    def expect(self, prompt_index: int, count: int) -> None:
+        """`count` more samples of the prompt were queued: its group lives until they have all ended."""
+        self._groups.setdefault(prompt_index, _Group()).expected += count
+
+    def finished(self, request) -> None:
+        """A sample ended (or was aborted); the group is dropped once every expected one has (finished
+        samples stay sources till then)."""
+        group = self._groups.get(request.prompt_index)
+        if group is None:
+            return
+        group.finished += 1
+        if group.finished >= group.expected:
+            del self._groups[request.prompt_index]
+
+    def __len__(self) -> int:
+        return len(self._groups)

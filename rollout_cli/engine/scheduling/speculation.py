@@ -1,0 +1,67 @@
+"""Speculative decoding that changes no token (`--speculative siblings`, issue 22): the scheduler's side.
+
+A decode step may carry, after a request's last token, `d` draft tokens (engine/scheduling/
+sibling_drafts.py proposes them). The forward computes all 1 + d positions; the sampler draws a token
+at each of them exactly as it would without the draft (its random stream is keyed by position, so the
+token at a position is a function of that position's logits and its key); the drafts are accepted while
+they equal what was drawn. The response is therefore the one decoding token by token gives, and the
+logprobs are the target model's: sample-level equality, not rejection sampling's equality in
+distribution. Accepted tokens keep their KV; the KV slots of rejected drafts go back.
+
+A mixin of Scheduler (its allocator, stats and drafter).
+"""
+
+from __future__ import annotations
+
+from rollout_cli.engine.scheduling.request import Request
+
+
+class Speculation:
+    drafter = None  # a SiblingDrafter while speculation is on (enable_speculation)
+    num_draft_tokens = 0
+
+    def enable_speculation(self, drafter, num_draft_tokens: int) -> None:
+        """Propose up to `num_draft_tokens` drafts per decode with `drafter` (None: off)."""
+        self.drafter = drafter
+        self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
+
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decode-ready request: at most num_draft_tokens, `budget`, and what its
+        max_new_tokens and --max-model-len leave after the token this step samples anyway."""
+        if request.params.top_logprobs or request.is_scoring:  # one row per sample there
+            return []
+        room = min(self.num_draft_tokens, budget, request.params.max_new_tokens - len(request.output_token_ids) - 1,
+                   request.max_model_len - request.num_tokens - 1)
+        return self.drafter.propose(request, room) if room > 0 else []
+
+    def _accept_drafts(self, entry, sampled, weight_version: str) -> None:
+        """Post-process a verify entry: append the drawn tokens while the drafts equal them (the first
+        different one is the position's token, appended too), keep the KV of the accepted positions."""
+        request = entry.request
+        rows = [next(sampled) for _ in range(1 + entry.num_draft)]
+        appended = 0
+        for j, (token, logprob, top) in enumerate(rows):
+            request.append_token(token, logprob, weight_version, top)
+            appended += 1
+            if request.finish_reason is not None or j == entry.num_draft or token != entry.token_ids[1 + j]:
+                break
+        # KV holds positions start .. start + appended - 1: the last token and the accepted drafts
+        request.num_computed_tokens = entry.start + appended
+        request.num_slots_in_table = request.num_computed_tokens
+        rejected = request.slots[request.num_computed_tokens:]
+        if rejected:
+            self.allocator.free(rejected)
+            del request.slots[request.num_computed_tokens:]
+        self.stats.verify_steps += 1
+        self.stats.draft_tokens += entry.num_draft
+        self.stats.accepted_draft_tokens += appended - 1
+        self.stats.computed_tokens -= len(rejected)
+
+    def _observe(self, request: Request) -> None:
+        if self.drafter is not None:
+            self.drafter.observe(request)
+
+    def _sample_gone(self, request: Request) -> None:
+        """A sample finished or was aborted: its group may be done with its drafts."""
+        if self.drafter is not None:
+            self.drafter.finished(request)

@@ -1,0 +1,174 @@
+"""Speculative decoding changes no token (issue 22): drafts verified so that every response is the one
+decoding without them gives, on the CPU in float32 (tokens equal, logprobs to 1e-4).
+
+An oracle drafter proposes the true continuation (from a run without speculation), corrupted where a case
+says: all accepted, the first draft rejected, the last one, random ones; responses that end (length, eos)
+inside a draft. Then the sibling drafter end to end (n samples, dense and MoE, routing capture), and the
+refusals.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollout_cli import Engine, SamplingParams
+from rollout_cli.config import EngineConfig
+from rollout_cli.engine.trajectory import PromptInput
+from rollout_cli.errors import RolloutError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from speculative_oracle import OracleDrafter  # noqa: E402
+
+PROMPTS = [[5, 17, 99, 3, 250, 31, 8, 9], [7, 7, 8, 100, 42, 11, 12, 200, 13], [300, 2, 4]]
+
+
+def _run(model: str, params: SamplingParams, drafter=None, prompts=PROMPTS, **options):
+    engine = Engine(model, device="cpu", dtype="float32", max_model_len=256, kv_cache_tokens=4096, **options)
+    if drafter is not None:
+        engine.scheduler.enable_speculation(drafter, 5)
+    results = sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(prompts)], params),
+                     key=lambda t: (t.prompt_index, t.sample_index))
+    return engine, results
+
+
+def _assert_same(got, want) -> None:
+    assert [(r.prompt_index, r.sample_index) for r in got] == [(r.prompt_index, r.sample_index) for r in want]
+    for a, b in zip(got, want):
+        assert a.response_token_ids == b.response_token_ids, (a.prompt_index, a.sample_index)
+        assert a.finish_reason == b.finish_reason
+        assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-4)
+
+
+CORRUPTIONS = {
+    "exact": lambda k: False,  # every draft accepted
+    "first": lambda k: k == 0,  # rejected at the first position: one token a step, as without drafts
+    "last": lambda k: k == 4,  # the last of five rejected
+    "random": lambda k, rng=random.Random(0): rng.random() < 0.3,
+}
+PARAMS = {
+    "greedy": SamplingParams(temperature=0.0, max_new_tokens=23, ignore_eos=True, n=2),
+    "seeded": SamplingParams(temperature=1.0, max_new_tokens=23, ignore_eos=True, n=2, seed=5),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+@pytest.mark.parametrize("sampling", sorted(PARAMS))
+@pytest.mark.parametrize("arch", ["example", "qwen3_moe"])
+def test_verified_drafts_give_the_tokens_of_plain_decoding(arch, sampling, corruption, example_model_dir,
+                                                           tiny_moe_checkpoints):
+    model = example_model_dir if arch == "example" else tiny_moe_checkpoints["qwen3_moe"]
+    params = PARAMS[sampling]
+    _, want = _run(model, params)
+    truth = {(r.prompt_index, r.sample_index): r.response_token_ids for r in want}
+    drafter = OracleDrafter(truth, CORRUPTIONS[corruption])
+    engine, got = _run(model, params, drafter)
+    _assert_same(got, want)
+    stats = engine.scheduler.stats
+    assert drafter.proposed == stats.draft_tokens > 0
+    if corruption == "exact":  # 23 tokens in steps of up to 6: the first token, then 4 verify steps
+        assert stats.accepted_draft_tokens == stats.draft_tokens
+    if corruption == "first":
+        assert stats.accepted_draft_tokens == 0
+    if corruption in ("last", "random"):  # some accepted, some not
+        assert 0 < stats.accepted_draft_tokens < stats.draft_tokens
+
+
+def test_the_on_policy_one_token_forwards_verify_drafts_too(example_model_dir):
+    """--deterministic on the torch path runs each draft position in a forward of its own: same tokens."""
+    params = PARAMS["seeded"]
+    _, want = _run(example_model_dir, params, deterministic=True)
+    truth = {(r.prompt_index, r.sample_index): r.response_token_ids for r in want}
+    engine, got = _run(example_model_dir, params, OracleDrafter(truth, CORRUPTIONS["last"]), deterministic=True)
+    _assert_same(got, want)
+    assert [r.response_logprobs for r in got] == [r.response_logprobs for r in want]  # bit for bit
+    assert engine.scheduler.stats.accepted_draft_tokens > 0
+
+
+@pytest.mark.parametrize("ending", ["length", "eos"])
+def test_a_response_that_ends_inside_a_draft(ending, example_model_dir, with_eos):
+    """The draft runs past the end: by max_new_tokens, or by an eos token the response samples mid-draft."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    _, plain = _run(example_model_dir, params)
+    model, limit = example_model_dir, 11
+    if ending == "eos":  # make a token of the middle of the first response the end of the sequence
+        model = with_eos(example_model_dir, plain[0].response_token_ids[9])
+        params = SamplingParams(temperature=0.0, max_new_tokens=30)
+    else:
+        params = SamplingParams(temperature=0.0, max_new_tokens=limit, ignore_eos=True)
+    _, want = _run(model, params)
+    assert ending != "eos" or (want[0].finish_reason == "stop" and len(want[0].response_token_ids) <= 10)
+    long = {(r.prompt_index, r.sample_index): r.response_token_ids + [7] * 10 for r in plain}
+    _, got = _run(model, params, OracleDrafter(long, lambda k: False))
+    _assert_same(got, want)
+    assert ending != "length" or all(len(r.response_token_ids) == limit for r in got)
+
+
+def test_siblings_draft_for_later_samples_and_change_no_token(example_model_dir):
+    """Greedy samples of a prompt repeat each other: with two running at a time, the later ones verify the
+    earlier ones' responses as drafts (acceptance > 1) and give the same tokens as without."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, n=4)
+    _, want = _run(example_model_dir, params, max_running=2)
+    engine, got = _run(example_model_dir, params, max_running=2, speculative="siblings", num_draft_tokens=4)
+    _assert_same(got, want)
+    assert engine.scheduler.stats.acceptance_length > 1.5
+    assert len(engine.scheduler.drafter) == 0  # every prompt's group is dropped once its samples ended
+
+
+def test_routing_capture_records_the_accepted_tokens_only(tiny_moe_checkpoints):
+    model = tiny_moe_checkpoints["qwen3_moe"]
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True, n=2)
+    runs = []
+    for drafter in (None, "oracle"):
+        engine = Engine(model, device="cpu", dtype="float32", max_model_len=256, kv_cache_tokens=4096)
+        engine.enable_routing_capture()
+        if drafter is not None:
+            truth = {(r.prompt_index, r.sample_index): r.response_token_ids for r in runs[0]}
+            engine.scheduler.enable_speculation(OracleDrafter(truth, CORRUPTIONS["random"]), 5)
+        runs.append(sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], params),
+                           key=lambda t: (t.prompt_index, t.sample_index)))
+    for a, b in zip(*runs):
+        assert a.response_token_ids == b.response_token_ids
+        assert a.routed_experts.shape == b.routed_experts.shape and (a.routed_experts == b.routed_experts).all()
+    assert engine.scheduler.stats.draft_tokens > 0
+
+
+def test_refusals(tiny_hybrid_checkpoints, example_model_dir):
+    with pytest.raises(RolloutError, match="unknown --speculative 'mtp'"):
+        EngineConfig(model=example_model_dir, speculative="mtp")
+    with pytest.raises(RolloutError, match="--num-draft-tokens must be at least 1"):
+        EngineConfig(model=example_model_dir, speculative="siblings", num_draft_tokens=0)
+    with pytest.raises(RolloutError, match="--tp 1"):
+        EngineConfig(model=example_model_dir, speculative="siblings", tensor_parallel_size=2)
+    with pytest.raises(RolloutError, match="hybrid linear-attention"):
+        Engine(tiny_hybrid_checkpoints["qwen3_next"], device="cpu", max_model_len=64, speculative="siblings")
+
+
+def test_rollout_run_with_speculation_writes_the_same_rows_and_reports_acceptance(tmp_path):
+    import json
+    import os
+    import subprocess
+
+    import pyarrow.parquet as pq
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    tables = {}
+    for spec in ([], ["--speculative", "siblings", "--num-draft-tokens", "3"]):
+        out = tmp_path / ("spec" if spec else "plain")
+        args = ["--model", repo / "recipes" / "example_model", "--data", repo / "recipes" / "prompts.parquet",
+                "--out", out, "--n", 4, "--max-new-tokens", 24, "--temperature", 0, "--limit", 4, "--max-running", 4,
+                "--device", "cpu", "--dtype", "float32", "--quiet", *spec]
+        result = subprocess.run([sys.executable, "-m", "rollout_cli.cli.main", "run", *map(str, args)], env=env,
+                                capture_output=True, text=True, timeout=300, cwd=repo)
+        assert result.returncode == 0, result.stderr
+        tables[bool(spec)] = pq.read_table(out / "trajectories").sort_by(
+            [("prompt_index", "ascending"), ("sample_index", "ascending")]).to_pylist()
+        manifest = json.loads((out / "manifest.json").read_text())
+    assert [r["response_token_ids"] for r in tables[True]] == [r["response_token_ids"] for r in tables[False]]
+    speculation = manifest["speculation"]
+    assert speculation["acceptance_length"] > 1 and speculation["accepted_draft_tokens"] > 0
+    assert manifest["engine"]["speculative"] == {"method": "siblings", "num_draft_tokens": 3}

@@ -1,0 +1,49 @@
+"""SiblingDrafter: drafts from what the other samples of a prompt wrote after the same n-gram."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from rollout_cli.engine.scheduling.sibling_drafts import SiblingDrafter
+
+
+def _request(request_id: int, prompt: list[int], output: list[int], prompt_index: int = 0):
+    return SimpleNamespace(request_id=request_id, prompt_index=prompt_index, prompt_token_ids=prompt,
+                           output_token_ids=output)
+
+
+def test_a_sibling_continuation_after_the_same_ngram_is_proposed():
+    drafter = SiblingDrafter(ngram=2)
+    a = _request(0, [1, 2, 3], [10, 11, 12, 13, 14])
+    b = _request(1, [1, 2, 3], [10])
+    drafter.observe(a)
+    drafter.observe(b)
+    assert drafter.propose(b, 3) == [11, 12, 13]  # after (3, 10), as a wrote
+    b.output_token_ids += [11, 99]
+    drafter.observe(b)
+    assert drafter.propose(b, 3) == []  # (11, 99): nobody wrote it but b
+    assert drafter.propose(_request(2, [1, 2, 3], []), 2) == [10, 11]  # from the prompt's last 2 tokens
+
+
+def test_no_draft_from_itself_another_prompt_or_past_the_end():
+    drafter = SiblingDrafter(ngram=1)
+    a = _request(0, [5], [6, 7, 6])
+    drafter.observe(a)
+    assert drafter.propose(a, 4) == []  # its own past: not a sibling
+    assert drafter.propose(_request(1, [9], [6], prompt_index=1), 4) == []  # another prompt's group
+    assert drafter.propose(_request(2, [5], [7, 6]), 4) == [7, 6]  # the most recent occurrence of (6,): after 6 at 1
+    assert drafter.propose(_request(3, [5], [7]), 0) == []
+
+
+def test_the_newest_occurrences_are_kept_and_groups_end_with_their_samples():
+    drafter = SiblingDrafter(ngram=1, max_sources=2)
+    drafter.expect(0, 3)
+    samples = [_request(i, [1], [4, i + 20]) for i in range(3)]
+    for sample in samples:
+        drafter.observe(sample)
+    assert drafter.propose(_request(9, [1], [4]), 1) == [22]  # the most recent of the kept two
+    for sample in samples[:2]:
+        drafter.finished(sample)
+    assert len(drafter) == 1  # finished samples stay sources while a sibling lives
+    drafter.finished(samples[2])
+    assert len(drafter) == 0
