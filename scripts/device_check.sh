@@ -27,7 +27,8 @@
 # shapes, write kernels/configs/batch_invariant_matmul/ and tar it to $OUT/tunebi*.tar to commit; run before det06 /
 # det8 in the same call), fp8 (issue 20's FP8 kernels: their GPU tests, then scripts/bench_fp8_gemm.py), vlmtests
 # (issue 23: the VLM GPU tests, graphs vs eager, float32 vs HF), vlm8 (issue 23's target: the Qwen3-VL-8B shape, one
-# 448 x 448 image per prompt, HF stopped after 300 s), vtower (the vision tower alone: TFLOP/s, top kernels).
+# 448 x 448 image per prompt, HF stopped after 300 s), vtower (the vision tower alone: TFLOP/s, top kernels), spec06
+# (issue 22: the GRPO shape greedy, without and with --speculative siblings: eager verify steps against graphs).
 # Logs and JSON go to $OUT.
 # torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
 set -uo pipefail
@@ -124,6 +125,10 @@ for kv in (None, torch.float8_e4m3fn):
                | tee "$OUT/control_plane_fp8.log" | tail -13 ;;
     vlmtests) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu_vlm.py 2>&1 \
                | tee "$OUT/gpu_vlm_tests.log" | grep -E "^FAILED|passed|failed" | tail -6 ;;
+    spec06) bench b06_grpo_greedy 150 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 --temperature 0
+            bench b06_grpo_greedy_spec 200 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 \
+               --temperature 0 --speculative siblings
+            grep -E "speculation" "$OUT/b06_grpo_greedy_spec.log" ;;
     vtower) timeout 200 python3 scripts/bench_vision_tower.py --config $QVL8 --images 4 17 64 --profile 2>&1 \
                | tee "$OUT/vision_tower.log" | head -40 ;;
     vlm8) bench vl8_images 580 --model $QVL8 --num-prompts 256 --input-len 256 --output-len 512 --images 1 \
