@@ -343,7 +343,7 @@ class Engine:
         """Hand one prompt's requests to the scheduler (and to the sibling drafter, which keeps the prompt's
         responses as draft sources until all of them have ended)."""
         if requests and self.scheduler.drafter is not None:
-            self.scheduler.drafter.expect(requests[0].prompt_index, len(requests))
+            self.scheduler.drafter.expect(requests[0], len(requests))  # the first is the others' group leader
         for request in requests:
             self.scheduler.add(request)
 

@@ -7,8 +7,12 @@ from types import SimpleNamespace
 from rollout_cli.engine.scheduling.sibling_drafts import SiblingDrafter
 
 
-def _request(request_id: int, prompt: list[int], output: list[int], prompt_index: int = 0):
-    return SimpleNamespace(request_id=request_id, prompt_index=prompt_index, prompt_token_ids=prompt,
+LEADER = SimpleNamespace(request_id=100)
+
+
+def _request(request_id: int, prompt: list[int], output: list[int], leader=LEADER):
+    """A sample of the prompt whose group leader is `leader` (another prompt: another leader)."""
+    return SimpleNamespace(request_id=request_id, group_leader=leader, prompt_token_ids=prompt,
                            output_token_ids=output)
 
 
@@ -30,14 +34,14 @@ def test_no_draft_from_itself_another_prompt_or_past_the_end():
     a = _request(0, [5], [6, 7, 6])
     drafter.observe(a)
     assert drafter.propose(a, 4) == []  # its own past: not a sibling
-    assert drafter.propose(_request(1, [9], [6], prompt_index=1), 4) == []  # another prompt's group
+    assert drafter.propose(_request(1, [9], [6], leader=SimpleNamespace(request_id=7)), 4) == []  # another prompt
     assert drafter.propose(_request(2, [5], [7, 6]), 4) == [7, 6]  # the most recent occurrence of (6,): after 6 at 1
     assert drafter.propose(_request(3, [5], [7]), 0) == []
 
 
 def test_the_newest_occurrences_are_kept_and_groups_end_with_their_samples():
     drafter = SiblingDrafter(ngram=1, max_sources=2)
-    drafter.expect(0, 3)
+    drafter.expect(LEADER, 3)
     samples = [_request(i, [1], [4, i + 20]) for i in range(3)]
     for sample in samples:
         drafter.observe(sample)

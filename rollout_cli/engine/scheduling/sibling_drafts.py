@@ -2,7 +2,8 @@
 
 The n samples of a prompt (a GRPO group) often say the same thing in places: a sample about to write what
 a sibling already wrote after the same few tokens can be handed that continuation as a draft, and one
-forward verifies it (engine/scheduling/speculation.py). Here is only the proposing: per prompt, an index
+forward verifies it (engine/scheduling/speculation.py). Here is only the proposing: per prompt (its
+samples share a group leader), an index
 from every n-gram (the last `ngram` tokens) the group's samples produced to where it ended, in each
 sample's response; a request's draft is what followed its own last n-gram the most recent time a sibling
 wrote it. Finished siblings stay sources until the whole group is done.
@@ -27,6 +28,14 @@ class _Group:
     finished: int = 0
 
 
+def group_key(request) -> int:
+    """The samples of one prompt share their group leader (the sample that computes the prompt first,
+    engine/scheduling/request_maker.py): its request id names the group. Prompt indices would not do:
+    the daemon's online requests number their prompts from 0 each."""
+    leader = getattr(request, "group_leader", None) or request
+    return leader.request_id
+
+
 class SiblingDrafter:
     """Proposes drafts for a request from the responses of the other samples of its prompt."""
 
@@ -40,7 +49,7 @@ class SiblingDrafter:
     def observe(self, request) -> None:
         """Index the response tokens `request` appended since the last call (and, at its first call, the
         prompt's last n-gram, after which every sample's response starts)."""
-        group = self._groups.setdefault(request.prompt_index, _Group())
+        group = self._groups.setdefault(group_key(request), _Group())
         response = request.output_token_ids
         group.responses[request.request_id] = response  # the live list: later tokens show up as they come
         first = group.indexed.get(request.request_id, -1) + 1
@@ -56,7 +65,7 @@ class SiblingDrafter:
 
     def propose(self, request, max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens a sibling wrote after `request`'s last n-gram ([] if none did)."""
-        group = self._groups.get(request.prompt_index)
+        group = self._groups.get(group_key(request))
         if group is None or max_tokens <= 0:
             return []
         response = request.output_token_ids
@@ -78,19 +87,21 @@ class SiblingDrafter:
             return None
         return tuple(prompt[len(prompt) - need:]) + tuple(response[:end])
 
-    def expect(self, prompt_index: int, count: int) -> None:
-        """`count` more samples of the prompt were queued: its group lives until they have all ended."""
-        self._groups.setdefault(prompt_index, _Group()).expected += count
+    def expect(self, leader, count: int) -> None:
+        """`count` samples of a prompt were queued, `leader` the first of them: their group lives until they
+        have all ended."""
+        self._groups.setdefault(group_key(leader), _Group()).expected += count
 
     def finished(self, request) -> None:
         """A sample ended (or was aborted); the group is dropped once every expected one has (finished
         samples stay sources till then)."""
-        group = self._groups.get(request.prompt_index)
+        key = group_key(request)
+        group = self._groups.get(key)
         if group is None:
             return
         group.finished += 1
         if group.finished >= group.expected:
-            del self._groups[request.prompt_index]
+            del self._groups[key]
 
     def __len__(self) -> int:
         return len(self._groups)
