@@ -26,6 +26,8 @@ from rollout_cli.engine.engine import Engine
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.trajectory import ScoreInput
 from rollout_cli.errors import RolloutError
+from rollout_cli.io.image_prompts import VisionPromptEncoder
+from rollout_cli.io.image_rows import ImageRows
 from rollout_cli.io.prompt_encoding import InvalidPrompt
 from rollout_cli.io.output_dir import (
     TRAJECTORIES_SUBDIR,
@@ -142,9 +144,6 @@ def _image_source(engine: Engine, dataset: ds.Dataset, job: ScoreJobConfig):
     """(encoder, ImageRows) for the trajectories of an image run (an image_grid_thw column), else None."""
     if "image_grid_thw" not in dataset.schema.names:
         return None
-    from rollout_cli.io.image_prompts import VisionPromptEncoder  # transformers' image processor: image runs only
-    from rollout_cli.io.image_rows import ImageRows
-
     encoder = VisionPromptEncoder.from_checkpoint(engine.config.model, engine.tokenizer)
     if encoder is None:
         raise RolloutError(f"{job.data} holds an image run's trajectories but {engine.config.model} is a text-only "

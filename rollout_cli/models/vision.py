@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout_cli.models.layers import Linear, default_weight_loader
+from rollout_cli.models.layers import Linear, RotaryEmbedding, default_weight_loader
 
 
 class LayerNorm(nn.Module):
@@ -112,9 +112,7 @@ def attention_plan(lengths: list[int], device) -> list[tuple[int, int, torch.Ten
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE in float32 over the whole last dim: x [N, ..., head_dim], cos/sin broadcast to it."""
     dtype, x = x.dtype, x.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos + rotated * sin).to(dtype)
+    return (x * cos + RotaryEmbedding._rotate_half(x) * sin).to(dtype)
 
 
 class VisionMLP(nn.Module):
