@@ -25,7 +25,8 @@
 # U[1024, 16384] out; preemptions, recomputed tokens, peak batch, the last 10%'s time), controlfp8 (control, FP8 weights: reloads re-quantize), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
 # modes, HF bf16 teacher forcing), tunebi06 / tunebi8 (tune the batch-invariant matmul for the 0.6B / 8B
 # shapes, write kernels/configs/batch_invariant_matmul/ and tar it to $OUT/tunebi*.tar to commit; run before det06 /
-# det8 in the same call), fp8 (issue 20's FP8 kernels: their GPU tests, then scripts/bench_fp8_gemm.py), vlmtests
+# det8 in the same call), bitests (the batch-invariant matmul's GPU tests: every shipped table keeps each row's bits), bitiles
+# (scripts/check_batch_invariant_tiles.py: does any tile / BLOCK_K / stages / load path change a bit), fp8 (issue 20's FP8 kernels: their GPU tests, then scripts/bench_fp8_gemm.py), vlmtests
 # (issue 23: the VLM GPU tests, graphs vs eager, float32 vs HF), vlm8 (issue 23's target: the Qwen3-VL-8B shape, one
 # 448 x 448 image per prompt, HF stopped after 300 s), vtower (the vision tower alone: TFLOP/s, top kernels), spec06
 # (issue 22: the GRPO shape greedy, without and with --speculative siblings: eager verify steps against graphs).
@@ -77,6 +78,9 @@ for part in $PARTS; do
     grpo) bench b06_grpo 70 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 ;;
     moe30) bench b30_capture 150 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --capture-routing compare ;;
     moe30hf) bench b30_hf 580 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --baseline hf --baseline-time-limit 400 ;;
+    bitests) timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_batch_invariant_matmul.py 2>&1 \
+               | tee "$OUT/gpu_bi_tests.log" | grep -E "^FAILED|passed|failed" | tail -12 ;;
+    bitiles) timeout 500 python3 scripts/check_batch_invariant_tiles.py 2>"$OUT/bitiles.err" | tee "$OUT/bitiles.log" | tail -34 ;;
     det) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_batch_invariant_matmul.py \
                tests/kernels/test_batch_invariant_attention.py tests/kernels/test_sampling_score.py \
                tests/kernels/test_linear_attention_invariance.py tests/kernels/test_chunk_gated_delta_rule.py \
@@ -88,7 +92,7 @@ for part in $PARTS; do
     detgrpo) bench b06_grpo_det 250 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 --deterministic ;;
     detmoe30) bench b30_det 500 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --deterministic ;;
     tunebi06|tunebi8) model=$Q06; [ $part = tunebi8 ] && model=$Q8
-               timeout 480 python3 scripts/tune_batch_invariant_matmul.py --model $model --write 2>&1 \
+               timeout 500 python3 scripts/tune_batch_invariant_matmul.py --model $model --write 2>&1 \
                | tee "$OUT/$part.log" | tail -12  # a tar: the JSON names hold "=" and ",", which $OUT does not return
                tar -C kernels/configs -cf "$OUT/$part.tar" batch_invariant_matmul ;;
     fp8) timeout 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_blockwise.py tests/kernels/test_fused_moe_fp8.py 2>&1 \

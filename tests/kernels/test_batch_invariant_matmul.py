@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from rollout_kernels.batch_invariant_config import DEFAULT, config_file_name, get_config
+from rollout_kernels.batch_invariant_config import CONFIG_DIR, DEFAULT, config_file_name, get_config, shape_table
 from rollout_kernels.batch_invariant_matmul import batch_invariant_matmul, batch_invariant_matmul_ref
 
 CUDA = torch.cuda.is_available()
@@ -66,12 +66,60 @@ def test_shapes_are_checked():
 def test_tuned_files_are_read_per_weight_shape(tmp_path):
     tuned = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3}
     (tmp_path / config_file_name(300, 128, torch.bfloat16)).write_text(json.dumps({"config": tuned}))
-    assert get_config(300, 128, torch.bfloat16, str(tmp_path)) == tuned
-    assert get_config(300, 128, torch.float16, str(tmp_path)) == DEFAULT  # no file for this dtype
+    assert get_config(300, 128, torch.bfloat16, config_dir=str(tmp_path)) == tuned
+    assert get_config(300, 128, torch.bfloat16, 7, config_dir=str(tmp_path)) == tuned  # no table: every M
+    assert get_config(300, 128, torch.float16, config_dir=str(tmp_path)) == DEFAULT  # no file for this dtype
     bad = {**tuned, "BLOCK_N": 48}
     (tmp_path / config_file_name(64, 64, torch.bfloat16)).write_text(json.dumps({"config": bad}))
     with pytest.raises(ValueError, match=r"N=64,K=64,dtype=bfloat16.json: BLOCK_N=48"):
-        get_config(64, 64, torch.bfloat16, str(tmp_path))
+        get_config(64, 64, torch.bfloat16, config_dir=str(tmp_path))
+
+
+def test_tiles_follow_the_batch_size_and_the_reduction_does_not(tmp_path):
+    """by_batch: the first entry whose max_m holds M, the reference past the last; an entry that would
+    change BLOCK_K or SPLIT_K (the K-sum order) or is out of order is refused with the file's name."""
+    reference = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 8, "num_stages": 4}
+    small = {**reference, "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4}
+    middle = {**reference, "BLOCK_M": 64}
+    name = config_file_name(512, 256, torch.bfloat16)
+    (tmp_path / name).write_text(json.dumps({"config": reference, "by_batch": [
+        {"max_m": 16, "config": small}, {"max_m": 256, "config": middle}]}))
+    chosen = {m: get_config(512, 256, torch.bfloat16, m, config_dir=str(tmp_path)) for m in (1, 16, 17, 256, 257)}
+    assert chosen == {1: small, 16: small, 17: middle, 256: middle, 257: reference}
+    assert get_config(512, 256, torch.bfloat16, config_dir=str(tmp_path)) == reference
+    # BLOCK_K 128 keeps K = 256 in two splits of 128: the same sums, allowed
+    (tmp_path / name).write_text(json.dumps({"config": reference, "by_batch": [
+        {"max_m": 16, "config": {**small, "BLOCK_K": 128}}]}))
+    shape_table.cache_clear()
+    assert get_config(512, 256, torch.bfloat16, 2, config_dir=str(tmp_path))["BLOCK_K"] == 128
+    for entries, message in (([{"max_m": 16, "config": {**small, "SPLIT_K": 1}}], r"by_batch\[0\]: SPLIT_K=1, BLOCK_K=64"),
+                             ([{"max_m": 16, "config": {**small, "BLOCK_K": 256}}], r"BLOCK_K=256 split K=256 otherwise"),
+                             ([{"max_m": 64, "config": small}, {"max_m": 16, "config": small}],
+                              r"by_batch\[1\]: max_m=16 must be an int above the previous entry's \(64\)")):
+        bad = config_file_name(1024, 256, torch.bfloat16)
+        (tmp_path / bad).write_text(json.dumps({"config": reference, "by_batch": entries}))
+        shape_table.cache_clear()
+        with pytest.raises(ValueError, match=message):
+            get_config(1024, 256, torch.bfloat16, 1, config_dir=str(tmp_path))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(path.name for path in CONFIG_DIR.glob("*.json")))
+def test_gpu_shipped_tables_keep_every_rows_bits(name):
+    """Every shipped file: a batch of M rows, whichever tile its bucket picks, equals the same rows of a
+    2,048-row matmul on the reference config bit for bit, at M on both sides of every bucket edge (the
+    tuner checked one M per bucket; this checks the M between)."""
+    n, k, dtype = (int(name.split(",")[0][2:]), int(name.split(",")[1][2:]),
+                   getattr(torch, name.split("dtype=")[1].removesuffix(".json")))
+    table = shape_table(n, k, dtype)
+    edges = [max_m for max_m, _ in table if max_m is not None]
+    sizes = sorted({1, 2048, *edges, *(edge + 1 for edge in edges), 100, 700})
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(max(sizes), k, device="cuda", generator=gen).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype)
+    full = batch_invariant_matmul(x, w, config=table[-1][1])
+    for m in sizes:
+        assert torch.equal(batch_invariant_matmul(x[-m:], w), full[-m:]), (name, m, get_config(n, k, dtype, m))
 
 
 @pytest.mark.gpu
@@ -85,6 +133,27 @@ def test_gpu_bf16_batch_invariance_at_model_shapes(n, k):
     for rows in (slice(0, 1), slice(100, 107), slice(255, 256)):
         assert torch.equal(batch_invariant_matmul(x[rows], w), full[rows])
     torch.testing.assert_close(full.float(), batch_invariant_matmul_ref(x, w).float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,config", [
+    (4096, 4096, None), (24576, 4096, None),
+    (1000, 12288, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 4})])
+def test_gpu_tma_loads_give_the_pointer_kernels_bits(n, k, config):
+    """The TMA kernel (aligned operands) against the pointer kernel (the same rows one element off the
+    16-byte alignment, which TMA cannot load): equal bit for bit at decode and prefill sizes, with bias."""
+    from rollout_kernels.batch_invariant_matmul import tma_loads_fit
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+    b = torch.randn(n, device="cuda", generator=gen).bfloat16()
+    for m in (1, 77, 256, 1500):
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        shifted = torch.empty(m * k + 1, dtype=x.dtype, device="cuda")[1:].view(m, k)
+        shifted.copy_(x)
+        assert tma_loads_fit(x, w) and not tma_loads_fit(shifted, w)
+        assert torch.equal(batch_invariant_matmul(x, w, b, config=config),
+                           batch_invariant_matmul(shifted, w, b, config=config)), m
 
 
 @pytest.mark.gpu
