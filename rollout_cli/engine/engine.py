@@ -115,7 +115,8 @@ class Engine:
         else:
             num_slots, state_slots = hybrid_pool_sizes(
                 kv_bytes_per_token=bytes_per_token, state_bytes_per_slot=state_shape.bytes_per_sequence,
-                linear_state_memory_ratio=cfg.linear_state_memory_ratio, **sizes)
+                linear_state_memory_ratio=cfg.linear_state_memory_ratio,
+                draft_states=cfg.num_draft_tokens if cfg.speculative is not None else 0, **sizes)
         if self.tp is not None:  # every rank needs the same slots: the scheduler on rank 0 hands them out
             num_slots = min_over_ranks(num_slots, self.tp)
             if state_slots is not None:
@@ -130,9 +131,6 @@ class Engine:
         self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache,
                                    linear_state_slots=state_slots)
         if cfg.speculative is not None:
-            if self.linear_states is not None:
-                raise RolloutError("--speculative on a hybrid linear-attention model needs its recurrent state kept "
-                                   "per draft position, which is not built yet; drop --speculative")
             self.scheduler.enable_speculation(SiblingDrafter(), cfg.num_draft_tokens)
         self.cuda_graph_capture_seconds = None
         # MoE models too: the Triton backend also switches the router and experts to the fused

@@ -57,10 +57,13 @@ PARAMS = {
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
 @pytest.mark.parametrize("sampling", sorted(PARAMS))
-@pytest.mark.parametrize("arch", ["example", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["example", "qwen3_moe", "qwen3_next"])
 def test_verified_drafts_give_the_tokens_of_plain_decoding(arch, sampling, corruption, example_model_dir,
-                                                           tiny_moe_checkpoints):
-    model = example_model_dir if arch == "example" else tiny_moe_checkpoints["qwen3_moe"]
+                                                           tiny_moe_checkpoints, tiny_hybrid_checkpoints):
+    """qwen3_next: a hybrid model, whose linear layers must end each verify step in the state after the
+    last accepted token (kept per draft position in fork slots, engine/execution/linear_state.VerifyStep)."""
+    model = {"example": example_model_dir, "qwen3_moe": tiny_moe_checkpoints.get("qwen3_moe"),
+             "qwen3_next": tiny_hybrid_checkpoints.get("qwen3_next")}[arch]
     params = PARAMS[sampling]
     _, want = _run(model, params)
     truth = {(r.prompt_index, r.sample_index): r.response_token_ids for r in want}
@@ -75,6 +78,44 @@ def test_verified_drafts_give_the_tokens_of_plain_decoding(arch, sampling, corru
         assert stats.accepted_draft_tokens == 0
     if corruption in ("last", "random"):  # some accepted, some not
         assert 0 < stats.accepted_draft_tokens < stats.draft_tokens
+    if arch == "qwen3_next":  # every fork slot back: only the padding slot and the (unused) snapshots held
+        linear = engine.scheduler.linear
+        assert linear.allocator.num_free == linear.num_slots - 1 - len(linear.snapshots)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_hybrid_models_verify_drafts_in_the_on_policy_mode_bit_for_bit(arch, tiny_hybrid_checkpoints):
+    """--deterministic (the torch path's one-token forwards) on hybrid models: each draft position's state
+    kept after its own forward; tokens and logprobs those of plain decoding, to the bit."""
+    model = tiny_hybrid_checkpoints[arch]
+    params = PARAMS["seeded"]
+    _, want = _run(model, params, deterministic=True)
+    truth = {(r.prompt_index, r.sample_index): r.response_token_ids for r in want}
+    engine, got = _run(model, params, OracleDrafter(truth, CORRUPTIONS["random"]), deterministic=True)
+    _assert_same(got, want)
+    assert [r.response_logprobs for r in got] == [r.response_logprobs for r in want]
+    assert 0 < engine.scheduler.stats.accepted_draft_tokens < engine.scheduler.stats.draft_tokens
+
+
+def test_hybrid_drafts_need_free_state_slots(tiny_hybrid_checkpoints):
+    """Without a free state slot for every draft position a request decodes without drafts (a prompt
+    snapshot is never evicted for them): same tokens, fewer drafts."""
+    model = tiny_hybrid_checkpoints["qwen3_next"]
+    params = PARAMS["greedy"]
+    _, want = _run(model, params)
+    truth = {(r.prompt_index, r.sample_index): r.response_token_ids for r in want}
+    drafted = []
+    for spare in (None, 16):  # 16 free slots: 6 running requests, 3 prompt snapshots, forks for one draft
+        engine = Engine(model, device="cpu", dtype="float32", max_model_len=256, kv_cache_tokens=4096)
+        engine.scheduler.enable_speculation(OracleDrafter(truth, CORRUPTIONS["exact"]), 5)
+        allocator = engine.scheduler.linear.allocator
+        if spare is not None:
+            allocator.allocate(allocator.num_free - spare)
+        got = sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], params),
+                     key=lambda t: (t.prompt_index, t.sample_index))
+        _assert_same(got, want)
+        drafted.append(engine.scheduler.stats.draft_tokens)
+    assert 0 < drafted[1] < drafted[0]
 
 
 def test_the_on_policy_one_token_forwards_verify_drafts_too(example_model_dir):
@@ -107,12 +148,16 @@ def test_a_response_that_ends_inside_a_draft(ending, example_model_dir, with_eos
     assert ending != "length" or all(len(r.response_token_ids) == limit for r in got)
 
 
-def test_siblings_draft_for_later_samples_and_change_no_token(example_model_dir):
+@pytest.mark.parametrize("arch", ["example", "qwen3_next"])
+def test_siblings_draft_for_later_samples_and_change_no_token(arch, example_model_dir, tiny_hybrid_checkpoints):
     """Greedy samples of a prompt repeat each other: with two running at a time, the later ones verify the
     earlier ones' responses as drafts (acceptance > 1) and give the same tokens as without."""
+    model = example_model_dir if arch == "example" else tiny_hybrid_checkpoints[arch]
     params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, n=4)
-    _, want = _run(example_model_dir, params, max_running=2)
-    engine, got = _run(example_model_dir, params, max_running=2, speculative="siblings", num_draft_tokens=4)
+    _, want = _run(model, params, max_running=2)
+    engine, got = _run(model, params, max_running=2, speculative="siblings", num_draft_tokens=4)
+    if arch == "qwen3_next":  # the state pool sized for 2 requests, their prompt snapshots and 4 drafts each
+        assert engine.linear_states.num_slots == (2 + 4) * 2 + 1
     _assert_same(got, want)
     assert engine.scheduler.stats.acceptance_length > 1.5
     assert len(engine.scheduler.drafter) == 0  # every prompt's group is dropped once its samples ended
@@ -136,15 +181,13 @@ def test_routing_capture_records_the_accepted_tokens_only(tiny_moe_checkpoints):
     assert engine.scheduler.stats.draft_tokens > 0
 
 
-def test_refusals(tiny_hybrid_checkpoints, example_model_dir):
+def test_refusals(example_model_dir):
     with pytest.raises(RolloutError, match="unknown --speculative 'mtp'"):
         EngineConfig(model=example_model_dir, speculative="mtp")
     with pytest.raises(RolloutError, match="--num-draft-tokens must be at least 1"):
         EngineConfig(model=example_model_dir, speculative="siblings", num_draft_tokens=0)
     with pytest.raises(RolloutError, match="--tp 1"):
         EngineConfig(model=example_model_dir, speculative="siblings", tensor_parallel_size=2)
-    with pytest.raises(RolloutError, match="hybrid linear-attention"):
-        Engine(tiny_hybrid_checkpoints["qwen3_next"], device="cpu", max_model_len=64, speculative="siblings")
 
 
 def test_rollout_run_with_speculation_writes_the_same_rows_and_reports_acceptance(tmp_path):

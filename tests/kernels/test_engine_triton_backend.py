@@ -68,9 +68,11 @@ def test_fp8_kv_cache_on_both_backends(tiny_checkpoints, arch):
 
 
 @interpreter_only
-def test_verified_drafts_on_the_triton_backend(tiny_checkpoints):
-    """Speculative decoding's verify steps (a decode carrying draft tokens: an extend over the cached context)
-    on the Triton kernels: the tokens and logprobs of plain decoding on the torch path."""
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_next"])
+def test_verified_drafts_on_the_triton_backend(arch, tiny_checkpoints, tiny_hybrid_checkpoints):
+    """Speculative decoding's verify steps (a decode carrying draft tokens: an extend over the cached context;
+    on a hybrid model the Triton conv and delta-rule decode kernels token by token, the state kept per
+    draft position) on the Triton kernels: the tokens and logprobs of plain decoding on the torch path."""
     import sys
     from pathlib import Path
 
@@ -84,7 +86,8 @@ def test_verified_drafts_on_the_triton_backend(tiny_checkpoints):
     params = SamplingParams(n=2, temperature=1.0, seed=4, max_new_tokens=9, ignore_eos=True)
     runs = {}
     for backend in ("torch", "triton"):
-        engine = Engine(tiny_checkpoints["qwen3"], device="cpu", attention_backend=backend, max_model_len=64)
+        model = tiny_checkpoints["qwen3"] if arch == "qwen3" else tiny_hybrid_checkpoints[arch]
+        engine = Engine(model, device="cpu", attention_backend=backend, max_model_len=64)
         if backend == "triton":
             truth = {(r.prompt_index, r.sample_index): r.response_token_ids for r in runs["torch"]}
             engine.scheduler.enable_speculation(OracleDrafter(truth, lambda k: k == 2), 3)

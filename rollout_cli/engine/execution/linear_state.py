@@ -12,7 +12,9 @@ step first applies the scheduler's ordered state copies (prefix snapshots
 taken, snapshots forked into samples) and zeroes the slots of entries starting
 at position 0 (`prepare_step`), then runs the forward, whose linear layers read
 and update their slots through `LinearBatch` (decodes: one recurrent step each,
-batched; prefill chunks: chunked delta rule per sequence). The torch references
+batched; prefill chunks: chunked delta rule per sequence; a step verifying
+speculative drafts: token by token, keeping the state after each draft, see
+VerifyStep). The torch references
 run by default; `triton_kernels=True` (the model runner sets it on the Triton
 backend: CUDA, or the interpreter on the CPU) runs the Triton kernels of
 rollout_kernels instead, same arguments.
@@ -64,7 +66,8 @@ class LinearBatch:
     cu_seqlens (P + 1 host ints from 0), or None for a decode-only step."""
 
     def __init__(self, pool: LinearStatePool, decode_slots: torch.Tensor, prefill_slots: torch.Tensor | None = None,
-                 cu_seqlens: list[int] | None = None, triton_kernels: bool = False, invariant: bool = False):
+                 cu_seqlens: list[int] | None = None, triton_kernels: bool = False, invariant: bool = False,
+                 verify_steps: list["VerifyStep"] | None = None):
         from rollout_kernels import causal_conv1d, gated_delta_rule  # Triton: optional on the CPU
 
         self._conv_ops, self._delta_ops = causal_conv1d, gated_delta_rule
@@ -78,18 +81,25 @@ class LinearBatch:
                                       else chunk_gated_delta_rule_varlen)
         self.triton_kernels = triton_kernels
         self.pool = pool
-        self.num_decodes = decode_slots.shape[0]
+        # rows of the decode part: one per decode, or 1 + num_draft per entry of a step verifying drafts
+        self.num_decodes = decode_slots.shape[0] if verify_steps is None else verify_steps[0].num_rows
         self.decode_slots = decode_slots
         self.prefill_slots = prefill_slots
         self.cu_seqlens = cu_seqlens if prefill_slots is not None else [0]
         assert prefill_slots is None or len(self.cu_seqlens) == prefill_slots.shape[0] + 1
+        self.verify_steps = verify_steps  # a step verifying drafts: its decode part token by token, see VerifyStep
 
     @classmethod
     def from_entries(cls, pool: LinearStatePool, entries, device, triton_kernels: bool = False,
                      invariant: bool = False) -> "LinearBatch":
         """An eager step's batch from its entries (sorted decodes first, as ModelRunner.run does)."""
-        decodes = [e for e in entries if e.num_new_tokens == 1]
-        prefills = [e for e in entries if e.num_new_tokens > 1]
+        verify_steps = None
+        if any(e.num_draft for e in entries):  # drafts come in steps of all decodes (+ new requests' prefills)
+            decodes = [e for e in entries if e.num_draft or e.num_new_tokens == 1]
+            verify_steps = VerifyStep.plan(decodes, device)
+        else:
+            decodes = [e for e in entries if e.num_new_tokens == 1]
+        prefills = entries[len(decodes):]
         assert entries[:len(decodes)] == decodes, "entries must come decodes first (ModelRunner.run sorts them)"
         cu_seqlens = [0]
         for e in prefills:
@@ -98,7 +108,8 @@ class LinearBatch:
         def slots(group):
             return torch.tensor([e.request.state_slot for e in group], dtype=torch.long, device=device)
 
-        return cls(pool, slots(decodes), slots(prefills) if prefills else None, cu_seqlens, triton_kernels, invariant)
+        return cls(pool, slots(decodes), slots(prefills) if prefills else None, cu_seqlens, triton_kernels, invariant,
+                   verify_steps)
 
     def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -> torch.Tensor:
         """x [T, C] -> causal conv + activation [T, C], each sequence continuing from its conv state."""
@@ -106,11 +117,16 @@ class LinearBatch:
         ops = self._conv_ops
         update, varlen = ((ops.causal_conv1d_update, ops.causal_conv1d_varlen) if self.triton_kernels
                           else (ops.causal_conv1d_update_ref, ops.causal_conv1d_varlen_ref))
-        if self.prefill_slots is None:  # decodes only (every graph step): no joint output to copy into
+        if self.prefill_slots is None and self.verify_steps is None:  # decodes only (every graph step)
             return update(x, weight, bias, states, self.decode_slots, activation)
         out = torch.empty_like(x)
-        if D:
+        if self.verify_steps is not None:
+            VerifyStep.run(self.verify_steps, states, out, lambda rows, slots: update(
+                x[rows], weight, bias, states, slots, activation))
+        elif D:
             out[:D] = update(x[:D], weight, bias, states, self.decode_slots, activation)
+        if self.prefill_slots is None:
+            return out
         out[D:] = varlen(x[D:], weight, bias, states, self.prefill_slots, self.cu_seqlens, activation)
         return out
 
@@ -122,13 +138,67 @@ class LinearBatch:
         else:
             update = self._delta_ops.recurrent_gated_delta_rule_update_ref
             varlen = self._delta_ops.chunk_gated_delta_rule_varlen_ref
-        if self.prefill_slots is None:
+        if self.prefill_slots is None and self.verify_steps is None:
             return update(q, k, v, g, beta, states, self.decode_slots)
         out = torch.empty_like(v)
-        if D:
+        if self.verify_steps is not None:
+            VerifyStep.run(self.verify_steps, states, out, lambda rows, slots: update(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], states, slots))
+        elif D:
             out[:D] = update(q[:D], k[:D], v[:D], g[:D], beta[:D], states, self.decode_slots)
+        if self.prefill_slots is None:
+            return out
         out[D:] = varlen(q[D:], k[D:], v[D:], g[D:], beta[D:], states, self.prefill_slots, self.cu_seqlens)
         return out
+
+
+class VerifyStep:
+    """Position j of a step verifying drafts (engine/scheduling/speculation.py), for the linear layers.
+
+    Such a step's decode part (ahead of any new requests' prefills) has 1 + d tokens per entry (d =
+    num_draft, 0 for a plain decode). The
+    linear layers advance each sequence one token at a time with the decode kernels, the same step a
+    token takes when decoded without drafts, and after token j < d copy the sequence's state into its
+    fork slot j (BatchEntry.state_forks), so the scheduler can put back the state after the last
+    accepted token. Position j's rows are those of every entry with d >= j:
+        rows [N_j] int64: rows of the step's flat batch; slots [N_j]: their state slots;
+        fork_from / fork_to [F_j]: state slot -> fork slot copies after the token (None: no copy)."""
+
+    def __init__(self, rows: torch.Tensor, slots: torch.Tensor, fork_from: torch.Tensor | None,
+                 fork_to: torch.Tensor | None, num_rows: int):
+        self.rows, self.slots, self.fork_from, self.fork_to = rows, slots, fork_from, fork_to
+        self.num_rows = num_rows  # rows of the whole decode part
+
+    @staticmethod
+    def plan(entries, device) -> list["VerifyStep"]:
+        """The positions of `entries`: the step's decode part, each entry 1 + num_draft tokens."""
+        offsets, offset = [], 0
+        for e in entries:
+            offsets.append(offset)
+            offset += e.num_new_tokens
+        steps = []
+        for j in range(1 + max(e.num_draft for e in entries)):
+            members = [(e, row) for e, row in zip(entries, offsets) if e.num_draft >= j]
+            forks = [(e.request.state_slot, e.state_forks[j]) for e, _ in members
+                     if j < e.num_draft and e.state_forks is not None]
+
+            def tensor(values):
+                return torch.tensor(values, dtype=torch.long, device=device)
+
+            steps.append(VerifyStep(tensor([row + j for _, row in members]),
+                                    tensor([e.request.state_slot for e, _ in members]),
+                                    tensor([src for src, _ in forks]) if forks else None,
+                                    tensor([dst for _, dst in forks]) if forks else None, offset))
+        return steps
+
+    @staticmethod
+    def run(steps: list["VerifyStep"], states: torch.Tensor, out: torch.Tensor, step_fn) -> None:
+        """Fill the decode part's rows of out [T, ...]: step_fn(rows, slots) -> the rows' outputs, advancing
+        `states` [S, ...] at `slots` in place; the forks copied after each position."""
+        for step in steps:
+            out[step.rows] = step_fn(step.rows, step.slots)
+            if step.fork_from is not None:
+                states[step.fork_to] = states[step.fork_from]
 
 
 class HybridBatch:

@@ -292,6 +292,8 @@ class ModelRunner:
                 sample = e.sample and j >= e.num_new_tokens - 1 - e.num_draft
                 scored = e.score_targets is not None and 0 <= j - e.score_first_row < len(e.score_targets)
                 logits = self._token_forward(e, j, token, keep_logits=sample or scored)
+                if e.state_forks is not None and j < e.num_draft:  # the state after draft position j kept
+                    self.linear_states.copy([(e.request.state_slot, e.state_forks[j])])
                 if sample:
                     sample_rows.append(logits)
                 if scored:

@@ -30,15 +30,17 @@ def hybrid_pool_sizes(
     kv_cache_tokens: int | None,
     linear_state_memory_ratio: float,
     activation_bytes: int = 0,
+    draft_states: int = 0,
 ) -> tuple[int, int]:
-    """(KV slots, state slots), padding slot 0 included in both."""
+    """(KV slots, state slots), padding slot 0 included in both. `draft_states`: speculative decoding's
+    drafts per request, each a state slot while its step runs (engine/scheduling/speculation.py)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int((free - activation_bytes) * kv_memory_fraction)
     else:
         budget = CPU_KV_BUDGET_BYTES
     state_budget = int(budget * linear_state_memory_ratio)
-    wanted = 2 * max_running + 1
+    wanted = (2 + draft_states) * max_running + 1  # running requests, prompt snapshots, draft forks, padding
     state_slots = min(state_budget // state_bytes_per_slot, wanted)
     if state_slots < 2:
         raise RolloutError(

@@ -31,6 +31,10 @@ class BatchEntry:
     # Speculative decoding: the last `num_draft` of token_ids are draft tokens to verify; the entry samples
     # at its last 1 + num_draft rows (engine/scheduling/speculation.py)
     num_draft: int = 0
+    # Hybrid models verifying drafts: state slots that receive the linear layers' state after each of the
+    # first num_draft tokens (the state after the last one stays in the request's own slot), so the state
+    # after the accepted tokens is at hand whatever is accepted (engine/execution/linear_state.py)
+    state_forks: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.num_new_tokens = len(self.token_ids)

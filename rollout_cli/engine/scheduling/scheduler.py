@@ -183,12 +183,17 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
         if self.allocator.num_free < len(running) + sum(map(len, drafts)):
             drafts = [[] for _ in running]
         for request, draft in zip(running, drafts):
+            forks = None
+            if draft and self.linear is not None:  # hybrid: a state slot per draft position, or no draft
+                forks = self.linear.allocate_forks(len(draft))
+                draft = draft if forks is not None else []
             start = request.num_computed_tokens
             request.slots.extend(self.allocator.allocate(1 + len(draft)))
             table_start = request.num_slots_in_table
             last = request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
             out.entries.append(BatchEntry(request, request.table_row, start, [last] + draft, table_start,
-                                          request.slots[table_start:], True, num_draft=len(draft)))
+                                          request.slots[table_start:], True, num_draft=len(draft),
+                                          state_forks=forks))
             self.stats.computed_tokens += 1 + len(draft)
         return True
 

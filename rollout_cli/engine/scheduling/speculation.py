@@ -6,9 +6,11 @@ at each of them exactly as it would without the draft (its random stream is keye
 token at a position is a function of that position's logits and its key); the drafts are accepted while
 they equal what was drawn. The response is therefore the one decoding token by token gives, and the
 logprobs are the target model's: sample-level equality, not rejection sampling's equality in
-distribution. Accepted tokens keep their KV; the KV slots of rejected drafts go back.
+distribution. Accepted tokens keep their KV; the KV slots of rejected drafts go back. Hybrid models
+keep the linear layers' state after every draft position in fork slots (BatchEntry.state_forks) and copy
+the one after the last accepted position into the request's slot.
 
-A mixin of Scheduler (its allocator, stats and drafter).
+A mixin of Scheduler (its allocator, linear state slots, stats and drafter).
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ class Speculation:
             appended += 1
             if request.finish_reason is not None or j == entry.num_draft or token != entry.token_ids[1 + j]:
                 break
+        if entry.state_forks is not None:  # hybrid: the linear state after the last accepted position
+            if appended - 1 < entry.num_draft and request.finish_reason is None:
+                self.linear.fork(entry.state_forks[appended - 1], request.state_slot)  # before the next forward
+            for slot in entry.state_forks:  # free now: the queued copy reads its source before any write
+                self.linear.free(slot)
         # KV holds positions start .. start + appended - 1: the last token and the accepted drafts
         request.num_computed_tokens = entry.start + appended
         request.num_slots_in_table = request.num_computed_tokens

@@ -55,6 +55,13 @@ class LinearStateSlots:
     def free(self, slot: int) -> None:
         self.allocator.free([slot])
 
+    def allocate_forks(self, count: int) -> list[int] | None:
+        """`count` free slots for a verify step's per-draft states (engine/scheduling/speculation.py), or
+        None: drafts never evict a prefix snapshot, which saves a whole prompt's recompute."""
+        if self.allocator.num_free < count:
+            return None
+        return self.allocator.allocate(count)
+
     def snapshot(self, prefix: list[int], src_slot: int, node) -> bool:
         """Keep a copy of `src_slot` (the state after `prefix`) for later forks; False if no slot is free."""
         key = tuple(prefix)
