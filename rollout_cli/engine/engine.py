@@ -328,7 +328,7 @@ class Engine:
     def _add_prompt(self, prompt: PromptInput | PartialSample, params: SamplingParams, skip) -> None:
         if isinstance(prompt, PartialSample):  # `skip` names samples of prompt rows, not these
             request = self.requests.partial(prompt, params)
-            request.vision, request.images = self._vision_layout(prompt, "continued"), tuple(prompt.images)
+            request.vision = self._vision_layout(prompt, "continued")
             self._queue([request])
             return
         vision = self._vision_layout(prompt)

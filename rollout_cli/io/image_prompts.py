@@ -32,12 +32,8 @@ from rollout_cli.io.prompt_encoding import (
     encode_prompt,
     require_chat_template,
 )
+from rollout_cli.models.architectures import MULTIMODAL_ARCHITECTURES
 
-# config.json architectures whose checkpoints take images (their HF classes hold a vision tower)
-VISION_LANGUAGE_ARCHITECTURES = frozenset({
-    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
-    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
-})
 # verl's placeholder in message text: one per image of the row, in order
 PLACEHOLDER = "<image>"
 _SPLIT = re.compile(f"({re.escape(PLACEHOLDER)})")
@@ -70,7 +66,7 @@ class VisionPromptEncoder:
             config = json.loads((model_dir / "config.json").read_text())
         except (OSError, ValueError):  # the engine reports a missing or broken config.json in its own words
             return None
-        arch = next((a for a in config.get("architectures") or () if a in VISION_LANGUAGE_ARCHITECTURES), None)
+        arch = next((a for a in config.get("architectures") or () if a in MULTIMODAL_ARCHITECTURES), None)
         if arch is None:
             return None
         if not (model_dir / "preprocessor_config.json").is_file():

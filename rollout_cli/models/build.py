@@ -10,7 +10,8 @@ import torch
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.fp8 import quantize_model
 from rollout_cli.models.loader import init_dummy_weights, load_checkpoint, safetensors_files
-from rollout_cli.models.registry import MULTIMODAL_ARCHITECTURES, model_class_for
+from rollout_cli.models.architectures import MULTIMODAL_ARCHITECTURES
+from rollout_cli.models.registry import model_class_for
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

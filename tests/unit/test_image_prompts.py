@@ -237,10 +237,10 @@ def test_batch_routes_text_rows_and_passes_errors(encoder):
     assert out[1].count(IMAGE_PAD) == 4 and out[2] is bad and "cannot be decoded" in str(out[3])
 
 
-def test_the_io_layer_knows_every_vision_language_architecture_the_models_do():
-    """io/image_prompts.py keeps its own list (the io layer does not import the model code): it must name
-    exactly the registry's multimodal architectures."""
-    from rollout_cli.io.image_prompts import VISION_LANGUAGE_ARCHITECTURES
-    from rollout_cli.models.registry import MULTIMODAL_ARCHITECTURES
+def test_every_vision_language_architecture_has_a_model_class():
+    """The io layer reads the multimodal names from models/architectures.py (no model code imported):
+    each must be a registered model class."""
+    from rollout_cli.models.architectures import MULTIMODAL_ARCHITECTURES
+    from rollout_cli.models.registry import MODEL_CLASSES
 
-    assert VISION_LANGUAGE_ARCHITECTURES == frozenset(MULTIMODAL_ARCHITECTURES)
+    assert MULTIMODAL_ARCHITECTURES and all(name in MODEL_CLASSES for name in MULTIMODAL_ARCHITECTURES)

@@ -77,8 +77,10 @@ class EncoderCache:
 def step_positions_and_images(entries, cache: EncoderCache, device: torch.device):
     """(positions [T] or [3, T] int64 on `device`, VisionRows or None) of a step's entries in order.
 
-    Positions are 1-D unless the step holds image tokens: a text token's three positions are equal."""
-    rows3: list[list[int]] = [[], [], []]
+    Positions are 1-D unless the step holds image tokens: a text token's three positions are equal, so
+    one list stands for the three until the first image token (decode steps never build three)."""
+    flat: list[int] = []  # axis 0, every axis while the step has no image token
+    rows3: list[list[int]] | None = None  # the three axes, from the first image token on
     pieces = []  # (first row in the step, image, first token of the image, token count)
     offset = 0
     for e in entries:
@@ -87,18 +89,23 @@ def step_positions_and_images(entries, cache: EncoderCache, device: torch.device
         prompt_len = e.request.num_prompt_tokens if layout is not None else 0
         if start < prompt_len:  # prompt tokens: the layout's positions
             cut = min(end, prompt_len)
-            for axis, row in enumerate(layout.positions[:, start:cut].tolist()):
-                rows3[axis].extend(row)
             for im, (s, t) in zip(layout.images, layout.spans):
                 lo, hi = max(s, start), min(t, cut)
                 if lo < hi:
                     pieces.append((offset + lo - start, im, lo - s, hi - lo))
+            if pieces and rows3 is None:
+                rows3 = [flat, list(flat), list(flat)]
+            if rows3 is None:
+                flat.extend(layout.positions[0, start:cut].tolist())
+            else:
+                for axis, row in enumerate(layout.positions[:, start:cut].tolist()):
+                    rows3[axis].extend(row)
         tail = range(max(start, prompt_len) + delta, end + delta)
-        for axis in range(3):
-            rows3[axis].extend(tail)
+        for axis in rows3 or (flat,):
+            axis.extend(tail)
         offset += e.num_new_tokens
     if not pieces:
-        return torch.tensor(rows3[0], device=device), None
+        return torch.tensor(flat, device=device), None
     outputs = cache.outputs([im for _, im, _, _ in pieces])
     rows, embeds, deepstack = [], [], [[] for _ in range(cache.model.visual.num_deepstack)]
     for row, im, first, count in pieces:

@@ -55,7 +55,6 @@ class Request:
     final_slots: list[int] | None = None  # `slots` as they were when the request finished (routing capture)
     group_leader: "Request | None" = None  # the sample that computes a shared prompt first
     conversation: int | None = None  # a conversation turn: the previous turn's prompt length (PromptInput's)
-    images: tuple = ()  # the prompt's images (engine.multimodal.ImageInput), as PromptInput.images
     payload: object = None  # caller data carried to the result (passthrough columns)
     arrival_time: float = 0.0  # time.monotonic() when queued; with first_token_time gives TTFT
     first_token_time: float | None = None
@@ -79,6 +78,11 @@ class Request:
         """How many leading tokens (of at most `limit`) may come from the prefix cache: a scoring
         request computes every position whose logits it scores, from score_from - 1 on."""
         return min(limit, self.score_from - 1) if self.score_from is not None else limit
+
+    @property
+    def images(self) -> tuple:
+        """The prompt's images (engine.multimodal.ImageInput), as PromptInput.images; () for text."""
+        return self.vision.images if self.vision is not None else ()
 
     @property
     def rope_delta(self) -> int:

@@ -65,8 +65,7 @@ class RequestMaker:
             request = Request(request_id=next(self._ids), prompt_index=prompt.prompt_index, sample_index=sample_index,
                               prompt_token_ids=list(prompt.prompt_token_ids), params=params,
                               eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                              group_leader=leader, payload=prompt.passthrough, conversation=prompt.conversation,
-                              images=prompt.images)
+                              group_leader=leader, payload=prompt.passthrough, conversation=prompt.conversation)
             leader = leader or request
             requests.append(request)
         return requests

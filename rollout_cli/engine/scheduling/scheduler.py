@@ -172,7 +172,9 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
 
     def _schedule_decodes_with_drafts(self, out: ScheduleOutput) -> bool:
         """The steady state with speculation: every running request decodes its last token and the drafts
-        proposed for it, within the token budget and the free slots (short of slots: no drafts)."""
+        proposed for it, within the token budget and the free slots (short of slots: no drafts).
+        A loop of its own, not a branch in _schedule_all_decodes's: that one runs for every request of
+        every plain decode step and stays free of per-request draft bookkeeping."""
         running = self.running
         budget = self.max_batch_tokens - len(running)
         drafts = []
