@@ -137,6 +137,8 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
         report.update(_compare_capture(engine, workload, cfg, console))
     elif engine.config.deterministic and engine.tp is None:
         report.update(_compare_modes(engine, workload, cfg, console))
+    elif engine.config.speculative is not None:
+        report.update(_compare_speculation(engine, workload, cfg, console))
     else:
         with console.status("engine"):
             report["rollout"] = run_engine(engine, workload, cfg, flops)
@@ -218,6 +220,19 @@ def _compare_modes(engine, workload, cfg, console) -> dict:
             "mode_runs": [{"deterministic": mode, "seconds": r["seconds"], "output_tokens_per_s": r["output_tokens_per_s"]}
                           for mode, r in zip((False, True, True, False), runs)],
             "deterministic_cost": 1 - default_seconds / on_policy_seconds, "abba_spread": abba_spread(runs)}
+
+
+def _compare_speculation(engine, workload, cfg, console) -> dict:
+    """--speculative: decoding without and with drafts on one engine, off, on, on, off (the speedup issue 22
+    asks for: output tok/s with drafts over without); the engine ends with drafts on and `rollout`
+    reports that run (its acceptance length included)."""
+    runs, plain_seconds, speculative_seconds = _abba(engine, workload, cfg, console, engine.set_speculation,
+                                                     f"--speculative {engine.config.speculative}")
+    engine.set_speculation(True)
+    return {"rollout": runs[2], "rollout_plain": runs[3],
+            "speculation_runs": [{"speculative": on, "seconds": r["seconds"], "output_tokens_per_s": r["output_tokens_per_s"]}
+                                 for on, r in zip((False, True, True, False), runs)],
+            "speculation_speedup": plain_seconds / speculative_seconds, "abba_spread": abba_spread(runs)}
 
 
 def _read_prompts(path: str, prompt_key: str, model: str) -> list[list[int]]:
@@ -316,6 +331,11 @@ def _table(report: dict) -> Table:
         table.add_row("default, on-policy, on-policy, default", f"{runs} tok/s")
         table.add_row("on-policy cost", f"{report['deterministic_cost']:.1%} fewer output tok/s (ABBA)"
                       + _spread_note(report["mode_runs"]))
+    if "speculation_runs" in report:
+        runs = " / ".join(f"{r['output_tokens_per_s']:,.0f}" for r in report["speculation_runs"])
+        table.add_row("plain, drafts, drafts, plain", f"{runs} tok/s")
+        table.add_row("speculation speedup", f"{report['speculation_speedup']:.2f}x output tok/s (ABBA)"
+                      + _spread_note(report["speculation_runs"]))
     if "long_tail" in report:
         lt = report["long_tail"]
         table.add_row(f"wait for all, {lt['rounds']} rounds", f"{lt['wait']['output_tokens_per_s']:,.1f} tok/s; the last "

@@ -1,9 +1,8 @@
 """The engine: load a checkpoint once, then turn prompts into trajectories.
 
-The loop is the three calls of shared/DESIGN.md: scheduler.schedule() ->
-runner.launch() -> scheduler.postprocess(), overlapped in the steady state: the next decode step
-is scheduled and launched before the running one is post-processed (see _stream). Prompts are pulled lazily from the
-caller's iterator, so a million-row prompt file never sits in memory.
+The loop (engine/step_loop.py) is the three calls of shared/DESIGN.md: scheduler.schedule() ->
+runner.launch() -> scheduler.postprocess(), overlapped in the steady state. Prompts are pulled lazily
+from the caller's iterator, so a million-row prompt file never sits in memory.
 """
 
 from __future__ import annotations
@@ -130,8 +129,7 @@ class Engine:
                                   self.attention_backend, self.linear_states, deterministic=cfg.deterministic)
         self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache,
                                    linear_state_slots=state_slots)
-        if cfg.speculative is not None:
-            self.scheduler.enable_speculation(SiblingDrafter(), cfg.num_draft_tokens)
+        self.set_speculation(cfg.speculative is not None)
         self.cuda_graph_capture_seconds = None
         # MoE models too: the Triton backend also switches the router and experts to the fused
         # kernels (enable_triton_kernels), which never read tensor values on the host. Hybrid models
@@ -204,6 +202,11 @@ class Engine:
             enable_batch_invariant_kernels(self.model, deterministic)
         self.runner.set_deterministic(deterministic)
         self.config = dataclasses.replace(self.config, deterministic=deterministic)
+
+    def set_speculation(self, on: bool) -> None:
+        """--speculative drafts on or off between streams (`rollout bench` times both), a fresh drafter each time."""
+        assert not on or self.config.speculative is not None, "the engine was built without --speculative"
+        self.scheduler.enable_speculation(SiblingDrafter() if on else None, self.config.num_draft_tokens)
 
     def retract_running(self) -> int:
         """Before a weight update inside a held stream: every running request goes back to the queue

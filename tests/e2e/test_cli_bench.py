@@ -245,3 +245,21 @@ def test_random_ids_on_a_vision_language_model_hold_no_vision_tokens():
     tokens = {t for prompt in workload.prompts for t in prompt}
     assert tokens == {0, 5}  # 1..4 drawn from range(6) became 0
     assert make_workload(BenchConfig(num_prompts=16, input_len=64), 6).prompts[0] != workload.prompts[0]
+
+
+def test_speculative_times_decoding_with_and_without_drafts(tmp_path):
+    """--speculative: plain decoding and decoding with sibling drafts on one engine (ABBA), the speedup
+    from the sums of times, the acceptance length from the drafted run; both runs write the same tokens."""
+    report_path = tmp_path / "bench.json"
+    result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 2, "--n", 4, "--input-len", 6,
+                    "--output-len", 12, "--temperature", 0, "--speculative", "siblings", "--num-draft-tokens", 3,
+                    "--json", report_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    runs = report["speculation_runs"]
+    assert [r["speculative"] for r in runs] == [False, True, True, False]
+    assert report["rollout"]["output_tokens"] == report["rollout_plain"]["output_tokens"] == 2 * 4 * 12
+    plain, drafted = runs[0]["seconds"] + runs[3]["seconds"], runs[1]["seconds"] + runs[2]["seconds"]
+    assert report["speculation_speedup"] == pytest.approx(plain / drafted)
+    assert report["rollout"]["acceptance_length"] > 1 and "acceptance_length" not in report["rollout_plain"]
+    assert "speculation speedup" in result.stdout and "tokens per verifying step" in result.stdout
