@@ -15,7 +15,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8_e4m3: vLLM's spelling of the same
-SPECULATIVE = (None, "siblings")  # --speculative: drafts from sibling samples (MTP heads: not yet)
+SPECULATIVE = (None, "siblings", "mtp")  # --speculative: drafts from sibling samples, or the checkpoint's MTP head
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -75,9 +75,12 @@ class EngineConfig:
     """Tensor parallel ranks (`rollout run --tp N`): processes started by torch.distributed.run, one per GPU."""
     speculative: str | None = None
     """siblings: speculative decoding with drafts from the prompt's other samples (engine/scheduling/
-    sibling_drafts.py), verified so that the tokens are those decoding without it gives; None: off."""
-    num_draft_tokens: int = 4
-    """With speculative: the most draft tokens a request verifies in one step."""
+    sibling_drafts.py); mtp: drafts from the checkpoint's multi-token-prediction head (Qwen3-Next,
+    Qwen3.5; engine/execution/mtp_step.py); verified so that the tokens are those decoding without it
+    gives; None: off."""
+    num_draft_tokens: int | None = None
+    """With speculative: the most draft tokens a request verifies in one step (None: 4 for siblings, 1
+    for mtp, whose head drafts one token per step for now)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -118,9 +121,17 @@ class EngineConfig:
             raise RolloutError("--kv-cache-dtype fp8 with --deterministic: the trainer's forward keeps k/v in the "
                                "model's dtype, so the two could not agree bit for bit; drop one of the two")
         if self.speculative not in SPECULATIVE:
-            raise RolloutError(f"unknown --speculative {self.speculative!r}; choose siblings (or leave it off)")
+            raise RolloutError(f"unknown --speculative {self.speculative!r}; choose siblings or mtp (or leave it off)")
+        if self.num_draft_tokens is None:
+            object.__setattr__(self, "num_draft_tokens", 1 if self.speculative == "mtp" else 4)
         if self.speculative is not None and self.num_draft_tokens < 1:
             raise RolloutError("--num-draft-tokens must be at least 1")
+        if self.speculative == "mtp" and self.num_draft_tokens > 1:
+            raise RolloutError("--speculative mtp drafts one token per step for now: drop --num-draft-tokens "
+                               "(or use --speculative siblings for longer drafts)")
+        if self.speculative == "mtp" and self.deterministic:
+            raise RolloutError("--speculative mtp with --deterministic is not built yet (the on-policy forward keeps "
+                               "no hidden states for the head); use --speculative siblings")
         if self.speculative is not None and self.tensor_parallel_size > 1:
             raise RolloutError("--speculative runs on one GPU for now (--tp 1); drop --tp or --speculative")
         if self.max_model_len is not None and self.max_model_len < 2:

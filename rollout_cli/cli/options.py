@@ -38,8 +38,8 @@ NoCudaGraphs = Annotated[bool, typer.Option("--no-cuda-graphs", help="Run decode
 Quantization = Annotated[Optional[str], typer.Option(help="fp8: linear layers in blockwise FP8 e4m3 (weights quantized at load and at every update, activations per token group; the LM head, embeddings, norms, routers and MoE experts stay in --dtype; see README).", rich_help_panel=ENGINE)]
 KvCacheDtype = Annotated[str, typer.Option(help="auto (the model's dtype) or fp8: the KV cache in e4m3, per-tensor scale 1.0; twice the tokens in the same memory (see README).", rich_help_panel=ENGINE)]
 Deterministic = Annotated[bool, typer.Option("--deterministic", help="On-policy mode: tokens and logprobs bit for bit the same whatever the batch, chunking or cache hits (batch-invariant Triton kernels on a GPU; on the CPU's torch path one forward per token, slow; see README).", rich_help_panel=ENGINE)]
-Speculative = Annotated[Optional[str], typer.Option(help="siblings: speculative decoding whose drafts are what the prompt's other samples wrote after the same 3 tokens, verified in one forward; the tokens are those decoding without it gives (see README).", rich_help_panel=ENGINE)]
-NumDraftTokens = Annotated[int, typer.Option(help="With --speculative: the most draft tokens a request verifies per step.", rich_help_panel=ENGINE)]
+Speculative = Annotated[Optional[str], typer.Option(help="siblings: speculative decoding whose drafts are what the prompt's other samples wrote after the same 3 tokens; mtp: drafts from the checkpoint's multi-token-prediction head (Qwen3-Next, Qwen3.5); verified in one forward, the tokens are those decoding without it gives (see README).", rich_help_panel=ENGINE)]
+NumDraftTokens = Annotated[Optional[int], typer.Option(help="With --speculative: the most draft tokens a request verifies per step [default: 4 for siblings, 1 for mtp].", rich_help_panel=ENGINE)]
 WeightVersion = Annotated[str, typer.Option(help="Weight version recorded on every trajectory.", rich_help_panel=ENGINE)]
 
 N = Annotated[int, typer.Option(help="Samples per prompt.", rich_help_panel=SAMPLING)]
@@ -67,7 +67,7 @@ ENGINE_OPTIONS = (
     ("quantization", Quantization, None),
     ("kv_cache_dtype", KvCacheDtype, "auto"),
     ("speculative", Speculative, None),
-    ("num_draft_tokens", NumDraftTokens, 4),
+    ("num_draft_tokens", NumDraftTokens, None),
     ("weight_version", WeightVersion, "0"),
 )
 ENGINE_DEFAULTS = {name: default for name, _, default in ENGINE_OPTIONS}
@@ -104,7 +104,7 @@ def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_
                   kv_cache_tokens, load_format, no_prefix_cache, attention_backend="auto", no_cuda_graphs=False,
                   weight_version="0", linear_state_memory_ratio=0.5, no_overlap_schedule=False, deterministic=False,
                   quantization=None, kv_cache_dtype="auto", revision=None, quiet=False, speculative=None,
-                  num_draft_tokens=4):
+                  num_draft_tokens=None):
     """The EngineConfig of the flags, a hub id already resolved to its snapshot directory (fetched
     here, before any spinner or replica starts; `quiet` silences the download bars)."""
     return resolve_engine_config(EngineConfig(

@@ -23,6 +23,7 @@ from rollout_cli.engine.memory.kv_sizing import (kv_heads_here, kv_pool_tokens, 
 from rollout_cli.engine.memory.memory_saver import MemorySaver
 from rollout_cli.engine.multimodal import model_cache_key, prompt_layout
 from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.scheduling.mtp_drafts import MTPDrafter
 from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.scheduling.request_maker import RequestMaker
 from rollout_cli.engine.scheduling.scheduler import Scheduler
@@ -74,15 +75,14 @@ class Engine:
         with self.memory.region("weights"):
             self.model = build_model(cfg.model, self.hf_config, self.device, self.dtype,
                                      max_positions=self.max_model_len, load_format=cfg.load_format,
-                                     quantization=cfg.quantization)
+                                     quantization=cfg.quantization, mtp=cfg.speculative == "mtp")
         self.memory.keep_only_parameters(self.model)
         if self.attention_backend == "triton":
             enable_triton_kernels(self.model)
             if cfg.deterministic:
                 enable_batch_invariant_kernels(self.model)
         self.weight_version = cfg.weight_version
-        # set by a caller that pauses between steps and may change the weights (the daemon's pause
-        # keep): the step loop then finishes its step in flight and calls on_step again with none
+        # a pause that may change the weights (daemon's pause keep): the loop ends its step in flight first
         self.hold_requested = False
         self.step_in_flight = False  # True while on_step runs with a launched step not yet post-processed
         self._build_cache()
@@ -131,10 +131,9 @@ class Engine:
                                    linear_state_slots=state_slots)
         self.set_speculation(cfg.speculative is not None)
         self.cuda_graph_capture_seconds = None
-        # MoE models too: the Triton backend also switches the router and experts to the fused
-        # kernels (enable_triton_kernels), which never read tensor values on the host. Hybrid models
-        # too: their decode steps read state slots from a static buffer (engine/execution/linear_state.py).
-        capturable = self.tp is None  # tensor parallel: eager steps for now
+        # MoE models too (the fused MoE kernels read no tensor on the host), and hybrid models (their
+        # decode steps read state slots from a static buffer, engine/execution/linear_state.py).
+        capturable = self.tp is None and cfg.speculative != "mtp"  # --tp, the MTP head's pass: eager steps for now
         if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs and capturable:
             self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256))
 
@@ -205,8 +204,9 @@ class Engine:
 
     def set_speculation(self, on: bool) -> None:
         """--speculative drafts on or off between streams (`rollout bench` times both), a fresh drafter each time."""
-        assert not on or self.config.speculative is not None, "the engine was built without --speculative"
-        self.scheduler.enable_speculation(SiblingDrafter() if on else None, self.config.num_draft_tokens)
+        method = self.config.speculative if on else None  # (hybrid models' state pool is sized for it)
+        drafter = {"mtp": MTPDrafter, "siblings": SiblingDrafter}[method]() if method else None
+        self.scheduler.enable_speculation(drafter, self.config.num_draft_tokens)
 
     def retract_running(self) -> int:
         """Before a weight update inside a held stream: every running request goes back to the queue

@@ -8,9 +8,10 @@ import os
 import torch
 
 from rollout_cli.errors import RolloutError
+from rollout_cli.models.architectures import MULTIMODAL_ARCHITECTURES
 from rollout_cli.models.fp8 import quantize_model
 from rollout_cli.models.loader import init_dummy_weights, load_checkpoint, safetensors_files
-from rollout_cli.models.architectures import MULTIMODAL_ARCHITECTURES
+from rollout_cli.models.mtp import attach_mtp, check_mtp_checkpoint
 from rollout_cli.models.registry import model_class_for
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -143,18 +144,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dtype, max_positions: int,
-                load_format: str = "auto", quantization: str | None = None):
+                load_format: str = "auto", quantization: str | None = None, mtp: bool = False):
     """Construct the model directly on `device` in `dtype`, then fill its weights. With `quantization`
     (fp8) the layers are quantized before the checkpoint streams in, each tensor as it arrives (an e4m3
-    one as it is): the whole model never sits in memory unquantized."""
+    one as it is): the whole model never sits in memory unquantized. `mtp`: with the checkpoint's
+    multi-token-prediction head too (models/mtp.py, --speculative mtp)."""
     cls = model_class_for(hf_config)
     if load_format != "dummy":
         safetensors_files(model_dir)  # refuse pickle-only or empty dirs before allocating anything
+    if mtp:
+        check_mtp_checkpoint(model_dir, cls, load_format)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = cls(hf_config, max_positions)
+            if mtp:
+                attach_mtp(model, max_positions)
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":

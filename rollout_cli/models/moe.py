@@ -269,7 +269,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(hidden)  # [T, k] each
-        if self.routing_recorder is not None:
+        if self.routing_recorder is not None:  # (an MTP head's block has moe_index None: no recorder)
             self.routing_recorder.record(self.moe_index, topk_ids)
         out = self.experts(hidden, topk_weights, topk_ids)
         if self.shared_expert is not None:
@@ -281,16 +281,21 @@ def set_routing_recorder(model: nn.Module, recorder) -> int:
     """Point every SparseMoeBlock of `model` at `recorder` (an object with record(moe_index, topk_ids
     [T, k]); None turns capture off); returns the MoE layer count. The recorders themselves are
     engine state: engine/execution/routing_pool.py."""
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    blocks = _captured_blocks(model)
     for block in blocks:
         block.routing_recorder = recorder
     return len(blocks)
 
 
+def _captured_blocks(model: nn.Module) -> list["SparseMoeBlock"]:
+    """The MoE layers whose routing is captured: all but an MTP head's (models/mtp.py: moe_index None)."""
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.moe_index is not None]
+
+
 @contextmanager
 def routing_recorder_swapped(model: nn.Module, recorder):
     """Every SparseMoeBlock records into `recorder` inside the block, and into its own recorder again after."""
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    blocks = _captured_blocks(model)
     outside = [block.routing_recorder for block in blocks]
     for block in blocks:
         block.routing_recorder = recorder

@@ -182,8 +182,8 @@ def test_routing_capture_records_the_accepted_tokens_only(tiny_moe_checkpoints):
 
 
 def test_refusals(example_model_dir):
-    with pytest.raises(RolloutError, match="unknown --speculative 'mtp'"):
-        EngineConfig(model=example_model_dir, speculative="mtp")
+    with pytest.raises(RolloutError, match="unknown --speculative 'eagle'; choose siblings or mtp"):
+        EngineConfig(model=example_model_dir, speculative="eagle")
     with pytest.raises(RolloutError, match="--num-draft-tokens must be at least 1"):
         EngineConfig(model=example_model_dir, speculative="siblings", num_draft_tokens=0)
     with pytest.raises(RolloutError, match="--tp 1"):

@@ -95,3 +95,29 @@ def test_verified_drafts_on_the_triton_backend(arch, tiny_checkpoints, tiny_hybr
                                key=lambda t: (t.prompt_index, t.sample_index))
     assert engine.scheduler.stats.accepted_draft_tokens > 0
     assert_same_samples(runs)
+
+
+@interpreter_only
+def test_mtp_drafts_on_the_triton_backend(tiny_hybrid_checkpoints, tmp_path):
+    """--speculative mtp on the Triton kernels (the head's attention through the Triton attention batch,
+    verify steps with the linear layers token by token): the tokens and logprobs of plain decoding on the
+    torch path."""
+    import sys
+    from pathlib import Path
+
+    from rollout_cli import Engine
+    from rollout_cli.engine.trajectory import PromptInput
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from mtp_fixtures import with_mtp_head
+
+    model = with_mtp_head(tiny_hybrid_checkpoints["qwen3_next"], tmp_path / "mtp")
+    prompts = [[3, 9, 27, 81, 5], [7, 1, 4]]
+    params = SamplingParams(n=2, temperature=1.0, seed=4, max_new_tokens=8, ignore_eos=True)
+    runs = {}
+    for backend, speculative in (("torch", None), ("triton", "mtp")):
+        engine = Engine(model, device="cpu", attention_backend=backend, max_model_len=64, speculative=speculative)
+        runs[backend] = sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(prompts)], params),
+                               key=lambda t: (t.prompt_index, t.sample_index))
+    assert engine.scheduler.stats.verify_steps > 0
+    assert_same_samples(runs)

@@ -15,6 +15,7 @@ import torch
 
 from rollout_cli.engine.execution.attention import KVCache, prepare_attention
 from rollout_cli.engine.execution.linear_state import HybridBatch, begin_step, prepare_step
+from rollout_cli.engine.execution.mtp_step import MTPStep
 from rollout_cli.engine.execution.on_policy import PoolTokenAttention, token_forward
 from rollout_cli.engine.execution.sampler import SamplingRows, sample_rows, sampled_top_logprobs, teacher_logprobs
 from rollout_cli.engine.execution.vision_step import EncoderCache, step_positions_and_images
@@ -102,7 +103,17 @@ class ModelRunner:
         self.routing_pool = None  # a routing_pool.RoutingPool while routing capture is on (Engine sets it)
         # vision-language models: the vision tower's outputs per image (engine/execution/vision_step.py)
         self.encoder_cache = EncoderCache(model, device) if hasattr(model, "visual") else None
+        # --speculative mtp: the head's pass after each step reads the step's hidden states [T, H]
+        self.mtp_step = MTPStep(self) if hasattr(model, "mtp") else None
+        self.last_hidden = None
         self._set_mode(deterministic)
+
+    def draft_after_step(self, out: ScheduleOutput, drafting: bool) -> None:
+        """After `out` was post-processed: the MTP head's KV of its accepted positions and next drafts
+        (while `drafting`: the scheduler has an MTP drafter; `rollout bench` times steps without)."""
+        hidden, self.last_hidden = self.last_hidden, None
+        if self.mtp_step is not None and hidden is not None and drafting:
+            self.mtp_step.run(out.entries, hidden)
 
     def _set_mode(self, deterministic: bool) -> None:
         """On-policy mode or not. In it no row's bits may depend on its batch: the Triton backend gets
@@ -340,6 +351,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, attn)  # [T, hidden]
         else:
             hidden = self.model(input_ids, positions, attn, vision=vision)
+        if self.mtp_step is not None:
+            self.last_hidden = hidden
         last_rows, score_rows, offset = [], [], 0
         for e in out.entries:
             if e.score_targets:

@@ -69,6 +69,9 @@ class Request:
     # A prompt with images (vision-language models): where they sit, the multimodal positions and the
     # prefix-cache key (models.vision_language.VisionLayout, shared by the prompt's samples); None: text
     vision: object = None
+    # --speculative mtp: (position, token) the MTP head guessed for the position after the newest token
+    # (engine/execution/mtp_step.py); None when it has none
+    mtp_draft: tuple[int, int] | None = None
 
     @property
     def is_scoring(self) -> bool:

@@ -1,0 +1,23 @@
+"""Drafts from the checkpoint's MTP head (`--speculative mtp`): the head's greedy guess of the token
+after a request's newest one, left on the request by the runner's MTP pass (engine/execution/
+mtp_step.py) after each step. Plain Python, like the rest of the scheduler."""
+
+from __future__ import annotations
+
+
+class MTPDrafter:
+    def propose(self, request, max_tokens: int) -> list[int]:
+        """The head's draft for the request's next position, if it was made for that position."""
+        draft, request.mtp_draft = request.mtp_draft, None
+        if draft is None or max_tokens < 1 or draft[0] != request.num_tokens:
+            return []
+        return [draft[1]]
+
+    def observe(self, request) -> None:  # the interface of sibling_drafts.SiblingDrafter
+        pass
+
+    def finished(self, request) -> None:
+        pass
+
+    def expect(self, request, count: int) -> None:
+        pass

@@ -1,0 +1,131 @@
+"""--speculative mtp (issue 22 item 1): drafts from the checkpoint's multi-token-prediction head.
+
+Exactness: the tokens and logprobs of decoding without drafts (float32, CPU), dense-MLP and MoE hybrids.
+The head itself: every draft the engine proposed equals the head run once over the finished sequence
+(transformers' target hidden states, the head's modules under a plain causal attention), whatever the
+step layout that built the head's KV (chunked prefill, one request or several at a time). Then the
+refusals, each one line.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout_cli import Engine, SamplingParams
+from rollout_cli.config import EngineConfig
+from rollout_cli.engine.scheduling.mtp_drafts import MTPDrafter
+from rollout_cli.engine.trajectory import PromptInput
+from rollout_cli.errors import RolloutError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mtp_fixtures import with_mtp_head  # noqa: E402
+
+PROMPTS = [[5, 17, 99, 3, 250, 31, 8, 9, 40, 41, 42], [7, 7, 8, 100, 42, 11], [300, 2, 4]]
+ARCHS = ["qwen3_next", "qwen3_5"]
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoints(tiny_hybrid_checkpoints, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("mtp_ckpts")
+    return {arch: with_mtp_head(tiny_hybrid_checkpoints[arch], root / arch) for arch in ARCHS}
+
+
+def _run(model: str, params: SamplingParams, **options):
+    engine = Engine(model, device="cpu", dtype="float32", max_model_len=128, kv_cache_tokens=2048, **options)
+    results = sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], params),
+                     key=lambda t: (t.prompt_index, t.sample_index))
+    return engine, results
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mtp_drafts_change_no_token(arch, sampling, mtp_checkpoints):
+    params = (SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True, n=2) if sampling == "greedy"
+              else SamplingParams(temperature=1.0, seed=3, max_new_tokens=20, ignore_eos=True, n=2))
+    _, want = _run(mtp_checkpoints[arch], params)
+    engine, got = _run(mtp_checkpoints[arch], params, speculative="mtp")
+    assert [(r.prompt_index, r.sample_index) for r in got] == [(r.prompt_index, r.sample_index) for r in want]
+    for a, b in zip(got, want, strict=True):
+        assert a.response_token_ids == b.response_token_ids
+        assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-4)
+    stats = engine.scheduler.stats
+    assert stats.verify_steps > 0 and stats.draft_tokens == stats.verify_steps  # one draft a verify step
+    assert engine.kv.k.shape[0] == engine.model.num_kv_layers == 2  # the full-attention layer and the head's
+
+
+class _LoggingDrafter(MTPDrafter):
+    """Records every draft proposed: (prompt, sample, position) -> token."""
+
+    def __init__(self, log: dict):
+        self.log = log
+
+    def propose(self, request, max_tokens: int) -> list[int]:
+        if request.mtp_draft is not None and request.mtp_draft[0] == request.num_tokens:
+            self.log[(request.prompt_index, request.sample_index, request.num_tokens)] = request.mtp_draft[1]
+        return super().propose(request, max_tokens)
+
+
+class _CausalAttention:
+    """The head's attention over the whole sequence at once: plain causal softmax attention (GQA)."""
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [T, heads, D]
+        scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def _reference_drafts(engine, model_dir: str, sequence: list[int]) -> list[int]:
+    """The head's greedy guess for every position p >= 2 of `sequence` (index p - 2), from one pass."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([sequence])
+    with torch.no_grad():
+        hidden = hf.model(input_ids=ids).last_hidden_state[0]  # [T, H], after the final norm
+        model = engine.model
+        embeds = model.model.embed_tokens(ids[0, 1:])  # tokens at q + 1
+        positions = torch.arange(len(sequence) - 1)
+        out = model.mtp(embeds, hidden[:-1], positions, _CausalAttention())
+        return model.compute_logits(out).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("layout", ["one prefill", "chunked, one at a time"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_draft_is_the_heads_prediction(arch, layout, mtp_checkpoints):
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    options = {"enable_prefix_cache": False}
+    if layout != "one prefill":
+        options.update(max_batch_tokens=4, max_running=1)
+    engine = Engine(mtp_checkpoints[arch], device="cpu", dtype="float32", max_model_len=128, kv_cache_tokens=2048,
+                    speculative="mtp", **options)
+    log = {}
+    engine.scheduler.enable_speculation(_LoggingDrafter(log), 1)
+    results = list(engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], params))
+    checked = 0
+    for result in results:
+        sequence = PROMPTS[result.prompt_index] + result.response_token_ids
+        reference = _reference_drafts(engine, mtp_checkpoints[arch], sequence)
+        for (prompt, sample, position), token in log.items():
+            if (prompt, sample) == (result.prompt_index, result.sample_index):
+                assert token == reference[position - 2], (prompt, position)
+                checked += 1
+    assert checked >= len(results) * 5  # a draft after the prompt and after most steps
+
+
+def test_refusals(mtp_checkpoints, tiny_hybrid_checkpoints, example_model_dir):
+    with pytest.raises(RolloutError, match="holds no multi-token-prediction head"):
+        Engine(tiny_hybrid_checkpoints["qwen3_next"], device="cpu", max_model_len=64, speculative="mtp")
+    with pytest.raises(RolloutError, match="MTP head of Qwen3-Next / Qwen3.5 text checkpoints"):
+        Engine(example_model_dir, device="cpu", max_model_len=64, speculative="mtp")
+    with pytest.raises(RolloutError, match="drafts one token per step"):
+        EngineConfig(model=mtp_checkpoints["qwen3_next"], speculative="mtp", num_draft_tokens=2)
+    with pytest.raises(RolloutError, match="--deterministic is not built yet"):
+        EngineConfig(model=mtp_checkpoints["qwen3_next"], speculative="mtp", deterministic=True)
+    assert EngineConfig(model=example_model_dir, speculative="siblings").num_draft_tokens == 4
+    assert EngineConfig(model=mtp_checkpoints["qwen3_next"], speculative="mtp").num_draft_tokens == 1
