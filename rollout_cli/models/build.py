@@ -171,4 +171,6 @@ def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dt
         if quantization is not None:
             quantize_model(model, quantization, empty=True)
         load_checkpoint(model, model_dir)
+    if mtp:  # reloads may leave the head out: trainers often drop it, and a stale head only drafts
+        model.optional_checkpoint_prefixes = ("mtp.",)
     return model.eval()

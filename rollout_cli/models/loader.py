@@ -220,6 +220,8 @@ def plan_tensors(model, headers, require_all: bool = True) -> tuple[list[TensorT
     found = {_canonical(model, t.checkpoint_name) for t in targets}
     layout_missing, mixed = _layout_problems(model, found)
     missing = sorted(_as_checkpoint(model, n) for n in (expected - found) | set(layout_missing))
+    # once loaded, parts a new checkpoint may leave out keep their weights (an MTP head a trainer dropped)
+    missing = [n for n in missing if not n.startswith(getattr(model, "optional_checkpoint_prefixes", ()))]
     if missing and require_all:
         problems.append(f"missing tensors: {_short_list(missing)}")
     if unexpected:

@@ -129,3 +129,27 @@ def test_refusals(mtp_checkpoints, tiny_hybrid_checkpoints, example_model_dir):
         EngineConfig(model=mtp_checkpoints["qwen3_next"], speculative="mtp", deterministic=True)
     assert EngineConfig(model=example_model_dir, speculative="siblings").num_draft_tokens == 4
     assert EngineConfig(model=mtp_checkpoints["qwen3_next"], speculative="mtp").num_draft_tokens == 1
+
+
+def test_a_reload_without_the_head_keeps_it(mtp_checkpoints, tiny_hybrid_checkpoints, tmp_path):
+    """Trainers often save no mtp.* tensors: such a checkpoint reloads into an mtp engine (the head keeps its
+    weights and drafts on); a first load without the head is refused (test_refusals)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    trained = tmp_path / "trained"
+    shutil.copytree(tiny_hybrid_checkpoints["qwen3_next"], trained)
+    for path in trained.glob("*.safetensors"):  # new weights for the target, none for the head
+        save_file({name: t * 1.01 for name, t in load_file(str(path)).items()}, str(path))
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    engine = Engine(mtp_checkpoints["qwen3_next"], device="cpu", dtype="float32", max_model_len=128,
+                    kv_cache_tokens=2048, speculative="mtp")
+    head = engine.model.mtp.fc.weight.clone()
+    engine.reload_weights(str(trained))
+    assert torch.equal(engine.model.mtp.fc.weight, head) and engine.weight_version == "1"
+    got = list(engine.stream([PromptInput(0, PROMPTS[0])], params))
+    want = list(Engine(str(trained), device="cpu", dtype="float32", max_model_len=128,
+                       kv_cache_tokens=2048).stream([PromptInput(0, PROMPTS[0])], params))
+    assert got[0].response_token_ids == want[0].response_token_ids
+    assert engine.scheduler.stats.verify_steps > 0
