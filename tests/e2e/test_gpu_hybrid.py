@@ -160,3 +160,28 @@ def test_verified_drafts_on_graphs_are_bitwise_plain_decoding(tiny_hybrid_checkp
         assert spec.response_token_ids == plain.response_token_ids
         assert spec.response_logprobs == plain.response_logprobs
     assert 0 < engine.scheduler.stats.accepted_draft_tokens < engine.scheduler.stats.draft_tokens
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_mtp_drafts_on_the_gpu_change_no_token(tiny_hybrid_checkpoints, tmp_path, name):
+    """--speculative mtp on the Triton backend in float32 (the head's KV layer in the pool, eager steps):
+    the greedy tokens of plain decoding with CUDA graphs."""
+    import sys
+    from pathlib import Path
+
+    from rollout_cli.engine.trajectory import PromptInput
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from mtp_fixtures import with_mtp_head
+
+    model_dir = with_mtp_head(tiny_hybrid_checkpoints[name], tmp_path / "mtp")
+    prompts = _prompts(300, 8, seed=5)
+    params = SamplingParams(n=2, max_new_tokens=24, **GREEDY)
+    runs = []
+    for speculative in (None, "mtp"):
+        engine = _engine(model_dir, dtype="float32", speculative=speculative)
+        runs.append(sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(prompts)], params),
+                           key=lambda t: (t.prompt_index, t.sample_index)))
+    for plain, spec in zip(*runs, strict=True):
+        assert spec.response_token_ids == plain.response_token_ids
+    assert engine.scheduler.stats.verify_steps > 0
