@@ -29,7 +29,10 @@
 # (scripts/check_batch_invariant_tiles.py: does any tile / BLOCK_K / stages / load path change a bit), fp8 (issue 20's FP8 kernels: their GPU tests, then scripts/bench_fp8_gemm.py), vlmtests
 # (issue 23: the VLM GPU tests, graphs vs eager, float32 vs HF), vlm8 (issue 23's target: the Qwen3-VL-8B shape, one
 # 448 x 448 image per prompt, HF stopped after 300 s), vtower (the vision tower alone: TFLOP/s, top kernels), spec06
-# (issue 22: the GRPO shape greedy, without and with --speculative siblings: eager verify steps against graphs).
+# (issue 22: the GRPO shape greedy, without and with --speculative siblings: eager verify steps against graphs),
+# specnext (siblings on the 12-layer Qwen3-Next slice: verify steps with the state kept per draft position), mtpnext
+# (--speculative mtp on the same slice with dummy weights: a random head, so this prices the head's pass and the
+# eager steps, not the acceptance of a trained head; its plain runs are eager too, next12_plain is the graph baseline).
 # Logs and JSON go to $OUT.
 # torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
 set -uo pipefail
@@ -130,9 +133,16 @@ for kv in (None, torch.float8_e4m3fn):
     vlmtests) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu_vlm.py 2>&1 \
                | tee "$OUT/gpu_vlm_tests.log" | grep -E "^FAILED|passed|failed" | tail -6 ;;
     spec06) bench b06_grpo_greedy 150 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 --temperature 0
-            bench b06_grpo_greedy_spec 200 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 \
+            bench b06_grpo_greedy_spec 420 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 \
                --temperature 0 --speculative siblings
-            grep -E "speculation" "$OUT/b06_grpo_greedy_spec.log" ;;
+            grep -E "speculation|plain, drafts" "$OUT/b06_grpo_greedy_spec.log" ;;
+    specnext) bench next12_spec 420 --model $NEXT --num-prompts 64 --n 4 --input-len 256 --output-len 512 \
+               --temperature 0 --speculative siblings
+            grep -E "speculation|plain, drafts" "$OUT/next12_spec.log" ;;
+    mtpnext) bench next12_plain 150 --model $NEXT --num-prompts 64 --input-len 256 --output-len 512 --temperature 0
+            bench next12_mtp 420 --model $NEXT --num-prompts 64 --input-len 256 --output-len 512 --temperature 0 \
+               --speculative mtp
+            grep -E "speculation|plain, drafts" "$OUT/next12_mtp.log" ;;
     vtower) timeout 200 python3 scripts/bench_vision_tower.py --config $QVL8 --images 4 17 64 --profile 2>&1 \
                | tee "$OUT/vision_tower.log" | head -40 ;;
     vlm8) bench vl8_images 580 --model $QVL8 --num-prompts 256 --input-len 256 --output-len 512 --images 1 \
