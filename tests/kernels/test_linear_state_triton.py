@@ -25,7 +25,7 @@ def test_triton_linear_batch_matches_reference_step():
         pool.conv.copy_(init_conv)
         pool.ssm.copy_(init_ssm)
     # decodes first (slots 3, 6), then prefill chunks of 5 and 70 tokens (slots 1, 7)
-    entries = [SimpleNamespace(num_new_tokens=n, request=SimpleNamespace(state_slot=s))
+    entries = [SimpleNamespace(num_new_tokens=n, num_draft=0, request=SimpleNamespace(state_slot=s))
                for n, s in ((1, 3), (1, 6), (5, 1), (70, 7))]
     T = sum(e.num_new_tokens for e in entries)
     x = torch.randn(T, conv_dim + 3, generator=gen, device=DEV)[:, :conv_dim]  # a view of a fused projection
@@ -90,7 +90,7 @@ def test_graph_decode_batch_reads_slots_from_its_static_buffer(monkeypatch):
             for owner, attr in ((torch, "tensor"), (torch.Tensor, "tolist"), (torch.Tensor, "item")):
                 m.setattr(owner, attr, no_host_data)
             mixed, out = _run_layer(captured, x, weight, g, beta, hk, hv, dk, dv)
-        entries = [SimpleNamespace(num_new_tokens=1, request=SimpleNamespace(state_slot=s)) for s in step_slots]
+        entries = [SimpleNamespace(num_new_tokens=1, num_draft=0, request=SimpleNamespace(state_slot=s)) for s in step_slots]
         eager = LinearBatch.from_entries(eager_pool, entries, DEV)  # torch references
         want_mixed, want_out = _run_layer(eager, x[:batch], weight, g[:batch], beta[:batch], hk, hv, dk, dv)
         torch.testing.assert_close(mixed[:batch], want_mixed, atol=1e-5, rtol=1e-5)

