@@ -96,7 +96,11 @@ def shape_table(n: int, k: int, dtype: torch.dtype, config_dir: str | None = Non
 
 def get_config(n: int, k: int, dtype: torch.dtype, m: int | None = None, config_dir: str | None = None) -> dict:
     """The launch config for M rows (None: the reference, the config past the table's last max_m)."""
-    table = shape_table(n, k, dtype, config_dir)
+    return config_for_rows(shape_table(n, k, dtype, config_dir), m)
+
+
+def config_for_rows(table: tuple[tuple[int | None, dict], ...], m: int | None) -> dict:
+    """A parsed table's config for M rows: the first entry whose max_m holds M, else the reference."""
     if m is not None:
         for max_m, config in table:
             if max_m is None or m <= max_m:

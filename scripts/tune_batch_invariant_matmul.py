@@ -28,7 +28,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rollout_kernels.batch_invariant_config import CONFIG_DIR, DEFAULT, config_file_name, split_chunk  # noqa: E402
+from rollout_kernels.batch_invariant_config import (CONFIG_DIR, DEFAULT, config_file_name, config_for_rows,  # noqa: E402
+                                                    parse_config, split_chunk)
 
 # (max_m of the bucket (None: every M above), M timed for it, weight in the score)
 BUCKETS = ((16, 16, 0.1), (64, 64, 0.1), (256, 256, 0.5), (1024, 1024, 0.1), (None, 2048, 0.2))
@@ -152,13 +153,8 @@ def main() -> None:
     print(f"{'N':>7} {'K':>6} {'BK,SPLIT':>9} {'refused':>7}  " + " ".join(f"{'M=' + str(m):>24}" for _, m, _ in BUCKETS))
     for n, k in model_shapes(args.model):
         record = tune_shape(n, k, dtype, args.quick)
-        configs = {m: record["config"] for _, m, _ in BUCKETS}
-        lower = 0
-        for entry in record["by_batch"]:
-            for _, m, _ in BUCKETS:
-                if lower < m <= entry["max_m"]:
-                    configs[m] = entry["config"]
-            lower = entry["max_m"]
+        table = parse_config(record, k, f"the tuned N={n} K={k}")  # as the engine will read the file
+        configs = {m: config_for_rows(table, m) for _, m, _ in BUCKETS}
         reference = record["config"]
         cells = [f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}/{c['num_warps']}w{c['num_stages']}s "
                  f"{record['time_over_cublas'][str(m)]:.2f}" for m, c in configs.items()]

@@ -156,8 +156,7 @@ class VerifyStep:
     """Position j of a step verifying drafts (engine/scheduling/speculation.py), for the linear layers.
 
     Such a step's decode part (ahead of any new requests' prefills) has 1 + d tokens per entry (d =
-    num_draft, 0 for a plain decode). The
-    linear layers advance each sequence one token at a time with the decode kernels, the same step a
+    num_draft, 0 for a plain decode). The linear layers advance each sequence one token at a time with the decode kernels, the same step a
     token takes when decoded without drafts, and after token j < d copy the sequence's state into its
     fork slot j (BatchEntry.state_forks), so the scheduler can put back the state after the last
     accepted token. Position j's rows are those of every entry with d >= j:
@@ -176,15 +175,14 @@ class VerifyStep:
         for e in entries:
             offsets.append(offset)
             offset += e.num_new_tokens
+        def tensor(values):
+            return torch.tensor(values, dtype=torch.long, device=device)
+
         steps = []
         for j in range(1 + max(e.num_draft for e in entries)):
             members = [(e, row) for e, row in zip(entries, offsets) if e.num_draft >= j]
             forks = [(e.request.state_slot, e.state_forks[j]) for e, _ in members
                      if j < e.num_draft and e.state_forks is not None]
-
-            def tensor(values):
-                return torch.tensor(values, dtype=torch.long, device=device)
-
             steps.append(VerifyStep(tensor([row + j for _, row in members]),
                                     tensor([e.request.state_slot for e, _ in members]),
                                     tensor([src for src, _ in forks]) if forks else None,

@@ -20,11 +20,6 @@ import torch
 from rollout_cli.engine.scheduling.schedule_output import BatchEntry
 
 
-def _token_at(request, index: int) -> int:
-    prompt = request.prompt_token_ids
-    return prompt[index] if index < len(prompt) else request.output_token_ids[index - len(prompt)]
-
-
 class MTPStep:
     """Runs the head of `runner.model` over a post-processed step's accepted positions."""
 
@@ -47,22 +42,23 @@ class MTPStep:
         if not items:
             return
         items.sort(key=lambda item: item[2] > 1)  # one-token entries first, as the attention kernels want
-        rows, tokens, slots, head_entries, newest = [], [], [], [], []
+        rows, positions, tokens, slots, head_entries, newest = [], [], [], [], [], []
         for e, first, pairs in items:
             request = e.request
             rows.extend(range(first, first + pairs))
-            tokens.extend(_token_at(request, q + 1) for q in range(e.start, e.start + pairs))
+            positions.extend(range(e.start, e.start + pairs))
+            tokens.extend(request.tokens_between(e.start + 1, e.start + 1 + pairs))  # the token at q + 1
             slots.extend(e.new_slots[:pairs])
             # the positions' slots are in the request's table already: nothing to write there
             head_entries.append(BatchEntry(request, e.table_row, e.start, tokens[-pairs:], e.start + pairs, [], False))
             if e.start + pairs == request.num_tokens - 1:  # its last pair reads the token just sampled
                 newest.append((request, len(rows) - 1))
         runner, device = self.runner, self.runner.device
-        positions = torch.tensor([p for e, _, pairs in items for p in range(e.start, e.start + pairs)], device=device)
         attn = runner._prepare(head_entries, runner.req_to_token, runner.kv, runner.scale,
                                torch.tensor(slots, dtype=torch.long, device=device))
         embeds = self.model.model.embed_tokens(torch.tensor(tokens, device=device))  # [M, H]
-        out = self.model.mtp(embeds, hidden[torch.tensor(rows, device=device)], positions, attn)  # [M, H]
+        out = self.model.mtp(embeds, hidden[torch.tensor(rows, device=device)], torch.tensor(positions, device=device),
+                             attn)  # [M, H]
         if not newest:
             return
         logits = self.model.compute_logits(out[torch.tensor([row for _, row in newest], device=device)])

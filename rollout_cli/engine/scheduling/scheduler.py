@@ -170,35 +170,6 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
         self.stats.computed_tokens += len(running)
         return True
 
-    def _schedule_decodes_with_drafts(self, out: ScheduleOutput) -> bool:
-        """The steady state with speculation: every running request decodes its last token and the drafts
-        proposed for it, within the token budget and the free slots (short of slots: no drafts).
-        A loop of its own, not a branch in _schedule_all_decodes's: that one runs for every request of
-        every plain decode step and stays free of per-request draft bookkeeping."""
-        running = self.running
-        budget = self.max_batch_tokens - len(running)
-        drafts = []
-        for request in running:
-            draft = self._draft(request, budget)
-            budget -= len(draft)
-            drafts.append(draft)
-        if self.allocator.num_free < len(running) + sum(map(len, drafts)):
-            drafts = [[] for _ in running]
-        for request, draft in zip(running, drafts):
-            forks = None
-            if draft and self.linear is not None:  # hybrid: a state slot per draft position, or no draft
-                forks = self.linear.allocate_forks(len(draft))
-                draft = draft if forks is not None else []
-            start = request.num_computed_tokens
-            request.slots.extend(self.allocator.allocate(1 + len(draft)))
-            table_start = request.num_slots_in_table
-            last = request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
-            out.entries.append(BatchEntry(request, request.table_row, start, [last] + draft, table_start,
-                                          request.slots[table_start:], True, num_draft=len(draft),
-                                          state_forks=forks))
-            self.stats.computed_tokens += 1 + len(draft)
-        return True
-
     def _allocate_or_preempt(self, request: Request, count: int, scheduled: set[int]) -> list[int] | None:
         while True:
             slots = self._allocate(count)

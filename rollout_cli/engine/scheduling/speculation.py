@@ -16,16 +16,46 @@ A mixin of Scheduler (its allocator, linear state slots, stats and drafter).
 from __future__ import annotations
 
 from rollout_cli.engine.scheduling.request import Request
+from rollout_cli.engine.scheduling.schedule_output import BatchEntry, ScheduleOutput
 
 
 class Speculation:
-    drafter = None  # a SiblingDrafter while speculation is on (enable_speculation)
+    drafter = None  # a SiblingDrafter or MTPDrafter while speculation is on (enable_speculation)
     num_draft_tokens = 0
 
     def enable_speculation(self, drafter, num_draft_tokens: int) -> None:
         """Propose up to `num_draft_tokens` drafts per decode with `drafter` (None: off)."""
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
+
+    def _schedule_decodes_with_drafts(self, out: ScheduleOutput) -> bool:
+        """The steady state with speculation: every running request decodes its last token and the drafts
+        proposed for it, within the token budget and the free slots (short of slots: no drafts). A loop
+        of its own, not a branch in Scheduler._schedule_all_decodes's: that one runs for every request
+        of every plain decode step and stays free of per-request draft bookkeeping."""
+        running = self.running
+        budget = self.max_batch_tokens - len(running)
+        drafts = []
+        for request in running:
+            draft = self._draft(request, budget)
+            budget -= len(draft)
+            drafts.append(draft)
+        if self.allocator.num_free < len(running) + sum(map(len, drafts)):
+            drafts = [[] for _ in running]
+        for request, draft in zip(running, drafts):
+            forks = None
+            if draft and self.linear is not None:  # hybrid: a state slot per draft position, or no draft
+                forks = self.linear.allocate_forks(len(draft))
+                draft = draft if forks is not None else []
+            start = request.num_computed_tokens
+            request.slots.extend(self.allocator.allocate(1 + len(draft)))
+            table_start = request.num_slots_in_table
+            last = request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
+            out.entries.append(BatchEntry(request, request.table_row, start, [last] + draft, table_start,
+                                          request.slots[table_start:], True, num_draft=len(draft),
+                                          state_forks=forks))
+            self.stats.computed_tokens += 1 + len(draft)
+        return True
 
     def _draft(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decode-ready request: at most num_draft_tokens, `budget`, and what its
