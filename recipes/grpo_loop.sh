@@ -13,7 +13,9 @@
 #   MAX_NEW_TOKENS=16  TEMPERATURE=1.0 rollout settings
 #   REWARD=digit_fraction              a name from recipes/rewards.py (answer_match for real models)
 #   LR=1e-2  TRAIN_STEPS=4             trainer settings (recipes/train_grpo.py)
-#   DEVICE=auto                        engine device
+#   DEVICE=auto  DTYPE=auto            engine and trainer device and dtype (auto: cuda + bfloat16 where
+#                                      there is a GPU, else cpu + float32); the trainer runs while the
+#                                      engine's memory is released
 #   DETERMINISTIC=0                    1: engine and trainer in the on-policy mode (serve --deterministic,
 #                                      train_grpo.py --deterministic): logprob_mismatch is exactly 0
 #   ROLLOUT=rollout  PYTHON=python     commands to run
@@ -36,6 +38,7 @@ REWARD=${REWARD:-digit_fraction}
 LR=${LR:-1e-2}
 TRAIN_STEPS=${TRAIN_STEPS:-4}
 DEVICE=${DEVICE:-auto}
+DTYPE=${DTYPE:-auto}
 DETERMINISTIC=${DETERMINISTIC:-0}
 ROLLOUT=${ROLLOUT:-rollout}
 PYTHON=${PYTHON:-python}
@@ -58,7 +61,7 @@ now() { date +%s.%N; }
 
 on_policy_args=()
 [ "$DETERMINISTIC" = 1 ] && on_policy_args=(--deterministic)
-$ROLLOUT serve --model "$MODEL" --socket "$SOCKET" --device "$DEVICE" "${on_policy_args[@]}" >"$WORKDIR/serve.log" 2>&1 &
+$ROLLOUT serve --model "$MODEL" --socket "$SOCKET" --device "$DEVICE" --dtype "$DTYPE" "${on_policy_args[@]}" >"$WORKDIR/serve.log" 2>&1 &
 SERVE_PID=$!
 for _ in $(seq 1 240); do
     $ROLLOUT status --engine "$SOCKET" >/dev/null 2>&1 && break
@@ -81,7 +84,8 @@ for iteration in $(seq 1 "$ITERATIONS"); do
     t_released=$(now)
     train_json=$($PYTHON "$HERE/train_grpo.py" --trajectories "$traj" --model "$checkpoint" \
         --out "$WORKDIR/ckpt_$iteration" --reward "$REWARD" --temperature "$TEMPERATURE" --lr "$LR" \
-        --steps "$TRAIN_STEPS" --seed "$iteration" "${on_policy_args[@]}" 2>/dev/null | tail -1)
+        --steps "$TRAIN_STEPS" --seed "$iteration" --device "$DEVICE" --dtype "$DTYPE" "${on_policy_args[@]}" \
+        2>/dev/null | tail -1)
     t2=$(now)
     $ROLLOUT resume-memory --engine "$SOCKET" >/dev/null
     t_resumed=$(now)

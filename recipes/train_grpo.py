@@ -18,7 +18,9 @@ and `--reward env` reads each episode's reward.
 
 With --deterministic the trainer is rollout's own differentiable forward (rollout_cli.training), whose
 logprobs equal a `--deterministic` rollout's bit for bit: logprob_mismatch is exactly 0.0 and the
-importance weights exactly 1 on the first step. Without it, HF transformers' forward (float32).
+importance weights exactly 1 on the first step, provided it runs on the engine's device and dtype
+(`--device` / `--dtype`, both `auto` by default as the engine's are: bfloat16 on a GPU, float32 on the
+CPU). Without it, HF transformers' forward (float32, on `--device`).
 """
 
 from __future__ import annotations
@@ -56,20 +58,20 @@ def group_advantages(rows: list[dict], rewards: list[float]) -> list[float]:
     return advantages
 
 
-def response_logprobs(model, rows: list[dict], temperature: float) -> list[torch.Tensor]:
+def response_logprobs(model, rows: list[dict], temperature: float, device: torch.device) -> list[torch.Tensor]:
     """log_softmax(logits / T) of each response token given its prompt and the tokens before it.
 
     One right-padded forward for all rows: [B, L] ids -> per row a [R] tensor of logprobs.
     """
     sequences = [list(r["prompt_token_ids"]) + list(r["response_token_ids"]) for r in rows]
     width = max(len(s) for s in sequences)
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences], device=device)
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=device)
     logp = torch.log_softmax(model(ids, attention_mask=mask).logits.float() / temperature, dim=-1)  # [B, L, V]
     out = []
     for b, row in enumerate(rows):
-        start, response = len(row["prompt_token_ids"]), torch.tensor(row["response_token_ids"])
-        positions = torch.arange(start - 1, start - 1 + len(response))  # logits that predicted each token
+        start, response = len(row["prompt_token_ids"]), torch.tensor(row["response_token_ids"], device=device)
+        positions = torch.arange(start - 1, start - 1 + len(response), device=device)  # logits that predicted each token
         out.append(logp[b, positions, response])
     return out
 
@@ -77,16 +79,16 @@ def response_logprobs(model, rows: list[dict], temperature: float) -> list[torch
 class HFPolicy:
     """HF transformers' model of the checkpoint, with the interface of rollout_cli.training.Policy."""
 
-    def __init__(self, model_dir: str):
-        self.model_dir = model_dir
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    def __init__(self, model_dir: str, device: torch.device):
+        self.model_dir, self.device = model_dir, device
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
         self.model.train()
 
     def parameters(self):
         return self.model.parameters()
 
     def batch_logprobs(self, rows: list[dict], temperature: float) -> list[torch.Tensor]:
-        return response_logprobs(self.model, rows, temperature)
+        return response_logprobs(self.model, rows, temperature, self.device)
 
     def save_pretrained(self, out_dir: str) -> None:
         self.model.eval()
@@ -96,10 +98,10 @@ class HFPolicy:
 class RolloutPolicy:
     """rollout's own forward (rollout_cli.training): the deterministic engine's logprobs, bit for bit."""
 
-    def __init__(self, model_dir: str, dtype: str):
+    def __init__(self, model_dir: str, device: torch.device, dtype: str):
         from rollout_cli.training import Policy
 
-        self.policy = Policy(model_dir, dtype=dtype)
+        self.policy = Policy(model_dir, device=str(device), dtype=dtype)
 
     def parameters(self):
         return self.policy.parameters()
@@ -145,7 +147,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deterministic", action="store_true",
                         help="train with rollout's own forward: on-policy bit for bit with a --deterministic engine")
-    parser.add_argument("--dtype", default="float32", help="--deterministic: the engine's dtype")
+    parser.add_argument("--device", default="auto", help="where the trainer runs (auto: cuda if there is one)")
+    parser.add_argument("--dtype", default="auto",
+                        help="--deterministic: the engine's dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -155,12 +159,14 @@ def main() -> None:
     score = reward_function(args.reward)
     rewards = [score(r) for r in rows]
     advantages = group_advantages(rows, rewards)
-    policy = RolloutPolicy(args.model, args.dtype) if args.deterministic else HFPolicy(args.model)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    policy = RolloutPolicy(args.model, device, args.dtype) if args.deterministic else HFPolicy(args.model, device)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
-    rollout_lp = [torch.tensor(r["response_logprobs"], dtype=torch.float32) for r in rows]
+    rollout_lp = [torch.tensor(r["response_logprobs"], dtype=torch.float32, device=device) for r in rows]
     # 1 at the model's tokens; an episode's environment tokens (mask 0) are context, not actions
-    masks = [torch.tensor(r.get("response_loss_mask") or [1] * len(r["response_token_ids"]), dtype=torch.bool)
-             for r in rows]
+    masks = [torch.tensor(r.get("response_loss_mask") or [1] * len(r["response_token_ids"]), dtype=torch.bool,
+                          device=device) for r in rows]
 
     mismatch, loss_value = None, 0.0
     for step in range(args.steps):
@@ -169,7 +175,7 @@ def main() -> None:
             diffs = torch.cat([(c.detach() - r)[m].abs() for c, r, m in zip(current, rollout_lp, masks)])
             mismatch = float(diffs.mean())
         tokens = sum(int(m.sum()) for m in masks)
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=device)
         for c, r, a, m in zip(current, rollout_lp, advantages, masks):
             weight = torch.exp(c.detach() - r).clamp(max=args.tis_cap)  # TIS: rollout -> trainer policy
             loss = loss - (weight * a * c)[m].sum() / tokens

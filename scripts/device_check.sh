@@ -17,13 +17,15 @@
 # fla-core wheel, installed apart so that HF's baseline keeps its torch fallback), det (issue 19's test
 # files compiled on the GPU, all their tests: bf16 invariance of the kernels, the scorer, Gated
 # DeltaNet decode = prefill, the deterministic engine with CUDA graphs, the trainer), det06 / det8 /
-# detmixed / detgrpo / detmoe30 (`rollout bench --deterministic`: the default and the on-policy mode
-# in one run, ABBA, on the b06 / b8 / mixed / grpo / moe30 workloads), fp8b8 / fp8moe30 (issue 20: bf16 then
+# detmixed / detgrpo / detmoe30 / detnext (`rollout bench --deterministic`: the default and the on-policy mode
+# in one run, ABBA, on the b06 / b8 / mixed / grpo / moe30 workloads, and the hybrid slice's), fp8b8 / fp8moe30 (issue 20: bf16 then
 # --quantization fp8 on the b8 / moe30 workloads), tail06 / turns06 (issue 21's targets: the GRPO workload
 # long-tailed with carry-over, 256 ten-turn episodes), fp8kvtests (FP8 KV cache kernels' GPU tests, decode
 # attention over an e4m3 pool against bf16), reason8 / reason06 (issue 25's long-output workload: 1024 in,
 # U[1024, 16384] out; preemptions, recomputed tokens, peak batch, the last 10%'s time), controlfp8 (control, FP8 weights: reloads re-quantize), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
-# modes, HF bf16 teacher forcing), tunebi06 / tunebi8 (tune the batch-invariant matmul for the 0.6B / 8B
+# modes, HF bf16 teacher forcing), fidelitymoe / fidelitynext (the same table on 4 layers of the 30B-A3B / Qwen3-Next
+# shapes, dummy weights, no HF), recipe06 (recipes/grpo_loop.sh --deterministic on a random Qwen3-0.6B-shaped
+# checkpoint, engine and trainer on the GPU in bf16: logprob_mismatch must be 0.0), tunebi06 / tunebi8 (tune the batch-invariant matmul for the 0.6B / 8B
 # shapes, write kernels/configs/batch_invariant_matmul/ and tar it to $OUT/tunebi*.tar to commit; run before det06 /
 # det8 in the same call), bitests (the batch-invariant matmul's GPU tests: every shipped table keeps each row's bits), bitiles
 # (scripts/check_batch_invariant_tiles.py: does any tile / BLOCK_K / stages / load path change a bit), fp8 (issue 20's FP8 kernels: their GPU tests, then scripts/bench_fp8_gemm.py), vlmtests
@@ -93,6 +95,7 @@ for part in $PARTS; do
     detmixed) bench b06_mixed_det 200 --model $Q06 --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 \
                --temperature 0.6 --deterministic ;;
     detgrpo) bench b06_grpo_det 250 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 --deterministic ;;
+    detnext) bench next12_det 400 --model $NEXT --num-prompts 256 --input-len 256 --output-len 512 --deterministic ;;
     detmoe30) bench b30_det 500 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --deterministic ;;
     tunebi06|tunebi8) model=$Q06; [ $part = tunebi8 ] && model=$Q8
                timeout 500 python3 scripts/tune_batch_invariant_matmul.py --model $model --write 2>&1 \
@@ -127,6 +130,14 @@ for kv in (None, torch.float8_e4m3fn):
                --observation-len 32 ;;
     fidelity) timeout 500 python3 scripts/fidelity_check.py --model $Q06 --random-weights /tmp/q06_random \
                --num-prompts 64 --n 4 --min-len 64 --max-len 512 --output-len 256 --modes default,deterministic --hf 2>&1 | tee "$OUT/fidelity.log" | tail -20 ;;
+    fidelitymoe|fidelitynext) model=$Q30; [ $part = fidelitynext ] && model=$NEXT  # 4 layers: three engines fit
+               timeout 400 python3 scripts/fidelity_check.py --model $model --num-layers 4 --load-format dummy \
+               --num-prompts 64 --n 4 --min-len 64 --max-len 512 --output-len 256 --modes default,deterministic 2>&1 \
+               | tee "$OUT/$part.log" | tail -9 ;;
+    recipe06) python3 scripts/random_checkpoint.py $Q06 /tmp/q06_recipe --tokenizer-from recipes/example_model >/dev/null \
+               && WORKDIR=/tmp/grpo06 MODEL=/tmp/q06_recipe DETERMINISTIC=1 ITERATIONS=2 GROUP_SIZE=8 LIMIT=16 \
+               MAX_NEW_TOKENS=256 TRAIN_STEPS=2 ROLLOUT="python3 -m rollout_cli.cli.main" PYTHON=python3 \
+               timeout 400 bash recipes/grpo_loop.sh 2>&1 | tee "$OUT/recipe06.log" | tail -4 ;;
     control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;
     controlfp8) timeout 250 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp --quantization fp8 2>&1 \
                | tee "$OUT/control_plane_fp8.log" | tail -13 ;;

@@ -10,6 +10,8 @@ For each mode (default kernels, or --deterministic), one engine:
   rerun, cache off the same on an engine without prefix cache
   score vs run     Engine.score (teacher forcing) against the run's logprobs
   HF vs run        (--hf) HF transformers' teacher forcing in the same dtype against the run's logprobs
+--num-layers N measures on the first N layers of --model's config (a slice that fits three engines at
+once: the MoE and hybrid shapes' full depth does not; with --load-format dummy).
 --random-weights DIR saves a random checkpoint of --model's config.json there first (HF's init, the
 final norm's weight scaled by --final-norm-scale so logits have a realistic spread instead of a
 near-uniform one) and measures on it: HF can then load the same weights.
@@ -21,6 +23,7 @@ absolute logprob difference; differences after two samples' tokens diverge are n
 from __future__ import annotations
 
 import argparse
+import os
 import random
 
 import numpy as np
@@ -114,17 +117,21 @@ def _hf_diffs(args, trajectories: dict) -> list:
     return diffs
 
 
-def _random_checkpoint(config_dir: str, out_dir: str, norm_scale: float, seed: int) -> str:
-    """A random bf16 checkpoint of config_dir's config.json in out_dir (save_pretrained); its final
-    norm's weight scaled by norm_scale."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _sliced_config(config_dir: str, num_layers: int) -> str:
+    """A copy of config_dir's config.json with its first num_layers layers (per-layer lists cut to match)
+    in a temp dir; the path of that dir."""
+    import json
+    import tempfile
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.bfloat16)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(norm_scale)
-    model.save_pretrained(out_dir)
+    with open(os.path.join(config_dir, "config.json")) as handle:
+        config = json.load(handle)
+    config["num_hidden_layers"] = num_layers
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = config["layer_types"][:num_layers]
+    config["mlp_only_layers"] = [i for i in config.get("mlp_only_layers") or [] if i < num_layers]
+    out_dir = tempfile.mkdtemp(prefix=f"fidelity_{num_layers}l_")
+    with open(os.path.join(out_dir, "config.json"), "w") as handle:
+        json.dump(config, handle)
     return out_dir
 
 
@@ -143,10 +150,15 @@ def main() -> None:
     parser.add_argument("--modes", default="default,deterministic")
     parser.add_argument("--hf", action="store_true", help="also HF teacher forcing vs the run (real checkpoints)")
     parser.add_argument("--random-weights", metavar="DIR", help="save a random checkpoint of --model's config here and use it")
+    parser.add_argument("--num-layers", type=int, help="measure on the first N layers of --model's config")
     parser.add_argument("--final-norm-scale", type=float, default=8.0, help="--random-weights: final norm weight scale")
     args = parser.parse_args()
+    if args.num_layers:
+        args.model = _sliced_config(args.model, args.num_layers)
     if args.random_weights:
-        args.model = _random_checkpoint(args.model, args.random_weights, args.final_norm_scale, args.seed)
+        from random_checkpoint import random_checkpoint  # scripts/, beside this file
+
+        args.model = random_checkpoint(args.model, args.random_weights, args.final_norm_scale, args.seed)
         args.load_format = "auto"
     table = [(mode, *row) for mode in args.modes.split(",") for row in measure(args, mode == "deterministic")]
     print(f"{'mode':<14} {'comparison':<17} {'identical tokens':>16}  logprob difference")
