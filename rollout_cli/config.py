@@ -80,7 +80,7 @@ class EngineConfig:
     gives; None: off."""
     num_draft_tokens: int | None = None
     """With speculative: the most draft tokens a request verifies in one step (None: 4 for siblings, 1
-    for mtp, whose head drafts one token per step for now)."""
+    for mtp: a head trained to predict one token ahead, chained further, guesses worse at each step)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -126,9 +126,6 @@ class EngineConfig:
             object.__setattr__(self, "num_draft_tokens", 1 if self.speculative == "mtp" else 4)
         if self.speculative is not None and self.num_draft_tokens < 1:
             raise RolloutError("--num-draft-tokens must be at least 1")
-        if self.speculative == "mtp" and self.num_draft_tokens > 1:
-            raise RolloutError("--speculative mtp drafts one token per step for now: drop --num-draft-tokens "
-                               "(or use --speculative siblings for longer drafts)")
         if self.speculative == "mtp" and self.deterministic:
             raise RolloutError("--speculative mtp with --deterministic is not built yet (the on-policy forward keeps "
                                "no hidden states for the head); use --speculative siblings")

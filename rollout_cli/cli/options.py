@@ -39,7 +39,7 @@ Quantization = Annotated[Optional[str], typer.Option(help="fp8: linear layers in
 KvCacheDtype = Annotated[str, typer.Option(help="auto (the model's dtype) or fp8: the KV cache in e4m3, per-tensor scale 1.0; twice the tokens in the same memory (see README).", rich_help_panel=ENGINE)]
 Deterministic = Annotated[bool, typer.Option("--deterministic", help="On-policy mode: tokens and logprobs bit for bit the same whatever the batch, chunking or cache hits (batch-invariant Triton kernels on a GPU; on the CPU's torch path one forward per token, slow; see README).", rich_help_panel=ENGINE)]
 Speculative = Annotated[Optional[str], typer.Option(help="siblings: speculative decoding whose drafts are what the prompt's other samples wrote after the same 3 tokens; mtp: drafts from the checkpoint's multi-token-prediction head (Qwen3-Next, Qwen3.5); verified in one forward, the tokens are those decoding without it gives (see README).", rich_help_panel=ENGINE)]
-NumDraftTokens = Annotated[Optional[int], typer.Option(help="With --speculative: the most draft tokens a request verifies per step [default: 4 for siblings, 1 for mtp].", rich_help_panel=ENGINE)]
+NumDraftTokens = Annotated[Optional[int], typer.Option(help="With --speculative: the most draft tokens a request verifies per step [default: 4 for siblings, 1 for mtp; mtp drafts further by chaining its head].", rich_help_panel=ENGINE)]
 WeightVersion = Annotated[str, typer.Option(help="Weight version recorded on every trajectory.", rich_help_panel=ENGINE)]
 
 N = Annotated[int, typer.Option(help="Samples per prompt.", rich_help_panel=SAMPLING)]

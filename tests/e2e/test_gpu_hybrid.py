@@ -162,10 +162,11 @@ def test_verified_drafts_on_graphs_are_bitwise_plain_decoding(tiny_hybrid_checkp
     assert 0 < engine.scheduler.stats.accepted_draft_tokens < engine.scheduler.stats.draft_tokens
 
 
+@pytest.mark.parametrize("draft_tokens", [1, 3])
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
-def test_mtp_drafts_on_the_gpu_change_no_token(tiny_hybrid_checkpoints, tmp_path, name):
-    """--speculative mtp on the Triton backend in float32 (the head's KV layer in the pool, eager steps):
-    the greedy tokens of plain decoding with CUDA graphs."""
+def test_mtp_drafts_on_the_gpu_change_no_token(tiny_hybrid_checkpoints, tmp_path, name, draft_tokens):
+    """--speculative mtp on the Triton backend in float32 (the head's KV layer in the pool, eager steps; 3
+    tokens: the head chained inside the verify step): the greedy tokens of plain decoding with CUDA graphs."""
     import sys
     from pathlib import Path
 
@@ -179,7 +180,8 @@ def test_mtp_drafts_on_the_gpu_change_no_token(tiny_hybrid_checkpoints, tmp_path
     params = SamplingParams(n=2, max_new_tokens=24, **GREEDY)
     runs = []
     for speculative in (None, "mtp"):
-        engine = _engine(model_dir, dtype="float32", speculative=speculative)
+        engine = _engine(model_dir, dtype="float32", speculative=speculative,
+                         num_draft_tokens=draft_tokens if speculative else None)
         runs.append(sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(prompts)], params),
                            key=lambda t: (t.prompt_index, t.sample_index)))
     for plain, spec in zip(*runs, strict=True):

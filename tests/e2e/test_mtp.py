@@ -41,19 +41,24 @@ def _run(model: str, params: SamplingParams, **options):
     return engine, results
 
 
+@pytest.mark.parametrize("draft_tokens", [1, 3])
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_mtp_drafts_change_no_token(arch, sampling, mtp_checkpoints):
+def test_mtp_drafts_change_no_token(arch, sampling, draft_tokens, mtp_checkpoints):
     params = (SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True, n=2) if sampling == "greedy"
               else SamplingParams(temperature=1.0, seed=3, max_new_tokens=20, ignore_eos=True, n=2))
     _, want = _run(mtp_checkpoints[arch], params)
-    engine, got = _run(mtp_checkpoints[arch], params, speculative="mtp")
+    engine, got = _run(mtp_checkpoints[arch], params, speculative="mtp", num_draft_tokens=draft_tokens)
     assert [(r.prompt_index, r.sample_index) for r in got] == [(r.prompt_index, r.sample_index) for r in want]
     for a, b in zip(got, want, strict=True):
         assert a.response_token_ids == b.response_token_ids
         assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-4)
     stats = engine.scheduler.stats
-    assert stats.verify_steps > 0 and stats.draft_tokens == stats.verify_steps  # one draft a verify step
+    assert stats.verify_steps > 0
+    if draft_tokens == 1:
+        assert stats.draft_tokens == stats.verify_steps  # one draft a verify step
+    else:  # the chain drafts up to 3 (fewer only where max_new_tokens leaves less room)
+        assert stats.verify_steps * 2 < stats.draft_tokens <= stats.verify_steps * 3
     assert engine.kv.k.shape[0] == engine.model.num_kv_layers == 2  # the full-attention layer and the head's
 
 
@@ -118,17 +123,65 @@ def test_every_draft_is_the_heads_prediction(arch, layout, mtp_checkpoints):
     assert checked >= len(results) * 5  # a draft after the prompt and after most steps
 
 
+def _reference_chain(engine, model_dir: str, sequence: list[int], start: int, first: int, length: int) -> list[int]:
+    """The head's chained draft for the positions after `start` (the newest token's position, sequence
+    known up to it): its guess `first` from position start - 1, then each further token from the head's
+    own output and the token before, under a plain causal attention over the true rows and the chain's."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([sequence[: start + 1]])
+    model, drafts = engine.model, [first]
+    with torch.no_grad():
+        hidden = hf.model(input_ids=ids).last_hidden_state[0, :start]  # [start, H]: target states at 0..start-1
+        embeds = model.model.embed_tokens(ids[0, 1:])  # [start, H]: the tokens at q + 1
+        out = model.mtp(embeds, hidden, torch.arange(start), _CausalAttention())
+        while len(drafts) < length:  # one more row: (the head's last output, the last draft) at the next position
+            embeds = torch.cat((embeds, model.model.embed_tokens(torch.tensor(drafts[-1:]))))
+            hidden = torch.cat((hidden, out[-1:]))
+            out = model.mtp(embeds, hidden, torch.arange(len(hidden)), _CausalAttention())
+            drafts.append(int(model.compute_logits(out[-1:]).argmax(-1)))
+    return drafts
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_longer_drafts_are_the_heads_chain(arch, mtp_checkpoints):
+    """--num-draft-tokens 3: drafts 2 and 3 come from the head chained on its own output, run inside the
+    verify step (MTPStep.extend_drafts); each equals the chain recomputed over the finished sequence."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    engine = Engine(mtp_checkpoints[arch], device="cpu", dtype="float32", max_model_len=128, kv_cache_tokens=2048,
+                    speculative="mtp", num_draft_tokens=3, enable_prefix_cache=False)
+    log, extend = {}, engine.runner.mtp_step.extend_drafts
+
+    def logging_extend(entries):
+        extend(entries)
+        for e in entries:
+            if e.num_draft:
+                log[(e.request.prompt_index, e.request.sample_index, e.start)] = list(e.token_ids[1:])
+
+    engine.runner.mtp_step.extend_drafts = logging_extend
+    results = list(engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], params))
+    chains = 0
+    for result in results:
+        sequence = PROMPTS[result.prompt_index] + result.response_token_ids
+        for (prompt, sample, start), drafts in log.items():
+            if (prompt, sample) == (result.prompt_index, result.sample_index):
+                assert drafts == _reference_chain(engine, mtp_checkpoints[arch], sequence, start, drafts[0],
+                                                  len(drafts)), (prompt, start)
+                chains += len(drafts) > 1
+    assert chains >= len(results) * 3
+
+
 def test_refusals(mtp_checkpoints, tiny_hybrid_checkpoints, example_model_dir):
     with pytest.raises(RolloutError, match="holds no multi-token-prediction head"):
         Engine(tiny_hybrid_checkpoints["qwen3_next"], device="cpu", max_model_len=64, speculative="mtp")
     with pytest.raises(RolloutError, match="MTP head of Qwen3-Next / Qwen3.5 text checkpoints"):
         Engine(example_model_dir, device="cpu", max_model_len=64, speculative="mtp")
-    with pytest.raises(RolloutError, match="drafts one token per step"):
-        EngineConfig(model=mtp_checkpoints["qwen3_next"], speculative="mtp", num_draft_tokens=2)
     with pytest.raises(RolloutError, match="--deterministic is not built yet"):
         EngineConfig(model=mtp_checkpoints["qwen3_next"], speculative="mtp", deterministic=True)
     assert EngineConfig(model=example_model_dir, speculative="siblings").num_draft_tokens == 4
     assert EngineConfig(model=mtp_checkpoints["qwen3_next"], speculative="mtp").num_draft_tokens == 1
+    assert EngineConfig(model=mtp_checkpoints["qwen3_next"], speculative="mtp", num_draft_tokens=3).num_draft_tokens == 3
 
 
 def test_a_reload_without_the_head_keeps_it(mtp_checkpoints, tiny_hybrid_checkpoints, tmp_path):

@@ -99,9 +99,9 @@ def test_verified_drafts_on_the_triton_backend(arch, tiny_checkpoints, tiny_hybr
 
 @interpreter_only
 def test_mtp_drafts_on_the_triton_backend(tiny_hybrid_checkpoints, tmp_path):
-    """--speculative mtp on the Triton kernels (the head's attention through the Triton attention batch,
-    verify steps with the linear layers token by token): the tokens and logprobs of plain decoding on the
-    torch path."""
+    """--speculative mtp on the Triton kernels (the head's attention through the Triton attention batch, in
+    the pass after each step and chained inside the verify step for a 2-token draft; verify steps with the
+    linear layers token by token): the tokens and logprobs of plain decoding on the torch path."""
     import sys
     from pathlib import Path
 
@@ -116,7 +116,8 @@ def test_mtp_drafts_on_the_triton_backend(tiny_hybrid_checkpoints, tmp_path):
     params = SamplingParams(n=2, temperature=1.0, seed=4, max_new_tokens=8, ignore_eos=True)
     runs = {}
     for backend, speculative in (("torch", None), ("triton", "mtp")):
-        engine = Engine(model, device="cpu", attention_backend=backend, max_model_len=64, speculative=speculative)
+        engine = Engine(model, device="cpu", attention_backend=backend, max_model_len=64, speculative=speculative,
+                        num_draft_tokens=2 if speculative else None)
         runs[backend] = sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(prompts)], params),
                                key=lambda t: (t.prompt_index, t.sample_index))
     assert engine.scheduler.stats.verify_steps > 0

@@ -238,6 +238,8 @@ class ModelRunner:
         the sampled rows' top lists or None)."""
         sampled = [e for e in out.entries if e.sample]
         self._write_table(out.entries)
+        if self.mtp_step is not None:  # --speculative mtp: draft positions 2..K, now that their slots exist
+            self.mtp_step.extend_drafts(out.entries)
         logits, score_logits = self._forward_logits(out)
         scores, tops = [], None
         if score_logits is not None:

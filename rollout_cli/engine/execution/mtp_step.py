@@ -7,8 +7,15 @@ the head runs on (target hidden state at q, token at q + 1) at position q: that 
 q's slot, which later positions attend to, and the prediction of the entry's newest pair is the next
 draft (the token after the one just sampled: Request.mtp_draft, read by engine/scheduling/mtp_drafts.py).
 
-One draft per request per step: drafting further would run the head at positions whose slots the next
-step has not allocated yet. A draft only proposes: verification keeps the tokens those of decoding
+Longer drafts (--num-draft-tokens K > 1) chain the head as vLLM's and LightLLM's MTP do: the head's own
+output at q stands in for the target's hidden state at q + 1, so (its output, draft token j) at the
+next position drafts token j + 1. Those positions have no KV slots until the next step allocates its
+verify rows, so the chain runs in that step, before the target's forward (extend_drafts): the scheduler
+leaves DRAFT_LATER at draft positions 2..K and the head fills them in, storing its KV at those
+positions' slots. Whatever verification keeps, the pass after the step rewrites the head's KV at the
+accepted positions from the target's hidden states, and the rejected positions' slots go back.
+
+A draft only proposes: verification keeps the tokens those of decoding
 without it (engine/scheduling/speculation.py), so a stale head state (a prefix served from the cache
 whose last position was followed by another token when it was computed) can only cost acceptance.
 """
@@ -17,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout_cli.engine.scheduling.schedule_output import BatchEntry
+from rollout_cli.engine.scheduling.schedule_output import DRAFT_LATER, BatchEntry
 
 
 class MTPStep:
@@ -29,7 +36,8 @@ class MTPStep:
 
     def run(self, entries, hidden: torch.Tensor) -> None:
         """entries: the step's (in its row order); hidden [T, H]: the target's final hidden states of its
-        rows. Sets Request.mtp_draft = (position, token) for every request whose newest token it read."""
+        rows. Sets Request.mtp_draft = (position, token) and Request.mtp_hidden (the head's output [H]) for
+        every request whose newest token it read."""
         items, offset = [], 0  # (entry, first row, pairs)
         for e in entries:
             request = e.request
@@ -53,14 +61,46 @@ class MTPStep:
             head_entries.append(BatchEntry(request, e.table_row, e.start, tokens[-pairs:], e.start + pairs, [], False))
             if e.start + pairs == request.num_tokens - 1:  # its last pair reads the token just sampled
                 newest.append((request, len(rows) - 1))
+        device = self.runner.device
+        out = self._head(head_entries, tokens, hidden[torch.tensor(rows, device=device)], positions, slots)  # [M, H]
+        if not newest:
+            return
+        picked = out[torch.tensor([row for _, row in newest], device=device)]  # [N, H]
+        for i, ((request, _), token) in enumerate(zip(newest, self._greedy(picked))):
+            request.mtp_draft, request.mtp_hidden = (request.num_tokens, token), picked[i]
+
+    def extend_drafts(self, entries) -> None:
+        """Fill in the DRAFT_LATER positions of a step's verify entries, before its forward (the step's
+        slots are in the req_to_token table). Pass j runs the head at position start + j - 1 on (its
+        output there, draft token j) and drafts token j + 1, for every entry drafting that far."""
+        chains = [e for e in entries if e.num_draft > 1 and e.token_ids[2] == DRAFT_LATER]
+        if not chains:
+            return
+        hidden = torch.stack([e.request.mtp_hidden for e in chains])  # [N, H]: the head's output before d1
+        for j in range(1, max(e.num_draft for e in chains)):
+            live = [i for i, e in enumerate(chains) if e.num_draft > j]
+            step = [chains[i] for i in live]
+            head_entries = [BatchEntry(e.request, e.table_row, e.start + j - 1, [e.token_ids[j]], e.start + j, [], False)
+                            for e in step]
+            rows = torch.tensor(live, device=hidden.device)
+            out = self._head(head_entries, [e.token_ids[j] for e in step], hidden[rows],
+                             [e.start + j - 1 for e in step], [e.new_slots[j - 1] for e in step])  # [len(live), H]
+            hidden = hidden.index_copy(0, rows, out)
+            for e, token in zip(step, self._greedy(out)):
+                e.token_ids[j + 1] = token
+        for e in chains:
+            e.request.mtp_hidden = None
+
+    def _head(self, head_entries, tokens: list[int], target_hidden: torch.Tensor, positions: list[int],
+              slots: list[int]) -> torch.Tensor:
+        """The head over M rows: (target_hidden [M, H], the token after each row's position) at
+        `positions`, its KV stored at `slots` -> its normed output [M, H]."""
         runner, device = self.runner, self.runner.device
         attn = runner._prepare(head_entries, runner.req_to_token, runner.kv, runner.scale,
                                torch.tensor(slots, dtype=torch.long, device=device))
         embeds = self.model.model.embed_tokens(torch.tensor(tokens, device=device))  # [M, H]
-        out = self.model.mtp(embeds, hidden[torch.tensor(rows, device=device)], torch.tensor(positions, device=device),
-                             attn)  # [M, H]
-        if not newest:
-            return
-        logits = self.model.compute_logits(out[torch.tensor([row for _, row in newest], device=device)])
-        for (request, _), token in zip(newest, logits.argmax(dim=-1).tolist()):
-            request.mtp_draft = (request.num_tokens, token)
+        return self.model.mtp(embeds, target_hidden, torch.tensor(positions, device=device), attn)
+
+    def _greedy(self, out: torch.Tensor) -> list[int]:
+        """The head's greedy tokens of its outputs [N, H] through the target's LM head."""
+        return self.model.compute_logits(out).argmax(dim=-1).tolist()

@@ -1,17 +1,22 @@
 """Drafts from the checkpoint's MTP head (`--speculative mtp`): the head's greedy guess of the token
 after a request's newest one, left on the request by the runner's MTP pass (engine/execution/
-mtp_step.py) after each step. Plain Python, like the rest of the scheduler."""
+mtp_step.py) after each step, then DRAFT_LATER for every further draft position: the runner's head
+drafts those in the verify step itself, once the step's KV slots exist (MTPStep.extend_drafts).
+Plain Python, like the rest of the scheduler."""
 
 from __future__ import annotations
+
+from rollout_cli.engine.scheduling.schedule_output import DRAFT_LATER
 
 
 class MTPDrafter:
     def propose(self, request, max_tokens: int) -> list[int]:
-        """The head's draft for the request's next position, if it was made for that position."""
+        """The head's draft for the request's next position, if it was made for that position, and
+        max_tokens - 1 positions for the head to draft in the step."""
         draft, request.mtp_draft = request.mtp_draft, None
         if draft is None or max_tokens < 1 or draft[0] != request.num_tokens:
             return []
-        return [draft[1]]
+        return [draft[1]] + [DRAFT_LATER] * (max_tokens - 1)
 
     def observe(self, request) -> None:  # the interface of sibling_drafts.SiblingDrafter
         pass

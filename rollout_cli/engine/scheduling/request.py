@@ -70,8 +70,10 @@ class Request:
     # prefix-cache key (models.vision_language.VisionLayout, shared by the prompt's samples); None: text
     vision: object = None
     # --speculative mtp: (position, token) the MTP head guessed for the position after the newest token
-    # (engine/execution/mtp_step.py); None when it has none
+    # (engine/execution/mtp_step.py); None when it has none. mtp_hidden: the head's output [H] that
+    # guessed it, where a longer draft continues from (MTPStep.extend_drafts)
     mtp_draft: tuple[int, int] | None = None
+    mtp_hidden: object = None
 
     @property
     def is_scoring(self) -> bool:

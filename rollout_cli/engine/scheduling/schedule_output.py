@@ -46,6 +46,9 @@ class BatchEntry:
 
 
 PENDING = -1  # placeholder token id of an entry scheduled ahead, before its input token is known
+# placeholder token id of a draft position after the first under --speculative mtp: the head drafts it in
+# the step itself, once the step's slots exist (engine/execution/mtp_step.MTPStep.extend_drafts)
+DRAFT_LATER = -2
 
 
 @dataclass
