@@ -81,6 +81,10 @@ class EngineConfig:
     num_draft_tokens: int | None = None
     """With speculative: the most draft tokens a request verifies in one step (None: 4 for siblings, 1
     for mtp: a head trained to predict one token ahead, chained further, guesses worse at each step)."""
+    speculative_max_batch: int | None = None
+    """With speculative: decode steps with more running requests than this carry no drafts (vLLM's
+    speculative_disable_by_batch_size): where a step is compute-bound, verifying drafts costs more than
+    the tokens it saves. None: draft at every batch size."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -126,6 +130,8 @@ class EngineConfig:
             object.__setattr__(self, "num_draft_tokens", 1 if self.speculative == "mtp" else 4)
         if self.speculative is not None and self.num_draft_tokens < 1:
             raise RolloutError("--num-draft-tokens must be at least 1")
+        if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
+            raise RolloutError("--speculative-max-batch must be at least 1 (or left out: draft at every batch size)")
         if self.speculative == "mtp" and self.deterministic:
             raise RolloutError("--speculative mtp with --deterministic is not built yet (the on-policy forward keeps "
                                "no hidden states for the head); use --speculative siblings")

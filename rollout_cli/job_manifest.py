@@ -110,7 +110,8 @@ def engine_settings(engine: Engine) -> dict:
         "enable_prefix_cache": cfg.enable_prefix_cache,
         "tensor_parallel": cfg.tensor_parallel_size,
         "attention_backend": engine.attention_backend,
-        "speculative": cfg.speculative and {"method": cfg.speculative, "num_draft_tokens": cfg.num_draft_tokens},
+        "speculative": cfg.speculative and {"method": cfg.speculative, "num_draft_tokens": cfg.num_draft_tokens,
+                                             "max_batch": cfg.speculative_max_batch},
     }
 
 

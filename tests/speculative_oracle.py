@@ -8,6 +8,8 @@ class OracleDrafter:
     """Proposes the response a run without speculation gave for the same sample, from the request's
     position on, with the tokens `corrupt(k)` picks (k: index in the draft) replaced by a wrong one."""
 
+    reads_every_step = False  # as SiblingDrafter
+
     def __init__(self, truth: dict, corrupt):
         self.truth = truth
         self.corrupt = corrupt

@@ -133,7 +133,7 @@ class Engine:
         self.cuda_graph_capture_seconds = None
         # MoE models too (the fused MoE kernels read no tensor on the host), and hybrid models (their
         # decode steps read state slots from a static buffer, engine/execution/linear_state.py).
-        capturable = self.tp is None and cfg.speculative != "mtp"  # --tp, the MTP head's pass: eager steps for now
+        capturable = self.tp is None  # --tp: eager steps for now
         if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs and capturable:
             self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256))
 
@@ -206,7 +206,7 @@ class Engine:
         """--speculative drafts on or off between streams (`rollout bench` times both), a fresh drafter each time."""
         method = self.config.speculative if on else None  # (hybrid models' state pool is sized for it)
         drafter = {"mtp": MTPDrafter, "siblings": SiblingDrafter}[method]() if method else None
-        self.scheduler.enable_speculation(drafter, self.config.num_draft_tokens)
+        self.scheduler.enable_speculation(drafter, self.config.num_draft_tokens, self.config.speculative_max_batch)
 
     def retract_running(self) -> int:
         """Before a weight update inside a held stream: every running request goes back to the queue

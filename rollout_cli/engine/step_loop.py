@@ -107,7 +107,8 @@ class StepLoop:
         # no update runs while a step is in flight (it needs no running request): the step's version is the current one
         finished = engine.scheduler.postprocess(handle.out, tokens, logprobs, handle.scores, handle.score_tops,
                                                 engine.weight_version, handle.sample_tops)
-        engine.runner.draft_after_step(handle.out, engine.scheduler.drafter is not None)  # --speculative mtp
+        scheduler = engine.scheduler  # --speculative mtp: the head's pass
+        engine.runner.draft_after_step(handle.out, scheduler.drafter is not None, scheduler.drafting_now())
         now = time.perf_counter()
         wall = now - max(handle.launch_time, self.last_step_done)  # the step's share of wall time
         self.last_step_done = now

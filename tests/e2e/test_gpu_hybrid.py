@@ -187,3 +187,27 @@ def test_mtp_drafts_on_the_gpu_change_no_token(tiny_hybrid_checkpoints, tmp_path
     for plain, spec in zip(*runs, strict=True):
         assert spec.response_token_ids == plain.response_token_ids
     assert engine.scheduler.stats.verify_steps > 0
+
+
+def test_mtp_plain_steps_replay_graphs_above_the_max_batch(tiny_hybrid_checkpoints, tmp_path):
+    """--speculative mtp --speculative-max-batch 4: steps of more running requests replay the CUDA graphs
+    (which keep their hidden states for the head's pass), then drafts resume; greedy tokens of plain decoding."""
+    import sys
+    from pathlib import Path
+
+    from rollout_cli.engine.trajectory import PromptInput
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from mtp_fixtures import with_mtp_head
+
+    model_dir = with_mtp_head(tiny_hybrid_checkpoints["qwen3_next"], tmp_path / "mtp")
+    prompts = [PromptInput(i, p, params=SamplingParams(n=2, max_new_tokens=8 + 4 * i, **GREEDY))
+               for i, p in enumerate(_prompts(300, 6, seed=9))]  # 12 running, down to 2
+    runs, engines = [], []
+    for options in ({}, {"speculative": "mtp", "speculative_max_batch": 4}):
+        engine = _engine(model_dir, dtype="float32", **options)
+        runs.append(sorted(engine.stream(prompts, SamplingParams()), key=lambda t: (t.prompt_index, t.sample_index)))
+        engines.append(engine)
+    for plain, spec in zip(*runs, strict=True):
+        assert spec.response_token_ids == plain.response_token_ids
+    assert engines[1].runner.graphs.replays > 0 and engines[1].scheduler.stats.verify_steps > 0

@@ -123,6 +123,30 @@ def test_every_draft_is_the_heads_prediction(arch, layout, mtp_checkpoints):
     assert checked >= len(results) * 5  # a draft after the prompt and after most steps
 
 
+def test_above_the_max_batch_the_head_keeps_its_kv_and_drafts_resume(mtp_checkpoints):
+    """--speculative-max-batch 2: while more run, steps carry no drafts but the head's pass still stores its
+    KV at every position; once two or fewer run, its drafts (each checked against the one-pass reference)
+    resume. Tokens as plain decoding's."""
+    model = mtp_checkpoints["qwen3_next"]
+    lengths = [6, 10, 16]  # 6 running, then 4, then 2
+    prompts = [PromptInput(i, p, params=SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, n=2))
+               for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+    options = dict(device="cpu", dtype="float32", max_model_len=128, kv_cache_tokens=2048, enable_prefix_cache=False)
+    want = sorted(Engine(model, **options).stream(prompts, SamplingParams()),
+                  key=lambda t: (t.prompt_index, t.sample_index))
+    engine = Engine(model, speculative="mtp", speculative_max_batch=2, **options)
+    log = {}
+    engine.scheduler.enable_speculation(_LoggingDrafter(log), 1, 2)
+    got = sorted(engine.stream(prompts, SamplingParams()), key=lambda t: (t.prompt_index, t.sample_index))
+    for a, b in zip(got, want, strict=True):
+        assert a.response_token_ids == b.response_token_ids
+    assert log and all(prompt == 2 for prompt, _, _ in log)  # proposed only while the 16-token pair ran alone
+    for (prompt, sample, position), token in log.items():
+        sequence = PROMPTS[prompt] + got[2 * prompt + sample].response_token_ids
+        assert token == _reference_drafts(engine, model, sequence)[position - 2]
+    assert engine.scheduler.stats.verify_steps > 0
+
+
 def _reference_chain(engine, model_dir: str, sequence: list[int], start: int, first: int, length: int) -> list[int]:
     """The head's chained draft for the positions after `start` (the newest token's position, sequence
     known up to it): its guess `first` from position start - 1, then each further token from the head's

@@ -181,11 +181,39 @@ def test_routing_capture_records_the_accepted_tokens_only(tiny_moe_checkpoints):
     assert engine.scheduler.stats.draft_tokens > 0
 
 
+def test_no_drafts_above_the_max_batch(example_model_dir):
+    """--speculative-max-batch 2: steps of more running requests decode without drafts (and may be scheduled
+    ahead); once samples finish and two or fewer run, drafts resume. Tokens as plain decoding's."""
+    lengths = [6, 12, 24]  # 6 running, then 4, then 2
+    prompts = [PromptInput(i, p, params=SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, n=2))
+               for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+
+    def run(truth=None, **options):
+        engine = Engine(example_model_dir, device="cpu", dtype="float32", max_model_len=256, kv_cache_tokens=4096,
+                        **options)
+        if options:
+            batches, draft_step = [], engine.scheduler._schedule_decodes_with_drafts
+            engine.scheduler._schedule_decodes_with_drafts = lambda out: batches.append(
+                len(engine.scheduler.running)) or draft_step(out)
+            engine.scheduler.enable_speculation(OracleDrafter(truth, lambda k: False), 4, 2)  # every draft right
+        results = sorted(engine.stream(prompts, SamplingParams()), key=lambda t: (t.prompt_index, t.sample_index))
+        return engine, results, batches if options else None
+
+    _, want, _ = run()
+    truth = {(r.prompt_index, r.sample_index): r.response_token_ids for r in want}
+    engine, got, batches = run(truth, speculative="siblings", speculative_max_batch=2)
+    _assert_same(got, want)
+    assert batches and max(batches) == 2  # drafts only once the 24-token pair runs alone
+    assert engine.scheduler.stats.verify_steps > 0 and engine.scheduler.stats.accepted_draft_tokens > 0
+
+
 def test_refusals(example_model_dir):
     with pytest.raises(RolloutError, match="unknown --speculative 'eagle'; choose siblings or mtp"):
         EngineConfig(model=example_model_dir, speculative="eagle")
     with pytest.raises(RolloutError, match="--num-draft-tokens must be at least 1"):
         EngineConfig(model=example_model_dir, speculative="siblings", num_draft_tokens=0)
+    with pytest.raises(RolloutError, match="--speculative-max-batch must be at least 1"):
+        EngineConfig(model=example_model_dir, speculative="siblings", speculative_max_batch=0)
     with pytest.raises(RolloutError, match="--tp 1"):
         EngineConfig(model=example_model_dir, speculative="siblings", tensor_parallel_size=2)
 

@@ -59,7 +59,7 @@ class DecodeGraphs:
     and the host-to-device copies that would otherwise sit between the forward and the read."""
 
     def __init__(self, model, kv, req_to_token: torch.Tensor, pad_row: int, scale: float, max_batch: int,
-                 linear_states=None, deterministic: bool = False):
+                 linear_states=None, deterministic: bool = False, keep_hidden: bool = False):
         self.model = model
         self.kv = kv
         self.linear_states = linear_states  # hybrid models: engine.linear_state.LinearStatePool
@@ -85,6 +85,10 @@ class DecodeGraphs:
         self.results = [torch.zeros(2 * self.max_batch, dtype=torch.float64).pin_memory() for _ in range(2)]
         self._parity = 0  # which of the two buffer sets this replay uses
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # --speculative mtp: each graph's final hidden states [bucket, H], which the MTP head's pass reads
+        # after the step (engine/execution/mtp_step.py); valid until the next replay
+        self.keep_hidden = keep_hidden
+        self.hidden: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.replays = 0  # decode steps served by a replay (tests check graphs really ran)
         moe_layers = getattr(model, "moe_layers", None)
@@ -105,6 +109,8 @@ class DecodeGraphs:
             linear = LinearBatch(self.linear_states, self.ints[_STATE_SLOT, :batch], triton_kernels=True)
             attn = HybridBatch(attn, linear)
         hidden = self.model(ids, self.ints[_ROPE_POSITION, :batch], attn)
+        if self.keep_hidden:
+            self.hidden[batch] = hidden
         logits = self.model.compute_logits(hidden, upcast=False)  # [batch, vocab]
         tokens, logprobs = sample_rows(logits, self.ints[_SAMPLING:], self.floats, use_triton=True)
         self.last_tokens[:batch].copy_(tokens)
@@ -187,6 +193,11 @@ class DecodeGraphs:
         self.replays += 1
         self._last_replay = (packed, batch)
         return packed[:, :batch]
+
+    def last_hidden(self) -> torch.Tensor:
+        """The last replay's final hidden states [batch, H] (keep_hidden graphs), until the next replay."""
+        packed, batch = self._last_replay
+        return self.hidden[packed.shape[1]][:batch]
 
     def results_to_host(self) -> torch.Tensor:
         """Queue the copy of the last replay's results to pinned memory; returns its [2, batch] view

@@ -108,12 +108,13 @@ class ModelRunner:
         self.last_hidden = None
         self._set_mode(deterministic)
 
-    def draft_after_step(self, out: ScheduleOutput, drafting: bool) -> None:
-        """After `out` was post-processed: the MTP head's KV of its accepted positions and next drafts
-        (while `drafting`: the scheduler has an MTP drafter; `rollout bench` times steps without)."""
+    def draft_after_step(self, out: ScheduleOutput, drafting: bool, propose: bool = True) -> None:
+        """After `out` was post-processed: the MTP head's KV of its accepted positions (while `drafting`:
+        the scheduler has an MTP drafter; `rollout bench` times steps without) and, if `propose` (the
+        next step may carry drafts), the next drafts."""
         hidden, self.last_hidden = self.last_hidden, None
         if self.mtp_step is not None and hidden is not None and drafting:
-            self.mtp_step.run(out.entries, hidden)
+            self.mtp_step.run(out.entries, hidden, propose)
 
     def _set_mode(self, deterministic: bool) -> None:
         """On-policy mode or not. In it no row's bits may depend on its batch: the Triton backend gets
@@ -145,7 +146,8 @@ class ModelRunner:
 
         assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
         self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.pad_row, self.scale, max_batch,
-                                   self.linear_states, deterministic=self.deterministic)
+                                   self.linear_states, deterministic=self.deterministic,
+                                   keep_hidden=self.mtp_step is not None)
         self.graphs.capture(warm_up)
         self._graph_max_batch = max_batch
         self.graphs_dropped = False
@@ -279,6 +281,8 @@ class ModelRunner:
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record()
         self.graphs.run(out.entries, tokens_on_device)
+        if self.mtp_step is not None:  # the MTP head's pass after the step reads them
+            self.last_hidden = self.graphs.last_hidden()
         if self.routing_pool is not None:  # the graph recorded this step's ids; eager steps record directly
             self.routing_pool.store(*self.graphs.routing_rows(len(out.entries)))
         if timing is not None:

@@ -34,9 +34,9 @@ class MTPStep:
         self.runner = runner
         self.model = runner.model
 
-    def run(self, entries, hidden: torch.Tensor) -> None:
+    def run(self, entries, hidden: torch.Tensor, propose: bool = True) -> None:
         """entries: the step's (in its row order); hidden [T, H]: the target's final hidden states of its
-        rows. Sets Request.mtp_draft = (position, token) and Request.mtp_hidden (the head's output [H]) for
+        rows; propose: draft too (else the head's KV only: the next step carries no drafts). Sets Request.mtp_draft = (position, token) and Request.mtp_hidden (the head's output [H]) for
         every request whose newest token it read."""
         items, offset = [], 0  # (entry, first row, pairs)
         for e in entries:
@@ -63,7 +63,7 @@ class MTPStep:
                 newest.append((request, len(rows) - 1))
         device = self.runner.device
         out = self._head(head_entries, tokens, hidden[torch.tensor(rows, device=device)], positions, slots)  # [M, H]
-        if not newest:
+        if not newest or not propose:
             return
         picked = out[torch.tensor([row for _, row in newest], device=device)]  # [N, H]
         for i, ((request, _), token) in enumerate(zip(newest, self._greedy(picked))):

@@ -10,6 +10,10 @@ from rollout_cli.engine.scheduling.schedule_output import DRAFT_LATER
 
 
 class MTPDrafter:
+    # the head's pass reads each step's hidden states (and writes its KV) before the next step runs: no
+    # step is scheduled ahead while it drafts (engine/scheduling/overlap_schedule.py)
+    reads_every_step = True
+
     def propose(self, request, max_tokens: int) -> list[int]:
         """The head's draft for the request's next position, if it was made for that position, and
         max_tokens - 1 positions for the head to draft in the step."""

@@ -23,7 +23,10 @@ class OverlapScheduling:
         out; one that `prev` ends by eos cannot be foreseen: its entry becomes a ghost in
         commit_ahead. Nothing here preempts or evicts: short of free slots, None. Call
         commit_ahead(result) after postprocess(prev)."""
-        if self.drafter is not None:  # speculation: how many tokens `prev` keeps is known only after it
+        # speculation: how many tokens a verify step keeps is known only after it; the next step drafts; or
+        # the drafter must see every step's results before the next one runs (the MTP head)
+        if self.drafter is not None and (self.drafter.reads_every_step or self.drafting_now()
+                                         or any(e.num_draft for e in prev.entries)):
             return None
         entries = prev.entries
         # True decodes only: a prompt's last token publishes the prompt into the radix cache in

@@ -156,7 +156,7 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
                 return False
             if request.score_from is not None:  # scoring requests never sample: the general path scores them
                 return False
-        if self.drafter is not None:
+        if self.drafting_now():
             return self._schedule_decodes_with_drafts(out)
         slots = self.allocator.allocate(len(running))
         entries = out.entries

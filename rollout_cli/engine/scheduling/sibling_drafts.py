@@ -39,6 +39,8 @@ def group_key(request) -> int:
 class SiblingDrafter:
     """Proposes drafts for a request from the responses of the other samples of its prompt."""
 
+    reads_every_step = False  # a step without drafts may be scheduled ahead (it indexes results when they come)
+
     def __init__(self, ngram: int = 3, max_sources: int = 4):
         if ngram < 1:
             raise ValueError("ngram must be at least 1")

@@ -22,11 +22,20 @@ from rollout_cli.engine.scheduling.schedule_output import BatchEntry, ScheduleOu
 class Speculation:
     drafter = None  # a SiblingDrafter or MTPDrafter while speculation is on (enable_speculation)
     num_draft_tokens = 0
+    max_draft_batch = None  # more running requests than this: decode steps carry no drafts
 
-    def enable_speculation(self, drafter, num_draft_tokens: int) -> None:
-        """Propose up to `num_draft_tokens` drafts per decode with `drafter` (None: off)."""
+    def enable_speculation(self, drafter, num_draft_tokens: int, max_batch: int | None = None) -> None:
+        """Propose up to `num_draft_tokens` drafts per decode with `drafter` (None: off), in steps of at
+        most `max_batch` running requests (None: any)."""
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
+        self.max_draft_batch = max_batch
+
+    def drafting_now(self) -> bool:
+        """Whether a decode step of the running requests would carry drafts: speculation is on and the
+        batch is within --speculative-max-batch (above it a step is compute-bound: drafts cost more
+        than the tokens they save)."""
+        return self.drafter is not None and (self.max_draft_batch is None or len(self.running) <= self.max_draft_batch)
 
     def _schedule_decodes_with_drafts(self, out: ScheduleOutput) -> bool:
         """The steady state with speculation: every running request decodes its last token and the drafts
