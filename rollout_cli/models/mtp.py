@@ -25,7 +25,6 @@ from rollout_cli.models.layers import Linear
 from rollout_cli.models.loader import checkpoint_headers
 from rollout_cli.models.norms import ZeroCentredRMSNorm
 from rollout_cli.models.qwen3_next import GatedAttention, HybridDecoderLayer, Qwen3NextForCausalLM
-from rollout_cli.models.vision_language import VisionLanguageModel
 
 MTP_WEIGHT = "mtp.fc.weight"  # a checkpoint holds an MTP head when it holds this tensor
 
@@ -65,10 +64,11 @@ def attach_mtp(model: nn.Module, max_positions: int) -> None:
 
 
 def check_mtp_checkpoint(model_dir: str, cls, load_format: str) -> None:
-    """One line if `--speculative mtp` cannot run on this checkpoint: a hybrid text model (Qwen3-Next,
-    Qwen3.5 and Qwen3.5-MoE as ...ForCausalLM) holding mtp.* weights (a dummy-weight run needs none)."""
-    if not issubclass(cls, Qwen3NextForCausalLM) or issubclass(cls, VisionLanguageModel):
-        raise RolloutError(f"--speculative mtp runs the MTP head of Qwen3-Next / Qwen3.5 text checkpoints; "
+    """One line if `--speculative mtp` cannot run on this checkpoint: a hybrid model (Qwen3-Next, Qwen3.5 and
+    Qwen3.5-MoE, text-only or multimodal as the hub ships Qwen3.5) holding mtp.* weights (a dummy-weight run
+    needs none)."""
+    if not issubclass(cls, Qwen3NextForCausalLM):
+        raise RolloutError(f"--speculative mtp runs the MTP head of Qwen3-Next / Qwen3.5 checkpoints; "
                            f"{cls.__name__} has none here: use --speculative siblings")
     if load_format != "dummy" and not any(h.name == MTP_WEIGHT for h in checkpoint_headers(model_dir)):
         raise RolloutError(f"{model_dir} holds no multi-token-prediction head (no {MTP_WEIGHT} in its safetensors); "

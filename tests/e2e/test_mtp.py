@@ -199,7 +199,7 @@ def test_longer_drafts_are_the_heads_chain(arch, mtp_checkpoints):
 def test_refusals(mtp_checkpoints, tiny_hybrid_checkpoints, example_model_dir):
     with pytest.raises(RolloutError, match="holds no multi-token-prediction head"):
         Engine(tiny_hybrid_checkpoints["qwen3_next"], device="cpu", max_model_len=64, speculative="mtp")
-    with pytest.raises(RolloutError, match="MTP head of Qwen3-Next / Qwen3.5 text checkpoints"):
+    with pytest.raises(RolloutError, match="MTP head of Qwen3-Next / Qwen3.5 checkpoints"):
         Engine(example_model_dir, device="cpu", max_model_len=64, speculative="mtp")
     with pytest.raises(RolloutError, match="--deterministic is not built yet"):
         EngineConfig(model=mtp_checkpoints["qwen3_next"], speculative="mtp", deterministic=True)
@@ -230,3 +230,51 @@ def test_a_reload_without_the_head_keeps_it(mtp_checkpoints, tiny_hybrid_checkpo
                        kv_cache_tokens=2048).stream([PromptInput(0, PROMPTS[0])], params))
     assert got[0].response_token_ids == want[0].response_token_ids
     assert engine.scheduler.stats.verify_steps > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_multimodal_qwen3_5_drafts_from_image_prompts(arch, tmp_path):
+    """Qwen3.5 as the hub ships it (ForConditionalGeneration: the vision tower, model.language_model.*, mtp.*):
+    image prompts decode the tokens of plain decoding with 2-token drafts, and every first draft is the head's
+    prediction from HF's own pieces: its hidden states, its image features at the image tokens' rows and its
+    3-D rotary positions (get_rope_index)."""
+    from vlm_fixtures import IMAGE_PAD, HFVisionReference, ReferencePrompts, build_tiny_vlm, random_image
+
+    model = with_mtp_head(str(build_tiny_vlm(tmp_path / "vlm", arch)), tmp_path / "mtp")
+    build = ReferencePrompts(model)
+    prompts = [build.build([random_image(20, 12, 1)]), build.build([random_image(32, 24, 2)], "compare"),
+               build.build([], "text only")]
+    inputs = [PromptInput(i, ids, images=images) for i, (ids, images) in enumerate(prompts)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    # no prefix cache: a prompt sharing the chat template's first tokens with another would keep the head's
+    # KV of the last shared position, made with the other prompt's next token (it only costs acceptance)
+    options = dict(device="cpu", dtype="float32", max_model_len=256, kv_cache_tokens=4096, enable_prefix_cache=False)
+    want = sorted(Engine(model, **options).stream(inputs, params), key=lambda t: t.prompt_index)
+    engine = Engine(model, speculative="mtp", num_draft_tokens=2, **options)
+    log = {}
+    engine.scheduler.enable_speculation(_LoggingDrafter(log), 2)
+    got = sorted(engine.stream(inputs, params), key=lambda t: t.prompt_index)
+    assert [t.response_token_ids for t in got] == [t.response_token_ids for t in want]
+    assert engine.scheduler.stats.verify_steps > 0
+
+    hf = HFVisionReference(model)
+    checked = 0
+    for result in got:
+        ids, images = prompts[result.prompt_index]
+        sequence = ids + result.response_token_ids
+        batch = hf._inputs(sequence, images)
+        with torch.no_grad():
+            hidden = hf.model.model(**batch).last_hidden_state[0]  # [T, H] after the final norm
+            rope, _ = hf.model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                                    batch.get("image_grid_thw"), None, batch["attention_mask"])
+            embeds = engine.model.model.embed_tokens(torch.tensor(sequence[1:]))  # the tokens at q + 1
+            if images:
+                features = hf.model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"])
+                embeds[torch.tensor(sequence[1:]) == IMAGE_PAD] = torch.cat(features.pooler_output)
+            out = engine.model.mtp(embeds, hidden[:-1], rope[:, 0, :-1], _CausalAttention())
+            reference = engine.model.compute_logits(out).argmax(-1).tolist()
+        for (prompt, _, position), token in log.items():
+            if prompt == result.prompt_index:
+                assert token == reference[position - 2], (prompt, position)
+                checked += 1
+    assert checked >= len(got) * 4

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from rollout_cli.engine.execution.vision_step import step_positions_and_images
 from rollout_cli.engine.scheduling.schedule_output import DRAFT_LATER, BatchEntry
 
 
@@ -99,7 +100,17 @@ class MTPStep:
         attn = runner._prepare(head_entries, runner.req_to_token, runner.kv, runner.scale,
                                torch.tensor(slots, dtype=torch.long, device=device))
         embeds = self.model.model.embed_tokens(torch.tensor(tokens, device=device))  # [M, H]
-        return self.model.mtp(embeds, target_hidden, torch.tensor(positions, device=device), attn)
+        if runner.encoder_cache is None:
+            return self.model.mtp(embeds, target_hidden, torch.tensor(positions, device=device), attn)
+        # multimodal (Qwen3.5 as the hub ships it): the rotary positions of q (three per row where the step
+        # holds image tokens), and where the token at q + 1 is an image token its image embedding
+        rope, _ = step_positions_and_images(head_entries, runner.encoder_cache, device)
+        next_tokens = [BatchEntry(e.request, e.table_row, e.start + 1, e.token_ids, e.start + 1 + e.num_new_tokens, [],
+                                  False) for e in head_entries]
+        _, images = step_positions_and_images(next_tokens, runner.encoder_cache, device)
+        if images is not None:
+            embeds[images.rows] = images.embeds.to(embeds.dtype)
+        return self.model.mtp(embeds, target_hidden, rope, attn)
 
     def _greedy(self, out: torch.Tensor) -> list[int]:
         """The head's greedy tokens of its outputs [N, H] through the target's LM head."""
