@@ -35,6 +35,9 @@
 # specnext (siblings on the 12-layer Qwen3-Next slice: verify steps with the state kept per draft position), mtpnext
 # (--speculative mtp on the same slice with dummy weights: a random head, so this prices the head's pass and the
 # eager steps, not the acceptance of a trained head; its plain runs are eager too, next12_plain is the graph baseline).
+# specmodels (issue 22's targets: scripts/train_speculation_models.py trains a small Qwen3-Next-shaped model with
+# its MTP head and a dense one on the standard library's code, 2 minutes each, then bench --speculative mtp at
+# batch 32 and siblings on 16 x n16 held-out code prompts, greedy).
 # Logs and JSON go to $OUT.
 # torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
 set -uo pipefail
@@ -138,6 +141,13 @@ for kv in (None, torch.float8_e4m3fn):
                && WORKDIR=/tmp/grpo06 MODEL=/tmp/q06_recipe DETERMINISTIC=1 ITERATIONS=2 GROUP_SIZE=8 LIMIT=16 \
                MAX_NEW_TOKENS=256 TRAIN_STEPS=2 ROLLOUT="python3 -m rollout_cli.cli.main" PYTHON=python3 \
                timeout 400 bash recipes/grpo_loop.sh 2>&1 | tee "$OUT/recipe06.log" | tail -4 ;;
+    specmodels) S=/tmp/spec  # issue 22's targets: train the pair (2 min each), then bench on held-out code
+               timeout 330 python3 scripts/train_speculation_models.py --out $S --minutes 2 2>&1 | tee "$OUT/train_spec.log" \
+               | grep -E "step .*000 |wrote|tokens"
+               bench spec_mtp32 120 --model $S/hybrid --data $S/prompts.parquet --num-prompts 32 --output-len 256 \
+                   --temperature 0 --speculative mtp --num-draft-tokens 2
+               bench spec_siblings 120 --model $S/dense --data $S/prompts.parquet --num-prompts 16 --n 16 \
+                   --output-len 256 --temperature 0 --speculative siblings ;;
     control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;
     controlfp8) timeout 250 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp --quantization fp8 2>&1 \
                | tee "$OUT/control_plane_fp8.log" | tail -13 ;;
