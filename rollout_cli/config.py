@@ -132,9 +132,6 @@ class EngineConfig:
             raise RolloutError("--num-draft-tokens must be at least 1")
         if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
             raise RolloutError("--speculative-max-batch must be at least 1 (or left out: draft at every batch size)")
-        if self.speculative == "mtp" and self.deterministic:
-            raise RolloutError("--speculative mtp with --deterministic is not built yet (the on-policy forward keeps "
-                               "no hidden states for the head); use --speculative siblings")
         if self.speculative is not None and self.tensor_parallel_size > 1:
             raise RolloutError("--speculative runs on one GPU for now (--tp 1); drop --tp or --speculative")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -196,13 +196,39 @@ def test_longer_drafts_are_the_heads_chain(arch, mtp_checkpoints):
     assert chains >= len(results) * 3
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_on_policy_mode_with_mtp_drafts_bit_for_bit(arch, dtype, mtp_checkpoints):
+    """--deterministic --speculative mtp: the one-token forwards keep each token's hidden state for the head's
+    pass; seeded tokens and logprobs those of the on-policy mode without drafts, to the bit; the drafts are
+    the head's over those states (every one checked against the one-pass reference in float32)."""
+    params = SamplingParams(temperature=1.0, seed=3, max_new_tokens=12, ignore_eos=True, n=2)
+    options = dict(device="cpu", dtype=dtype, max_model_len=128, kv_cache_tokens=2048, deterministic=True,
+                   enable_prefix_cache=False)
+    model = mtp_checkpoints[arch]
+    want = sorted(Engine(model, **options).stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], params),
+                  key=lambda t: (t.prompt_index, t.sample_index))
+    engine = Engine(model, speculative="mtp", num_draft_tokens=2, **options)
+    log = {}
+    engine.scheduler.enable_speculation(_LoggingDrafter(log), 2)
+    got = sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], params),
+                 key=lambda t: (t.prompt_index, t.sample_index))
+    assert [t.response_token_ids for t in got] == [t.response_token_ids for t in want]
+    assert [t.response_logprobs for t in got] == [t.response_logprobs for t in want]
+    assert engine.scheduler.stats.verify_steps > 0 and len(log) >= len(got) * 4
+    if dtype == "float32":
+        for result in got:
+            reference = _reference_drafts(engine, model, PROMPTS[result.prompt_index] + result.response_token_ids)
+            for (prompt, sample, position), token in log.items():
+                if (prompt, sample) == (result.prompt_index, result.sample_index):
+                    assert token == reference[position - 2], (prompt, position)
+
+
 def test_refusals(mtp_checkpoints, tiny_hybrid_checkpoints, example_model_dir):
     with pytest.raises(RolloutError, match="holds no multi-token-prediction head"):
         Engine(tiny_hybrid_checkpoints["qwen3_next"], device="cpu", max_model_len=64, speculative="mtp")
     with pytest.raises(RolloutError, match="MTP head of Qwen3-Next / Qwen3.5 checkpoints"):
         Engine(example_model_dir, device="cpu", max_model_len=64, speculative="mtp")
-    with pytest.raises(RolloutError, match="--deterministic is not built yet"):
-        EngineConfig(model=mtp_checkpoints["qwen3_next"], speculative="mtp", deterministic=True)
     assert EngineConfig(model=example_model_dir, speculative="siblings").num_draft_tokens == 4
     assert EngineConfig(model=mtp_checkpoints["qwen3_next"], speculative="mtp").num_draft_tokens == 1
     assert EngineConfig(model=mtp_checkpoints["qwen3_next"], speculative="mtp", num_draft_tokens=3).num_draft_tokens == 3

@@ -304,21 +304,26 @@ class ModelRunner:
         if self.linear_states is not None:
             self.linear_states.copy(out.state_copies)  # once, before any token; each sub-step zeroes its own start
         sample_rows, score_rows = [], []
+        hidden_rows = [] if self.mtp_step is not None else None  # [1, H] per token, for the MTP head's pass
         for e in out.entries:
             for j, token in enumerate(e.token_ids):
                 sample = e.sample and j >= e.num_new_tokens - 1 - e.num_draft
                 scored = e.score_targets is not None and 0 <= j - e.score_first_row < len(e.score_targets)
-                logits = self._token_forward(e, j, token, keep_logits=sample or scored)
+                logits = self._token_forward(e, j, token, keep_logits=sample or scored, hidden_rows=hidden_rows)
                 if e.state_forks is not None and j < e.num_draft:  # the state after draft position j kept
                     self.linear_states.copy([(e.request.state_slot, e.state_forks[j])])
                 if sample:
                     sample_rows.append(logits)
                 if scored:
                     score_rows.append(logits)
+        if hidden_rows:
+            self.last_hidden = torch.cat(hidden_rows)  # [T, H] in the step's row order
         return (torch.cat(sample_rows) if sample_rows else None), (torch.cat(score_rows) if score_rows else None)
 
-    def _token_forward(self, entry, j: int, token: int, keep_logits: bool) -> torch.Tensor | None:
-        """The on-policy mode's forward of token j of `entry` alone -> its logits [1, V] float32 (if kept)."""
+    def _token_forward(self, entry, j: int, token: int, keep_logits: bool,
+                       hidden_rows: list | None = None) -> torch.Tensor | None:
+        """The on-policy mode's forward of token j of `entry` alone -> its logits [1, V] float32 (if kept);
+        its final hidden state appended to hidden_rows (if given)."""
         position, slot = entry.start + j, entry.new_slots[j]
         if self.routing_pool is not None:
             self.routing_pool.begin_step(torch.tensor([slot], dtype=torch.long, device=self.device))
@@ -328,9 +333,11 @@ class ModelRunner:
         if self.linear_states is not None:
             attn = HybridBatch(attn, begin_step(self.linear_states, ScheduleOutput([one]), self.device))
         if self.encoder_cache is None:
-            return token_forward(self.model, token, position, attn, self.device, logits=keep_logits)
+            return token_forward(self.model, token, position, attn, self.device, logits=keep_logits,
+                                 hidden_rows=hidden_rows)
         rope, vision = step_positions_and_images([one], self.encoder_cache, self.device)  # an image token's row
-        return token_forward(self.model, token, rope, attn, self.device, logits=keep_logits, vision=vision)
+        return token_forward(self.model, token, rope, attn, self.device, logits=keep_logits, vision=vision,
+                             hidden_rows=hidden_rows)
 
     def _eager_logits(self, out: ScheduleOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One forward over the step's entries -> (sampling logits [B, V], scored rows' logits [S, V])."""

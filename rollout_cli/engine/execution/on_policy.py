@@ -47,11 +47,14 @@ class PoolTokenAttention:
 
 
 def token_forward(model, token: int, position: int | torch.Tensor, attn, device, logits: bool = True,
-                  vision=None) -> torch.Tensor | None:
+                  vision=None, hidden_rows: list | None = None) -> torch.Tensor | None:
     """One token's forward (the model reads and writes its context through `attn`) -> its logits
     [1, vocab] float32, or None with logits=False (a position nobody samples or scores). `position`: an
-    int, or the rotary positions tensor ([1], or [3, 1] for an image token) with its `vision` rows."""
+    int, or the rotary positions tensor ([1], or [3, 1] for an image token) with its `vision` rows.
+    hidden_rows: the final hidden state [1, hidden] is appended there (the MTP head's pass reads them)."""
     ids = torch.tensor([token], device=device)
     positions = torch.tensor([position], device=device) if isinstance(position, int) else position
     hidden = model(ids, positions, attn) if vision is None else model(ids, positions, attn, vision=vision)  # [1, hidden]
+    if hidden_rows is not None:
+        hidden_rows.append(hidden)
     return model.compute_logits(hidden) if logits else None
