@@ -130,3 +130,33 @@ def test_fp8_kv_cache_graphs_replay_the_eager_steps_and_match_the_torch_path(tin
         for (tokens, logprobs), (want, want_logprobs) in zip(outputs[1], outputs[2], strict=True):
             assert tokens == want
             assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-3
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_verify_steps_replay_the_decode_graphs(tiny_checkpoints, deterministic):
+    """Speculative verify steps of a dense model replay the decode graphs as one-token rows (ModelRunner.
+    _graph_rows): greedy tokens of plain decoding (in float32; bit for bit, logprobs too, in the on-policy
+    mode), with drafts the oracle makes right and wrong."""
+    import sys
+    from pathlib import Path
+
+    from rollout_cli.engine.trajectory import PromptInput
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from speculative_oracle import OracleDrafter
+
+    model_dir = tiny_checkpoints["qwen3"]
+    prompts = [PromptInput(i, p) for i, p in enumerate(_prompts(300, 6, seed=4))]
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    options = dict(dtype="float32", attention_backend="triton", deterministic=deterministic)
+    want = sorted(_engine(model_dir, **options).stream(prompts, params), key=lambda t: (t.prompt_index, t.sample_index))
+    truth = {(t.prompt_index, t.sample_index): t.response_token_ids for t in want}
+    engine = _engine(model_dir, **options)
+    engine.scheduler.enable_speculation(OracleDrafter(truth, lambda k: k == 2), 4)  # the third draft is wrong
+    got = sorted(engine.stream(prompts, params), key=lambda t: (t.prompt_index, t.sample_index))
+    assert [t.response_token_ids for t in got] == [t.response_token_ids for t in want]
+    if deterministic:
+        assert [t.response_logprobs for t in got] == [t.response_logprobs for t in want]
+    stats = engine.scheduler.stats
+    assert stats.verify_steps > 0 and 0 < stats.accepted_draft_tokens < stats.draft_tokens
+    assert engine.runner.graphs.replays >= stats.verify_steps // 12  # one replay per step of 12 verifying requests

@@ -181,6 +181,44 @@ def test_routing_capture_records_the_accepted_tokens_only(tiny_moe_checkpoints):
     assert engine.scheduler.stats.draft_tokens > 0
 
 
+@pytest.mark.parametrize("arch", ["example", "qwen3_next"])
+def test_verify_steps_become_one_token_rows_for_the_decode_graphs(arch, example_model_dir, tiny_hybrid_checkpoints):
+    """A verify step's entries expand into the one-token rows a decode graph replays (ModelRunner._graph_rows):
+    row j of an entry decodes its token j at start + j into its slot j and samples; hybrid models keep
+    verifying eagerly (None). The graph itself runs on the GPU (tests/e2e/test_gpu_engine.py)."""
+    from types import SimpleNamespace
+
+    from rollout_cli.engine.execution.cuda_graphs import DecodeGraphs
+
+    model = example_model_dir if arch == "example" else tiny_hybrid_checkpoints[arch]
+    params = PARAMS["greedy"]
+    _, want = _run(model, params)
+    truth = {(r.prompt_index, r.sample_index): r.response_token_ids for r in want}
+    engine = Engine(model, device="cpu", dtype="float32", max_model_len=256, kv_cache_tokens=4096)
+    engine.scheduler.enable_speculation(OracleDrafter(truth, CORRUPTIONS["last"]), 5)
+    runner, checked = engine.runner, []
+    runner_eager = runner._run_eager
+
+    def spy(out):
+        if any(e.num_draft for e in out.entries):
+            runner.graphs = SimpleNamespace(can_run=lambda rows: DecodeGraphs.can_run(SimpleNamespace(max_batch=256),
+                                                                                     rows))
+            rows = runner._graph_rows(out.entries)
+            runner.graphs = None
+            checked.append(rows)
+            if rows is not None:
+                expected = [(e.request, e.start + j, e.token_ids[j], e.new_slots[j], e.table_row)
+                            for e in out.entries for j in range(e.num_new_tokens)]
+                assert [(r.request, r.start, r.token_ids[0], r.new_slots[0], r.table_row) for r in rows] == expected
+                assert all(r.num_new_tokens == 1 and r.sample and not r.num_draft for r in rows)
+        return runner_eager(out)
+
+    runner._run_eager = spy
+    _assert_same(sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], params),
+                        key=lambda t: (t.prompt_index, t.sample_index)), want)
+    assert checked and all((rows is None) == (arch != "example") for rows in checked)
+
+
 def test_no_drafts_above_the_max_batch(example_model_dir):
     """--speculative-max-batch 2: steps of more running requests decode without drafts (and may be scheduled
     ahead); once samples finish and two or fewer run, drafts resume. Tokens as plain decoding's."""

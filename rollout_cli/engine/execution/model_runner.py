@@ -204,11 +204,12 @@ class ModelRunner:
         self._count_traffic(out)
         prefilled = bool(out.entries) and out.entries[-1].num_new_tokens > 1
         pending = prev is not None and any(e.source_row >= 0 for e in out.entries)
-        if self.graphs is not None and self.graphs.can_run(out.entries):
+        rows = self._graph_rows(out.entries) if self.graphs is not None else None
+        if rows is not None:
             on_device = pending and prev.graph_step
             if pending and not on_device:
                 self._resolve_pending(out, prev)
-            return self._launch_graph(out, tokens_on_device=on_device, started=started)
+            return self._launch_graph(out, rows, tokens_on_device=on_device, started=started)
         if pending:
             self._resolve_pending(out, prev)
         tokens, logprobs, scores, tops, sample_tops = self._run_eager(out)
@@ -269,8 +270,22 @@ class ModelRunner:
             sample_tops = sampled_top_logprobs(logits, requests, tokens, per_row=self.per_token)
         return [int(t) for t in token_values], logprob_values, scores, tops, sample_tops
 
-    def _launch_graph(self, out: ScheduleOutput, tokens_on_device: bool, started: float) -> StepHandle:
-        """A decode-only step by graph replay (forward and sampling); every entry samples."""
+    def _graph_rows(self, entries) -> list | None:
+        """The one-token rows a decode graph replays for this step, or None where no graph can run it.
+        A verify entry (speculative decoding) of a model without linear layers becomes its 1 + d rows:
+        row j decodes token j at start + j, attends through the decode kernel to its own prefix (the
+        drafts before it included: each layer stores every row's k/v before it attends) and samples at
+        its own position, as the entry's row j does in an eager step. Hybrid models keep a state per
+        draft position (linear_state.VerifyStep) and verify eagerly."""
+        if any(e.num_draft for e in entries):
+            if self.linear_states is not None:
+                return None
+            entries = [BatchEntry(e.request, e.table_row, e.start + j, [e.token_ids[j]], e.start + j, [e.new_slots[j]],
+                                  True) for e in entries for j in range(e.num_new_tokens)]
+        return entries if self.graphs.can_run(entries) else None
+
+    def _launch_graph(self, out: ScheduleOutput, rows: list, tokens_on_device: bool, started: float) -> StepHandle:
+        """A decode-only step by graph replay (forward and sampling) of its one-token `rows`, all sampling."""
         # the graph writes each entry's new slot into req_to_token; older slots that a
         # prefix-cache merge changed (table_start < start) are written here first
         self._write_table([e for e in out.entries if e.table_start < e.start])
@@ -280,11 +295,11 @@ class ModelRunner:
         if self.time_decode_steps:
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record()
-        self.graphs.run(out.entries, tokens_on_device)
+        self.graphs.run(rows, tokens_on_device)
         if self.mtp_step is not None:  # the MTP head's pass after the step reads them
             self.last_hidden = self.graphs.last_hidden()
         if self.routing_pool is not None:  # the graph recorded this step's ids; eager steps record directly
-            self.routing_pool.store(*self.graphs.routing_rows(len(out.entries)))
+            self.routing_pool.store(*self.graphs.routing_rows(len(rows)))
         if timing is not None:
             timing[1].record()
         # Copied out before the next replay can overwrite the graph's output (graphs share one pool).
