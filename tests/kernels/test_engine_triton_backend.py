@@ -57,14 +57,18 @@ def test_qwen3_fused_qk_norm_rope_store(tiny_checkpoints, monkeypatch):
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"], ids=["store_kv", "fused_prologue"])
 def test_fp8_kv_cache_on_both_backends(tiny_checkpoints, arch):
     """--kv-cache-dtype fp8: the Triton writers quantize as the torch path does and the decode and
-    extend kernels read the e4m3 pool as it does: same greedy tokens, logprobs to 1e-4."""
+    extend kernels read the e4m3 pool as it does: same greedy tokens, logprobs to 2e-2. Not 1e-4: the two
+    backends' k/v differ by float32 rounding before they are quantized, and a value that lands on the other
+    side of an e4m3 rounding boundary moves by a whole e4m3 step (1/8 relative; 18 of 1.6M k values did on
+    torch 2.13 + triton 3.9, moving a logprob by 6e-3). Given the same inputs the writers and readers agree
+    bit for bit (tests/kernels/test_kv_store.py, test_fp8_kv_pool.py)."""
     rng = random.Random(2)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(3, 30))] for _ in range(3)]
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=5)
     runs, engine = generate_on_both_backends(tiny_checkpoints[arch], prompts, params, max_model_len=64,
                                              max_batch_tokens=16, kv_cache_dtype="fp8")
     assert engine.kv.is_fp8
-    assert_same_samples(runs)
+    assert_same_samples(runs, logprob_tol=2e-2)
 
 
 @interpreter_only
