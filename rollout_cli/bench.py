@@ -100,8 +100,6 @@ class BenchConfig:
             raise RolloutError("--images is a count per prompt: 0 or more")
         if self.images and (self.turns > 1 or self.carry_over):
             raise RolloutError("--images runs single-turn prompts for now; drop --turns or --carry-over")
-        if self.turns > 1 and self.capture_routing != "off":
-            raise RolloutError("--turns runs episodes, which --capture-routing does not support yet; drop one")
 
 
 @dataclass(frozen=True)

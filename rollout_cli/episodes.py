@@ -275,13 +275,20 @@ class EpisodeRunner:
         return ids
 
     def _trajectory(self, episode: Episode, last: Trajectory) -> Trajectory:
+        """The episode's row. With routing capture its routing is the last turn's: that turn's prompt is the
+        conversation before it, so its routing covers every position of the episode but the last token
+        (earlier turns' and observations' positions from the pinned prefix, whose KV slots keep theirs)."""
+        routing = last.routed_experts
+        if routing is not None:
+            assert last.prompt_token_ids + last.response_token_ids == episode.prompt_token_ids + episode.response
+            assert routing.shape[0] == len(episode.prompt_token_ids) + len(episode.response) - 1
         return Trajectory(
             prompt_index=episode.prompt_index, sample_index=episode.sample_index,
             prompt_token_ids=episode.prompt_token_ids, response_token_ids=episode.response,
             response_logprobs=episode.logprobs, response_text=self.engine.decode(episode.response),
             finish_reason=episode.finish_reason, weight_version=last.weight_version,
             response_weight_versions=episode.versions, passthrough=episode.passthrough,
-            ttft_seconds=episode.ttft_seconds,
+            ttft_seconds=episode.ttft_seconds, routed_experts=routing,
             image_grid_thw=[list(im.grid_thw) for im in episode.images] if episode.images else None,
             episode={"response_loss_mask": episode.loss_mask, "model_turns": episode.model_turns,
                      "episode_reward": episode.reward, "turn_cached_tokens": episode.turn_cached_tokens},

@@ -93,8 +93,6 @@ class JobConfig:
             check_max_turns(self.max_turns)
             if self.continue_aborted:
                 raise RolloutError("--env runs whole episodes: --continue-aborted is not supported with it")
-            if self.capture_routing:
-                raise RolloutError("--capture-routing is not supported with --env yet; drop one of them")
         if not self.flush_seconds >= 0:  # also refuses NaN
             raise RolloutError(f"--flush-seconds must be 0 or more, got {self.flush_seconds}; "
                                "0 writes every finished row at once")

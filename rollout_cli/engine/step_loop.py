@@ -63,8 +63,12 @@ class StepLoop:
                     inflight = None
                     continue  # plan the next step on the post-processed state
                 elif not scheduler.has_work():
-                    yield from engine.results_of(engine.routing.flush())
-                    return
+                    flushed = engine.results_of(engine.routing.flush())
+                    if not flushed:
+                        return
+                    # samples whose routing was on its way: the caller may answer them with more prompts
+                    # (an episode's next turn), so the source is asked again before the loop ends
+                    yield from flushed
                 else:
                     out = scheduler.schedule()
                     if not out:

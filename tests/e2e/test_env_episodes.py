@@ -162,6 +162,38 @@ def test_every_turn_equals_the_conversation_sent_as_one_prompt(kind, tiny_hybrid
             assert all(cached[k] == len(episode.prompt_token_ids) + spans[k - 1][0] - 1 for k in range(1, 5))
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_episode_routing_covers_the_whole_conversation(name, tiny_moe_checkpoints, hf_ref):
+    """--capture-routing with episodes: one routing row per episode over every position of the prompt, the
+    model turns and the observations but the last token, each layer's ids HF's router top-k over that
+    sequence (earlier turns' positions served from the pinned conversation, with the routing their KV
+    slots keep). The episodes end every turn in the same step: their turns then come out of the routing
+    flush at the end of the step loop, which must ask for the next turns instead of ending the stream."""
+    import numpy as np
+    import torch
+
+    model_dir = tiny_moe_checkpoints[name]
+    engine = Engine(model_dir, device="cpu", dtype="float32", max_model_len=256, kv_cache_tokens=4096)
+    engine.enable_routing_capture()
+    params = SamplingParams(n=1, max_new_tokens=5, temperature=1.0, seed=4, ignore_eos=True)
+    runner = EpisodeRunner(engine, lambda row: _ScriptedEnv([11, 12, 13], 3), max_turns=5)
+    episodes = list(runner.stream([PromptInput(i, [5 + i] * 8) for i in range(4)], params))
+    assert len(episodes) == 4 and runner.turn_cached_tokens > 0
+    num_moe, top_k = len(engine.model.moe_layers), engine.model.top_k
+    hf = hf_ref.model(model_dir)
+    for episode in episodes:
+        assert len(episode.episode["model_turns"]) == 3
+        sequence = episode.prompt_token_ids + episode.response_token_ids[:-1]
+        got = episode.routed_experts
+        assert got.shape == (len(sequence), num_moe, top_k)
+        with torch.no_grad():
+            router_logits = hf(torch.tensor([sequence]), output_router_logits=True).router_logits
+        for layer, logits in enumerate(router_logits):
+            want = torch.topk(logits.float().softmax(-1), top_k, dim=-1).indices.sort(-1).values
+            have = torch.from_numpy(got[:, layer].astype(np.int64)).sort(-1).values
+            assert torch.equal(have, want), (episode.prompt_index, episode.sample_index, layer)
+
+
 def _env_file(tmp_path: Path, body: str) -> Path:
     path = tmp_path / "env.py"
     path.write_text(body)
