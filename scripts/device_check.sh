@@ -135,11 +135,11 @@ for kv in (None, torch.float8_e4m3fn):
                --num-prompts 64 --n 4 --min-len 64 --max-len 512 --output-len 256 --modes default,deterministic --hf 2>&1 | tee "$OUT/fidelity.log" | tail -20 ;;
     fidelitymoe|fidelitynext) model=$Q30; [ $part = fidelitynext ] && model=$NEXT  # 4 layers: three engines fit
                timeout 400 python3 scripts/fidelity_check.py --model $model --num-layers 4 --load-format dummy \
-               --num-prompts 64 --n 4 --min-len 64 --max-len 512 --output-len 256 --modes default,deterministic 2>&1 \
+               --num-prompts 32 --n 4 --min-len 64 --max-len 256 --output-len 128 --modes default,deterministic 2>&1 \
                | tee "$OUT/$part.log" | tail -9 ;;
     recipe06) python3 scripts/random_checkpoint.py $Q06 /tmp/q06_recipe --tokenizer-from recipes/example_model >/dev/null \
                && WORKDIR=/tmp/grpo06 MODEL=/tmp/q06_recipe DETERMINISTIC=1 ITERATIONS=2 GROUP_SIZE=8 LIMIT=16 \
-               MAX_NEW_TOKENS=256 TRAIN_STEPS=2 ROLLOUT="python3 -m rollout_cli.cli.main" PYTHON=python3 \
+               MAX_NEW_TOKENS=128 TRAIN_STEPS=2 ROLLOUT="python3 -m rollout_cli.cli.main" PYTHON=python3 \
                timeout 400 bash recipes/grpo_loop.sh 2>&1 | tee "$OUT/recipe06.log" | tail -4 ;;
     specmodels) S=/tmp/spec  # issue 22's targets: train the pair (2 min each), then bench on held-out code
                timeout 330 python3 scripts/train_speculation_models.py --out $S --minutes 2 2>&1 | tee "$OUT/train_spec.log" \
