@@ -135,13 +135,9 @@ def _prompt_source(job: JobConfig, engine: Engine | None) -> PromptSource:
         return PromptSource(job.data, tokenizer=None, prompt_key=job.prompt_key, limit=job.limit,
                             image_key=job.image_key)
     vision = VisionPromptEncoder.from_checkpoint(engine.config.model, engine.tokenizer)
-    source = PromptSource(job.data, engine.tokenizer, prompt_key=job.prompt_key, limit=job.limit,
-                          max_prompt_len=engine.requests.max_prompt_len, skip_invalid=job.skip_invalid,
-                          vocab_size=engine.requests.vocab_size, image_key=job.image_key, vision=vision)
-    if source.has_images and job.continue_aborted:  # a partial sample does not keep its prompt's images
-        raise RolloutError("--continue-aborted does not carry images yet; drop it (--resume alone keeps the "
-                           "aborted samples as they are)")
-    return source
+    return PromptSource(job.data, engine.tokenizer, prompt_key=job.prompt_key, limit=job.limit,
+                        max_prompt_len=engine.requests.max_prompt_len, skip_invalid=job.skip_invalid,
+                        vocab_size=engine.requests.vocab_size, image_key=job.image_key, vision=vision)
 
 
 def run_job(
@@ -209,9 +205,10 @@ def run_job(
                 progress.prompts_done += 1
                 continue
             remaining[row.prompt_index] = missing
-            for s in range(params.n):  # the aborted ones, from their response so far
-                if (row.prompt_index, s) in continuing:
-                    yield dataclasses.replace(continuing[(row.prompt_index, s)], passthrough=row.passthrough)
+            for s in range(params.n):  # the aborted ones, from their response so far (a row keeps no pixels:
+                if (row.prompt_index, s) in continuing:  # the prompt file's row gives its images back)
+                    yield dataclasses.replace(continuing[(row.prompt_index, s)], passthrough=row.passthrough,
+                                              images=tuple(row.images))
             if any((row.prompt_index, s) not in done and (row.prompt_index, s) not in continuing
                    for s in range(params.n)):
                 yield row

@@ -80,7 +80,7 @@ def prompt_layout(model, prompt, what: str, model_name: str):
             raise RolloutError(f"prompt {prompt.prompt_index} holds image placeholder tokens but no images, and "
                                f"{what} without them its tokens would be conditioned on placeholders, not "
                                "pictures; pass the images with the prompt (rollout run --image-key, rollout "
-                               "score of an image run); --continue-aborted does not take images yet")
+                               "score of an image run)")
         return None
     if not hasattr(model, "vision_layout"):
         raise RolloutError(f"prompt {prompt.prompt_index} has images but {model_name} is a text-only model; drop "

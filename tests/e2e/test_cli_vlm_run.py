@@ -137,3 +137,35 @@ def test_rollout_score_pairs_an_image_runs_trajectories_with_its_images(job, ful
                      "--images-from", tmp_path / "moved.parquet", "--quiet")
     assert missing.returncode != 0 and "--images-from" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1 and not (tmp_path / "none").exists()
+
+
+def test_aborted_image_samples_continue_to_the_uninterrupted_rows(job, full_run, tmp_path):
+    """--resume --continue-aborted on an image run: the aborted rows (made here from the full run's, as the
+    daemon's abort writes them: the response so far, finish_reason abort) hold no pixels; the prompt file's
+    rows give each continuation its images back, and the rows equal the uninterrupted run's."""
+    import shutil
+
+    model, data, _ = job
+    out = tmp_path / "out"
+    shutil.copytree(full_run, out)
+    aborted = 0
+    for shard in sorted((out / "trajectories").glob("*.parquet")):
+        table = pq.read_table(shard)
+        rows = table.to_pylist()
+        for row in rows:
+            if row["sample_index"] == 1:  # cut after 2 tokens
+                for column in ("response_token_ids", "response_logprobs", "response_weight_versions"):
+                    row[column] = row[column][:2]
+                row["finish_reason"] = "abort"
+                aborted += 1
+        pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), shard)
+    assert aborted == 3
+    result = _rollout(*_settings(model, data, out), "--resume", "--continue-aborted")
+    assert result.returncode == 0, result.stderr
+    columns = ["prompt_index", "sample_index", "prompt_token_ids", "response_token_ids", "finish_reason",
+               "image_grid_thw"]
+    got, want = _sorted(out), _sorted(full_run)
+    assert got.select(columns).to_pylist() == want.select(columns).to_pylist()
+    for a, b in zip(got.column("response_logprobs").to_pylist(), want.column("response_logprobs").to_pylist(),
+                    strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
