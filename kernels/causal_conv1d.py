@@ -69,6 +69,23 @@ def causal_conv1d_update_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     return _activate(y, activation).to(x.dtype)
 
 
+def causal_conv1d_verify_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             conv_states: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: list[int],
+                             fork_slots: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+    """A step verifying drafts: sequence b is rows cu_seqlens[b]:cu_seqlens[b+1] (its last token and its
+    drafts), each token the decode step from conv_states[state_indices[b]]; after its token j the state is
+    also copied to slot fork_slots[b, j] (j < fork_slots.shape[1], slot >= 0). -> out [T, C]."""
+    out = torch.empty_like(x)
+    forks = fork_slots.tolist()
+    for b, slot in enumerate(state_indices.tolist()):
+        one = torch.tensor([slot], dtype=torch.long, device=x.device)
+        for j, t in enumerate(range(cu_seqlens[b], cu_seqlens[b + 1])):
+            out[t] = causal_conv1d_update_ref(x[t:t + 1], weight, bias, conv_states, one, activation)[0]
+            if j < len(forks[b]) and forks[b][j] >= 0:
+                conv_states[forks[b][j]] = conv_states[slot]
+    return out
+
+
 if triton is not None:
 
     @triton.jit
@@ -222,6 +239,31 @@ if triton is not None:
                  window.to(state_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])
 
 
+if triton is not None:
+
+    @triton.jit
+    def _conv_fork_write_kernel(x_ptr, state_ptr, index_ptr, cu_ptr, fork_ptr, sx0, ss0, ss1, C, NF,
+                                WIDTH: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr):
+        # one program: sequence b, draft position j (program 2), channels [cb * BC, cb * BC + BC): fork slot
+        # fork[b, j] <- the state after the sequence's token j, its last WIDTH - 1 inputs (older ones from
+        # the old state); runs before the varlen conv rewrites the sequence's own slot
+        b = tl.program_id(0)
+        j = tl.program_id(2).to(tl.int64)
+        cols = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
+        seq_start = tl.load(cu_ptr + b).to(tl.int64)
+        length = tl.load(cu_ptr + b + 1).to(tl.int64) - seq_start
+        fork = tl.load(fork_ptr + b * NF + j).to(tl.int64)
+        # no fork slot, or past the sequence: nothing (one mask expression: interpreter-safe)
+        mask_c = cols < tl.where(j < tl.where(fork >= 0, length, 0), C, 0)
+        slot = tl.load(index_ptr + b).to(tl.int64)
+        taps = tl.arange(0, BW)
+        mask_t = taps < WIDTH - 1
+        window = _window_tap(x_ptr, state_ptr, j + 1 - (WIDTH - 1) + taps.to(tl.int64), seq_start, slot, cols,
+                             mask_c, mask_t, sx0, ss0, ss1, WIDTH)  # [BW, BC]
+        tl.store(state_ptr + fork * ss0 + cols[None, :] * ss1 + taps[:, None],
+                 window.to(state_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])
+
+
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          conv_states: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: list[int],
                          activation: str | None = "silu") -> torch.Tensor:
@@ -249,3 +291,26 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         WIDTH=width, BW=max(2, triton.next_power_of_2(width - 1)), BC=block_c, num_warps=4,
     )
     return out
+
+
+def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_states: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: list[int],
+                         fork_slots: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+    """A step verifying drafts, as causal_conv1d_verify_ref: the fork slots written first (the state after
+    each draft position, read from the old state and the step's inputs), then the varlen conv (its taps
+    summed in the decode kernel's order: each token's output has a decode's bits) writes the outputs and
+    the final state. fork_slots [B, F] int64, -1: none."""
+    assert triton is not None, "causal_conv1d_verify needs triton"
+    _, C, width = _check_conv_args(x, weight, bias, conv_states, activation)
+    B = len(cu_seqlens) - 1
+    assert fork_slots.dim() == 2 and fork_slots.shape[0] == B and fork_slots.dtype == torch.int64 \
+        and fork_slots.is_contiguous(), f"fork_slots must be [{B}, F] int64, contiguous"
+    if B and fork_slots.shape[1]:
+        block_c = min(triton.next_power_of_2(C), 128)
+        cu = torch.tensor(cu_seqlens, dtype=torch.int64, device=x.device)
+        _conv_fork_write_kernel[(B, triton.cdiv(C, block_c), fork_slots.shape[1])](
+            x, conv_states, state_indices, cu, fork_slots, x.stride(0), conv_states.stride(0), conv_states.stride(1),
+            C, fork_slots.shape[1], WIDTH=width, BW=max(2, triton.next_power_of_2(width - 1)), BC=block_c,
+            num_warps=4,
+        )
+    return causal_conv1d_varlen(x, weight, bias, conv_states, state_indices, cu_seqlens, activation)

@@ -144,6 +144,26 @@ def recurrent_gated_delta_rule_update_ref(q: torch.Tensor, k: torch.Tensor, v: t
     return out[:, 0]
 
 
+def recurrent_gated_delta_rule_verify_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                          beta: torch.Tensor, ssm_states: torch.Tensor, state_indices: torch.Tensor,
+                                          cu_seqlens: list[int], fork_slots: torch.Tensor,
+                                          use_qk_l2norm: bool = True) -> torch.Tensor:
+    """A step verifying drafts: sequence b is rows cu_seqlens[b]:cu_seqlens[b+1] (its last token and its
+    drafts), advanced token by token with the decode step from ssm_states[state_indices[b]]; after its
+    token j the state is also copied to slot fork_slots[b, j] (where j < fork_slots.shape[1] and the slot
+    is >= 0), so the state after any accepted prefix is at hand. -> o [T, Hv, dv]."""
+    out = torch.empty_like(v)
+    forks = fork_slots.tolist()
+    for b, slot in enumerate(state_indices.tolist()):
+        one = torch.tensor([slot], dtype=torch.long, device=q.device)
+        for j, t in enumerate(range(cu_seqlens[b], cu_seqlens[b + 1])):
+            out[t] = recurrent_gated_delta_rule_update_ref(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
+                                                           beta[t:t + 1], ssm_states, one, use_qk_l2norm)[0]
+            if j < len(forks[b]) and forks[b][j] >= 0:
+                ssm_states[forks[b][j]] = ssm_states[slot]
+    return out
+
+
 if triton is not None:
 
     @triton.jit
@@ -184,7 +204,9 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, index_ptr, cu_ptr, o_ptr,
         sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, ss0, ss1, ss2, so0, so1,
         scale, DK, DV,
+        fork_ptr, NF,
         GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr,
+        FORKS: tl.constexpr,
     ):
         # one program: sequence b, value head h, value columns [vb * BV, vb * BV + BV). The state's
         # columns are independent (S^T k and the rank-1 write act per column), so v tiles split freely.
@@ -203,6 +225,12 @@ if triton is not None:
             state, out = _token_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state, t, h // GROUP, h, rows, cols,
                                      mask_k, mask_v, sq0, sq1, sk0, sk1, sv0, sv1, sg0, sb0, scale, L2NORM)
             tl.store(o_ptr + t * so0 + h * so1 + cols, out.to(o_ptr.dtype.element_ty), mask=mask_v)
+            if FORKS:  # verifying drafts: the state after token j also goes to the sequence's fork slot j
+                j = t - first
+                fork = tl.load(fork_ptr + b * NF + tl.minimum(j, NF - 1)).to(tl.int64)
+                fork = tl.where(j < NF, fork, -1)
+                f_ptrs = state_ptr + fork * ss0 + h * ss1 + rows[:, None] * ss2 + cols[None, :]
+                tl.store(f_ptrs, state, mask=s_mask & (rows[:, None] < tl.where(fork >= 0, DK, 0)))
         tl.store(s_ptrs, state, mask=s_mask)
 
 
@@ -223,7 +251,7 @@ def _check_delta_args(q, k, v, g, beta, ssm_states) -> tuple[int, int, int, int,
 
 
 def _launch_delta(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens: list[int] | None,
-                  use_qk_l2norm: bool) -> torch.Tensor:
+                  use_qk_l2norm: bool, fork_slots: torch.Tensor | None = None) -> torch.Tensor:
     """Check, then launch grid (sequences, Hv, value-column blocks) -> o [T, Hv, dv] in v's dtype. Decode
     (cu_seqlens None: row b is sequence b's one token) and the recurrent prefill (sequence b is rows
     cu_seqlens[b]:cu_seqlens[b+1]) run one kernel with block sizes from the head dims only, so they
@@ -239,6 +267,9 @@ def _launch_delta(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens: list[
     if T == 0:
         return out
     cu = torch.tensor(cu_seqlens, dtype=torch.int64, device=q.device) if cu_seqlens is not None else state_indices
+    if fork_slots is not None:
+        assert fork_slots.dim() == 2 and fork_slots.shape[0] == sequences and fork_slots.dtype == torch.int64 \
+            and fork_slots.is_contiguous(), f"fork_slots must be [{sequences}, F] int64, contiguous"
     block_k = triton.next_power_of_2(dk)
     block_v = min(triton.next_power_of_2(dv), max(16, 8192 // block_k))  # a [BK, BV] float32 tile in registers
     _recurrent_gated_delta_rule_kernel[(sequences, Hv, triton.cdiv(dv, block_v))](
@@ -246,7 +277,9 @@ def _launch_delta(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens: list[
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), out.stride(0), out.stride(1),
         dk ** -0.5, dk, dv,
-        GROUP=Hv // Hk, BK=block_k, BV=block_v, L2NORM=use_qk_l2norm, VARLEN=cu_seqlens is not None, num_warps=4,
+        fork_slots if fork_slots is not None else state_indices, fork_slots.shape[1] if fork_slots is not None else 1,
+        GROUP=Hv // Hk, BK=block_k, BV=block_v, L2NORM=use_qk_l2norm, VARLEN=cu_seqlens is not None,
+        FORKS=fork_slots is not None and fork_slots.shape[1] > 0, num_warps=4,
     )
     return out
 
@@ -269,3 +302,13 @@ def recurrent_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch
     the state it leaves have the bits a decode of it would give, however the prompt was chunked.
     Slower than the chunked kernel: one program walks a sequence's tokens in order."""
     return _launch_delta(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, use_qk_l2norm)
+
+
+def recurrent_gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, ssm_states: torch.Tensor, state_indices: torch.Tensor,
+                                      cu_seqlens: list[int], fork_slots: torch.Tensor,
+                                      use_qk_l2norm: bool = True) -> torch.Tensor:
+    """A step verifying drafts in one launch, as recurrent_gated_delta_rule_verify_ref: each sequence's
+    tokens run the decode kernel's step in order (the bits a decode of each gives), and the state after
+    token j is also stored at fork_slots[b, j] ([B, F] int64, -1: none)."""
+    return _launch_delta(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, use_qk_l2norm, fork_slots)

@@ -61,7 +61,7 @@ PARAMS = {
 def test_verified_drafts_give_the_tokens_of_plain_decoding(arch, sampling, corruption, example_model_dir,
                                                            tiny_moe_checkpoints, tiny_hybrid_checkpoints):
     """qwen3_next: a hybrid model, whose linear layers must end each verify step in the state after the
-    last accepted token (kept per draft position in fork slots, engine/execution/linear_state.VerifyStep)."""
+    last accepted token (kept per draft position in fork slots, engine/execution/linear_state.LinearBatch)."""
     model = {"example": example_model_dir, "qwen3_moe": tiny_moe_checkpoints.get("qwen3_moe"),
              "qwen3_next": tiny_hybrid_checkpoints.get("qwen3_next")}[arch]
     params = PARAMS[sampling]

@@ -13,8 +13,8 @@ taken, snapshots forked into samples) and zeroes the slots of entries starting
 at position 0 (`prepare_step`), then runs the forward, whose linear layers read
 and update their slots through `LinearBatch` (decodes: one recurrent step each,
 batched; prefill chunks: chunked delta rule per sequence; a step verifying
-speculative drafts: token by token, keeping the state after each draft, see
-VerifyStep). The torch references
+speculative drafts: each sequence's tokens in order with the decode step, keeping the state
+after each draft in a fork slot, one launch per layer). The torch references
 run by default; `triton_kernels=True` (the model runner sets it on the Triton
 backend: CUDA, or the interpreter on the CPU) runs the Triton kernels of
 rollout_kernels instead, same arguments.
@@ -63,11 +63,18 @@ class LinearBatch:
 
     decode_slots [D] int64 on the device (a CUDA graph passes a view of its static buffer: the
     layers then build no tensor and read nothing on the host); prefill_slots [P] int64 with
-    cu_seqlens (P + 1 host ints from 0), or None for a decode-only step."""
+    cu_seqlens (P + 1 host ints from 0), or None for a decode-only step.
+
+    A step verifying speculative drafts (engine/scheduling/speculation.py) has 1 + d rows per decode
+    entry (its last token and d drafts): `verify` = (verify_cu, fork_slots) gives entry b's rows
+    verify_cu[b]:verify_cu[b+1] and the state slots [D, F] (-1: none) that receive its state after each
+    draft position j < d, so the scheduler can put back the state after the last accepted token. The
+    verify kernels run each entry's tokens in order with the decode step (a verified token has a
+    decode's bits) in one launch per layer."""
 
     def __init__(self, pool: LinearStatePool, decode_slots: torch.Tensor, prefill_slots: torch.Tensor | None = None,
                  cu_seqlens: list[int] | None = None, triton_kernels: bool = False, invariant: bool = False,
-                 verify_steps: list["VerifyStep"] | None = None):
+                 verify: tuple[list[int], torch.Tensor] | None = None):
         from rollout_kernels import causal_conv1d, gated_delta_rule  # Triton: optional on the CPU
 
         self._conv_ops, self._delta_ops = causal_conv1d, gated_delta_rule
@@ -81,22 +88,22 @@ class LinearBatch:
                                       else chunk_gated_delta_rule_varlen)
         self.triton_kernels = triton_kernels
         self.pool = pool
+        self.verify = verify
         # rows of the decode part: one per decode, or 1 + num_draft per entry of a step verifying drafts
-        self.num_decodes = decode_slots.shape[0] if verify_steps is None else verify_steps[0].num_rows
+        self.num_decodes = decode_slots.shape[0] if verify is None else verify[0][-1]
         self.decode_slots = decode_slots
         self.prefill_slots = prefill_slots
         self.cu_seqlens = cu_seqlens if prefill_slots is not None else [0]
         assert prefill_slots is None or len(self.cu_seqlens) == prefill_slots.shape[0] + 1
-        self.verify_steps = verify_steps  # a step verifying drafts: its decode part token by token, see VerifyStep
 
     @classmethod
     def from_entries(cls, pool: LinearStatePool, entries, device, triton_kernels: bool = False,
                      invariant: bool = False) -> "LinearBatch":
         """An eager step's batch from its entries (sorted decodes first, as ModelRunner.run does)."""
-        verify_steps = None
+        verify = None
         if any(e.num_draft for e in entries):  # drafts come in steps of all decodes (+ new requests' prefills)
             decodes = [e for e in entries if e.num_draft or e.num_new_tokens == 1]
-            verify_steps = VerifyStep.plan(decodes, device)
+            verify = _verify_layout(decodes, device)
         else:
             decodes = [e for e in entries if e.num_new_tokens == 1]
         prefills = entries[len(decodes):]
@@ -109,20 +116,20 @@ class LinearBatch:
             return torch.tensor([e.request.state_slot for e in group], dtype=torch.long, device=device)
 
         return cls(pool, slots(decodes), slots(prefills) if prefills else None, cu_seqlens, triton_kernels, invariant,
-                   verify_steps)
+                   verify)
 
     def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor, bias, activation: str) -> torch.Tensor:
         """x [T, C] -> causal conv + activation [T, C], each sequence continuing from its conv state."""
         D, states = self.num_decodes, self.pool.conv[layer]  # states [S, C, K-1], updated in place
         ops = self._conv_ops
-        update, varlen = ((ops.causal_conv1d_update, ops.causal_conv1d_varlen) if self.triton_kernels
-                          else (ops.causal_conv1d_update_ref, ops.causal_conv1d_varlen_ref))
-        if self.prefill_slots is None and self.verify_steps is None:  # decodes only (every graph step)
+        update, varlen, verify = ((ops.causal_conv1d_update, ops.causal_conv1d_varlen, ops.causal_conv1d_verify)
+                                  if self.triton_kernels else (ops.causal_conv1d_update_ref, ops.causal_conv1d_varlen_ref,
+                                                               ops.causal_conv1d_verify_ref))
+        if self.prefill_slots is None and self.verify is None:  # decodes only (every graph step)
             return update(x, weight, bias, states, self.decode_slots, activation)
         out = torch.empty_like(x)
-        if self.verify_steps is not None:
-            VerifyStep.run(self.verify_steps, states, out, lambda rows, slots: update(
-                x[rows], weight, bias, states, slots, activation))
+        if self.verify is not None:
+            out[:D] = verify(x[:D], weight, bias, states, self.decode_slots, *self.verify, activation)
         elif D:
             out[:D] = update(x[:D], weight, bias, states, self.decode_slots, activation)
         if self.prefill_slots is None:
@@ -133,17 +140,18 @@ class LinearBatch:
     def delta_rule(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
         """q/k [T, Hk, dk], v [T, Hv, dv], g/beta [T, Hv] -> o [T, Hv, dv], states advanced in place."""
         D, states = self.num_decodes, self.pool.ssm[layer]  # [S, Hv, dk, dv]
+        ops = self._delta_ops
         if self.triton_kernels:
-            update, varlen = self._delta_ops.recurrent_gated_delta_rule_update, self._chunk_delta_rule
+            update, varlen, verify = (ops.recurrent_gated_delta_rule_update, self._chunk_delta_rule,
+                                      ops.recurrent_gated_delta_rule_verify)
         else:
-            update = self._delta_ops.recurrent_gated_delta_rule_update_ref
-            varlen = self._delta_ops.chunk_gated_delta_rule_varlen_ref
-        if self.prefill_slots is None and self.verify_steps is None:
+            update, varlen = ops.recurrent_gated_delta_rule_update_ref, ops.chunk_gated_delta_rule_varlen_ref
+            verify = ops.recurrent_gated_delta_rule_verify_ref
+        if self.prefill_slots is None and self.verify is None:
             return update(q, k, v, g, beta, states, self.decode_slots)
         out = torch.empty_like(v)
-        if self.verify_steps is not None:
-            VerifyStep.run(self.verify_steps, states, out, lambda rows, slots: update(
-                q[rows], k[rows], v[rows], g[rows], beta[rows], states, slots))
+        if self.verify is not None:
+            out[:D] = verify(q[:D], k[:D], v[:D], g[:D], beta[:D], states, self.decode_slots, *self.verify)
         elif D:
             out[:D] = update(q[:D], k[:D], v[:D], g[:D], beta[:D], states, self.decode_slots)
         if self.prefill_slots is None:
@@ -152,51 +160,15 @@ class LinearBatch:
         return out
 
 
-class VerifyStep:
-    """Position j of a step verifying drafts (engine/scheduling/speculation.py), for the linear layers.
-
-    Such a step's decode part (ahead of any new requests' prefills) has 1 + d tokens per entry (d =
-    num_draft, 0 for a plain decode). The linear layers advance each sequence one token at a time with the decode kernels, the same step a
-    token takes when decoded without drafts, and after token j < d copy the sequence's state into its
-    fork slot j (BatchEntry.state_forks), so the scheduler can put back the state after the last
-    accepted token. Position j's rows are those of every entry with d >= j:
-        rows [N_j] int64: rows of the step's flat batch; slots [N_j]: their state slots;
-        fork_from / fork_to [F_j]: state slot -> fork slot copies after the token (None: no copy)."""
-
-    def __init__(self, rows: torch.Tensor, slots: torch.Tensor, fork_from: torch.Tensor | None,
-                 fork_to: torch.Tensor | None, num_rows: int):
-        self.rows, self.slots, self.fork_from, self.fork_to = rows, slots, fork_from, fork_to
-        self.num_rows = num_rows  # rows of the whole decode part
-
-    @staticmethod
-    def plan(entries, device) -> list["VerifyStep"]:
-        """The positions of `entries`: the step's decode part, each entry 1 + num_draft tokens."""
-        offsets, offset = [], 0
-        for e in entries:
-            offsets.append(offset)
-            offset += e.num_new_tokens
-        def tensor(values):
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        steps = []
-        for j in range(1 + max(e.num_draft for e in entries)):
-            members = [(e, row) for e, row in zip(entries, offsets) if e.num_draft >= j]
-            forks = [(e.request.state_slot, e.state_forks[j]) for e, _ in members
-                     if j < e.num_draft and e.state_forks is not None]
-            steps.append(VerifyStep(tensor([row + j for _, row in members]),
-                                    tensor([e.request.state_slot for e, _ in members]),
-                                    tensor([src for src, _ in forks]) if forks else None,
-                                    tensor([dst for _, dst in forks]) if forks else None, offset))
-        return steps
-
-    @staticmethod
-    def run(steps: list["VerifyStep"], states: torch.Tensor, out: torch.Tensor, step_fn) -> None:
-        """Fill the decode part's rows of out [T, ...]: step_fn(rows, slots) -> the rows' outputs, advancing
-        `states` [S, ...] at `slots` in place; the forks copied after each position."""
-        for step in steps:
-            out[step.rows] = step_fn(step.rows, step.slots)
-            if step.fork_from is not None:
-                states[step.fork_to] = states[step.fork_from]
+def _verify_layout(entries, device) -> tuple[list[int], torch.Tensor]:
+    """The decode part of a step verifying drafts -> (row offsets [D + 1] host ints: entry b's 1 + d rows,
+    fork slots [D, F] int64 on the device: entry b's state after its token j goes to [b, j] (-1: none))."""
+    cu = [0]
+    for e in entries:
+        cu.append(cu[-1] + e.num_new_tokens)
+    width = max(e.num_draft for e in entries)
+    forks = [(list(e.state_forks) if e.state_forks is not None else []) for e in entries]
+    return cu, torch.tensor([f + [-1] * (width - len(f)) for f in forks], dtype=torch.long, device=device)
 
 
 class HybridBatch:

@@ -276,7 +276,7 @@ class ModelRunner:
         row j decodes token j at start + j, attends through the decode kernel to its own prefix (the
         drafts before it included: each layer stores every row's k/v before it attends) and samples at
         its own position, as the entry's row j does in an eager step. Hybrid models keep a state per
-        draft position (linear_state.VerifyStep) and verify eagerly."""
+        draft position (linear_state.LinearBatch's verify kernels) and verify eagerly."""
         if any(e.num_draft for e in entries):
             if self.linear_states is not None:
                 return None
