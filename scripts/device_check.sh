@@ -68,7 +68,7 @@ for part in $PARTS; do
                tests/kernels/test_rmsnorm.py tests/kernels/test_chunk_gated_delta_rule.py \
                tests/kernels/test_qk_norm_rope_store.py tests/kernels/test_sampling.py tests/kernels/test_sampling_chunked.py 2>&1 \
                | tee "$OUT/gpu_kernel8_tests.log" | grep -E "^FAILED|passed|failed" | tail -20 ;;
-    hybridtests) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_gpu_hybrid.py 2>&1 \
+    hybridtests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu_hybrid.py tests/kernels/test_linear_verify_kernels.py 2>&1 \
                | tee "$OUT/gpu_hybrid_tests.log" | grep -E "^FAILED|passed|failed" | tail -12 ;;
     fla) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla_site .whl_fla/*.whl \
            && PYTHONPATH=$PYTHONPATH:/tmp/fla_site timeout 240 python3 scripts/bench_gdn_vs_fla.py --json "$OUT/gdn_vs_fla.json" \
