@@ -225,19 +225,25 @@ def _first_difference(old: dict, new: dict, prefix: str = "") -> tuple[str, obje
 
 def compare_with_run(dataset: ds.Dataset, out: str) -> dict:
     """How the scores in `out` differ from the run's logprobs of the same tokens: absolute differences
-    (mean, p99, max over tokens) and the fraction of tokens and of samples that are equal bit for bit."""
+    (mean, p99, max over tokens) and the fraction of tokens and of samples that are equal bit for bit.
+    Episodes (`run --env`) count their model's tokens only (response_loss_mask 1): the environment's
+    tokens were not sampled, and the run records 0.0 for them."""
     scores_dir = Path(out) / SCORES_SUBDIR
     scored = {}
     if any(scores_dir.glob("part-*.parquet")):
         for row in ds.dataset(str(scores_dir), format="parquet").to_table().to_pylist():
             scored[(row["prompt_index"], row["sample_index"])] = row["response_logprobs"]
     diffs, equal_samples = [], 0
-    for batch in dataset.to_batches(columns=["prompt_index", "sample_index", "response_logprobs"]):
+    columns = ["prompt_index", "sample_index", "response_logprobs"]
+    masked = "response_loss_mask" in dataset.schema.names
+    for batch in dataset.to_batches(columns=columns + ["response_loss_mask"] * masked):
         for row in batch.to_pylist():
             ours = scored.get((row["prompt_index"], row["sample_index"]))
             if ours is None:
                 continue
             diff = np.abs(np.asarray(ours, np.float32) - np.asarray(row["response_logprobs"], np.float32))
+            if masked:
+                diff = diff[np.asarray(row["response_loss_mask"], bool)]
             diffs.append(diff)
             equal_samples += bool((diff == 0).all())
     diff = np.concatenate(diffs) if diffs else np.zeros(0, np.float32)

@@ -242,6 +242,20 @@ def test_an_input_column_named_like_an_episode_column_is_refused(tmp_path):
     assert result.returncode != 0 and "input column 'episode_reward' has the name of an output column" in result.stderr
 
 
+def test_rollout_score_of_episodes_compares_the_model_tokens(episodes, tmp_path):
+    """`rollout score` over an episode run: every response position is scored (the environment's tokens too,
+    teacher-forced), but the comparison with the run counts the model's tokens only: the run wrote 0.0 for
+    the environment's, which it did not sample."""
+    out = tmp_path / "scores"
+    result = _cli(["score", "--model", MODEL, "--device", "cpu", "--data", episodes, "--out", out, "--quiet"])
+    assert result.returncode == 0, result.stderr
+    comparison = json.loads((out / "manifest.json").read_text())  # the comparison sits at its top level
+    rows = _rows(episodes)
+    assert comparison["tokens"] == sum(sum(r["response_loss_mask"]) for r in rows)
+    assert comparison["tokens"] < sum(len(r["response_token_ids"]) for r in rows)  # observations left out
+    assert comparison["max_abs_diff"] < 1e-4
+
+
 def test_episodes_run_on_the_daemon_as_they_run_here(episodes, prompts, tmp_path):
     """`rollout run --engine SOCK --env FILE`: the daemon imports the environment (a path on its machine)
     and writes the same episode rows as the embedded run."""
