@@ -37,8 +37,9 @@ class MTPStep:
 
     def run(self, entries, hidden: torch.Tensor, propose: bool = True) -> None:
         """entries: the step's (in its row order); hidden [T, H]: the target's final hidden states of its
-        rows; propose: draft too (else the head's KV only: the next step carries no drafts). Sets Request.mtp_draft = (position, token) and Request.mtp_hidden (the head's output [H]) for
-        every request whose newest token it read."""
+        rows; propose: draft too (else the head's KV only: the next step carries no drafts). Sets
+        Request.mtp_draft = (position, token) and Request.mtp_hidden (the head's output [H]) for every
+        request whose newest token it read."""
         items, offset = [], 0  # (entry, first row, pairs)
         for e in entries:
             request = e.request
@@ -51,19 +52,19 @@ class MTPStep:
         if not items:
             return
         items.sort(key=lambda item: item[2] > 1)  # one-token entries first, as the attention kernels want
-        rows, positions, tokens, slots, head_entries, newest = [], [], [], [], [], []
+        rows, slots, head_entries, newest = [], [], [], []
         for e, first, pairs in items:
             request = e.request
             rows.extend(range(first, first + pairs))
-            positions.extend(range(e.start, e.start + pairs))
-            tokens.extend(request.tokens_between(e.start + 1, e.start + 1 + pairs))  # the token at q + 1
             slots.extend(e.new_slots[:pairs])
-            # the positions' slots are in the request's table already: nothing to write there
-            head_entries.append(BatchEntry(request, e.table_row, e.start, tokens[-pairs:], e.start + pairs, [], False))
+            # positions start .. start + pairs - 1, each with the token at q + 1; their slots are in the
+            # request's table already: nothing to write there
+            next_tokens = request.tokens_between(e.start + 1, e.start + 1 + pairs)
+            head_entries.append(BatchEntry(request, e.table_row, e.start, next_tokens, e.start + pairs, [], False))
             if e.start + pairs == request.num_tokens - 1:  # its last pair reads the token just sampled
                 newest.append((request, len(rows) - 1))
         device = self.runner.device
-        out = self._head(head_entries, tokens, hidden[torch.tensor(rows, device=device)], positions, slots)  # [M, H]
+        out = self._head(head_entries, hidden[torch.tensor(rows, device=device)], slots)  # [M, H]
         if not newest or not propose:
             return
         picked = out[torch.tensor([row for _, row in newest], device=device)]  # [N, H]
@@ -84,23 +85,24 @@ class MTPStep:
             head_entries = [BatchEntry(e.request, e.table_row, e.start + j - 1, [e.token_ids[j]], e.start + j, [], False)
                             for e in step]
             rows = torch.tensor(live, device=hidden.device)
-            out = self._head(head_entries, [e.token_ids[j] for e in step], hidden[rows],
-                             [e.start + j - 1 for e in step], [e.new_slots[j - 1] for e in step])  # [len(live), H]
+            out = self._head(head_entries, hidden[rows], [e.new_slots[j - 1] for e in step])  # [len(live), H]
             hidden = hidden.index_copy(0, rows, out)
             for e, token in zip(step, self._greedy(out)):
                 e.token_ids[j + 1] = token
         for e in chains:
             e.request.mtp_hidden = None
 
-    def _head(self, head_entries, tokens: list[int], target_hidden: torch.Tensor, positions: list[int],
-              slots: list[int]) -> torch.Tensor:
-        """The head over M rows: (target_hidden [M, H], the token after each row's position) at
-        `positions`, its KV stored at `slots` -> its normed output [M, H]."""
+    def _head(self, head_entries, target_hidden: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """The head over the M rows of `head_entries` (entry e: positions e.start.., its token_ids the
+        tokens after them): (target_hidden [M, H], those tokens), its KV stored at `slots` [M] -> its
+        normed output [M, H]."""
         runner, device = self.runner, self.runner.device
         attn = runner._prepare(head_entries, runner.req_to_token, runner.kv, runner.scale,
                                torch.tensor(slots, dtype=torch.long, device=device))
+        tokens = [t for e in head_entries for t in e.token_ids]
         embeds = self.model.model.embed_tokens(torch.tensor(tokens, device=device))  # [M, H]
         if runner.encoder_cache is None:
+            positions = [p for e in head_entries for p in range(e.start, e.start + e.num_new_tokens)]
             return self.model.mtp(embeds, target_hidden, torch.tensor(positions, device=device), attn)
         # multimodal (Qwen3.5 as the hub ships it): the rotary positions of q (three per row where the step
         # holds image tokens), and where the token at q + 1 is an image token its image embedding
