@@ -94,6 +94,12 @@ def merge_summaries(summaries: list[dict]) -> dict:
     tokens = merged["prompt_tokens"]
     merged["prefix_hit_rate"] = round(merged["cached_prompt_tokens"] / tokens, 4) if tokens else 0.0
     merged["skipped_rows"] = summaries[0]["skipped_rows"]  # every replica validated the whole file
+    if "episodes" in merged:  # --env: each replica ran its own prompts' episodes
+        episodes = {key: sum(s["episodes"][key] for s in summaries)
+                    for key in ("turns", "turn_prompt_tokens", "turn_cached_tokens")}
+        tokens = episodes["turn_prompt_tokens"]
+        episodes["prefix_hit_rate"] = round(episodes["turn_cached_tokens"] / tokens, 4) if tokens else 0.0
+        merged["episodes"] = episodes
     return merged
 
 
