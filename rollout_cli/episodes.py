@@ -195,7 +195,7 @@ class EpisodeRunner:
         """A prompt row's episodes (but those in `skip`); -> the row itself, whose n first turns run as
         one group (the first computes the prompt, the others read it from the cache)."""
         if isinstance(row, PartialSample):
-            raise RolloutError("--env runs whole episodes: --continue-aborted is not supported with it")
+            return [self._resume(row, params, active)]
         started = False
         params = row.params or params
         turn_params = dataclasses.replace(params, n=1)  # each later turn is one request of its episode
@@ -212,6 +212,40 @@ class EpisodeRunner:
             active[episode.key] = episode
             started = True
         return [dataclasses.replace(row, params=params, conversation=0)] if started else []
+
+    def _resume(self, row: PartialSample, params: SamplingParams, active) -> PartialSample:
+        """An aborted episode (--continue-aborted): a fresh environment replays the episode's finished model
+        turns (its answers must be the observations the row holds: continuing needs an environment whose
+        answers depend only on the model's turns), then the aborted turn continues from its tokens so far."""
+        if row.episode is None:
+            raise RolloutError(f"--env --continue-aborted: the aborted sample {row.prompt_index}/{row.sample_index} "
+                               "was not written by an --env run; continue it without --env")
+        where = f"row {row.prompt_index}"
+        env = _user_call(f"make_env(row) on {where}", self.make_env,
+                         {**row.passthrough, "prompt_token_ids": list(row.prompt_token_ids)})
+        response, turns = list(row.response_token_ids), [list(span) for span in row.episode["model_turns"]]
+        last = turns[-1][0]  # where the aborted turn starts: everything before it is replayed
+        episode = Episode(row.prompt_index, row.sample_index, list(row.prompt_token_ids), env, row.passthrough,
+                          dataclasses.replace(row.params or params, n=1), response[:last],
+                          list(row.response_logprobs[:last]), list(row.episode["response_loss_mask"][:last]),
+                          list(row.response_weight_versions[:last]), turns[:-1],
+                          list(row.episode["turn_cached_tokens"][:-1]), images=tuple(row.images))
+        for k, (start, end) in enumerate(turns[:-1]):
+            ids = response[start:end]
+            finish = "stop" if ids and ids[-1] in self.engine.eos_token_ids else "length"
+            step = _user_call(f"the environment's step on {where}", env.step,
+                              ModelTurn(self.engine.decode(ids), ids, finish, k))
+            if not isinstance(step, EnvStep) or step.done or \
+                    self._observation_ids(step.observation) != response[end:turns[k + 1][0]]:
+                raise RolloutError(f"--continue-aborted: the environment answered model turn {k} of {where} "
+                                   "differently on replay; continuing an episode needs an environment whose answers "
+                                   "depend only on the model's turns (drop --continue-aborted to keep the row)")
+            episode.reward += float(step.reward)
+        active[episode.key] = episode
+        previous = len(row.prompt_token_ids) + turns[-2][0] if len(turns) > 1 else 0
+        return PartialSample(row.prompt_index, row.sample_index, episode.prompt_token_ids + episode.response,
+                             response[last:], list(row.response_logprobs[last:]), list(row.response_weight_versions[last:]),
+                             row.passthrough, episode.params, conversation=previous, images=episode.images)
 
     def _after_turn(self, episode: Episode, turn: Trajectory) -> PartialSample | None:
         """Record a finished model turn and let the environment answer it; -> the next turn, or None

@@ -91,8 +91,6 @@ class JobConfig:
             raise RolloutError("--continue-aborted continues the aborted samples of a run in OUT: add --resume")
         if self.env is not None:
             check_max_turns(self.max_turns)
-            if self.continue_aborted:
-                raise RolloutError("--env runs whole episodes: --continue-aborted is not supported with it")
         if not self.flush_seconds >= 0:  # also refuses NaN
             raise RolloutError(f"--flush-seconds must be 0 or more, got {self.flush_seconds}; "
                                "0 writes every finished row at once")

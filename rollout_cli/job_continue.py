@@ -65,9 +65,12 @@ def _aborted_samples(out: Path, aborted: dict[str, set], finished: set) -> dict[
         for row in rows:
             pair = (row["prompt_index"], row["sample_index"])
             if pair in wanted and row["finish_reason"] == "abort":
+                episode = ({name: row[name] for name in ("response_loss_mask", "model_turns", "turn_cached_tokens")}
+                           if "model_turns" in row else None)  # an --env run's episode
                 samples[pair] = PartialSample(
                     row["prompt_index"], row["sample_index"], row["prompt_token_ids"], row["response_token_ids"],
-                    row["response_logprobs"], row.get("response_weight_versions") or [""] * len(row["response_token_ids"]))
+                    row["response_logprobs"], row.get("response_weight_versions") or [""] * len(row["response_token_ids"]),
+                    episode=episode)
     return samples
 
 

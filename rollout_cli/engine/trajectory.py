@@ -108,6 +108,9 @@ class PartialSample:
     images: tuple = ()
     """Vision-language models: the prompt's images (PromptInput.images); an episode's later turns carry the
     first turn's."""
+    episode: dict | None = None
+    """An aborted episode to continue (`run --env --resume --continue-aborted`): its row's episode columns
+    (response_loss_mask, model_turns, turn_cached_tokens); the response holds model and environment tokens."""
 
     @classmethod
     def of(cls, trajectory: Trajectory, params: SamplingParams | None = None) -> PartialSample:

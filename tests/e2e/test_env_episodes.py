@@ -261,6 +261,58 @@ def test_data_parallel_replicas_run_the_same_episodes(episodes, prompts, tmp_pat
     assert manifest["data_parallel"] == 2
 
 
+def test_aborted_episodes_continue_to_the_uninterrupted_rows(episodes, prompts, tmp_path):
+    """--resume --continue-aborted with --env: rows cut inside their second model turn (as an abort writes
+    them: the response so far, finish_reason abort) continue: a fresh environment replays the finished
+    turns (its answers checked against the row's observations), the cut turn continues from its tokens,
+    and the episode goes on; the rows equal the uninterrupted run's."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(episodes, out)
+    cut = 0
+    for shard in sorted((out / "trajectories").glob("*.parquet")):
+        table = pq.read_table(shard)
+        rows = table.to_pylist()
+        for row in rows:
+            spans = row["model_turns"]
+            if len(spans) < 2:
+                continue
+            end = spans[1][0] + min(2, spans[1][1] - spans[1][0])  # two tokens into the second model turn
+            for column in ("response_token_ids", "response_logprobs", "response_weight_versions",
+                           "response_loss_mask"):
+                row[column] = row[column][:end]
+            row.update(model_turns=[spans[0], [spans[1][0], end]], turn_cached_tokens=row["turn_cached_tokens"][:2],
+                       finish_reason="abort", episode_reward=0.0)
+            cut += 1
+        pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), shard)
+    assert cut >= 3
+    result = _cli(_run_args(prompts, out) + ["--resume", "--continue-aborted"])
+    assert result.returncode == 0, result.stderr
+    got, want = _rows(out), _rows(episodes)
+    keys = ["prompt_index", "sample_index", "response_token_ids", "response_loss_mask", "model_turns", "finish_reason",
+            "episode_reward", "response_text"]
+    assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in want]
+    for a, b in zip(got, want, strict=True):
+        assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=1e-4)
+
+    # an environment that answers differently on replay cannot continue an episode: one line, rows kept
+    shutil.copytree(episodes, tmp_path / "again")
+    before = _rows(tmp_path / "again")
+    for shard in sorted((tmp_path / "again" / "trajectories").glob("*.parquet")):
+        table = pq.read_table(shard)
+        rows = table.to_pylist()
+        for row in rows:
+            if len(row["model_turns"]) >= 2:
+                row["response_token_ids"][row["model_turns"][0][1]] += 1  # the first observation, changed
+                row["finish_reason"] = "abort"
+        pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), shard)
+    result = _cli(_run_args(prompts, tmp_path / "again") + ["--resume", "--continue-aborted"])
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1 and "differently on replay" in lines[0], result.stderr
+    assert len(_rows(tmp_path / "again")) == len(before)
+
+
 def test_rollout_score_of_episodes_compares_the_model_tokens(episodes, tmp_path):
     """`rollout score` over an episode run: every response position is scored (the environment's tokens too,
     teacher-forced), but the comparison with the run counts the model's tokens only: the run wrote 0.0 for
