@@ -35,7 +35,8 @@
 # specnext (siblings on the 12-layer Qwen3-Next slice: verify steps with the state kept per draft position), mtpnext
 # (--speculative mtp on the same slice with dummy weights: a random head, so this prices the head's pass and the
 # eager steps, not the acceptance of a trained head; its plain runs are eager too, next12_plain is the graph baseline).
-# specmodels (issue 22's targets: scripts/train_speculation_models.py trains a small Qwen3-Next-shaped model with
+# spectests (issue 22's GPU tests: the verify kernels compiled, dense verify steps on the decode graphs, MTP with
+# graphs and chained drafts on the hybrids), specmodels (issue 22's targets: scripts/train_speculation_models.py trains a small Qwen3-Next-shaped model with
 # its MTP head and a dense one on the standard library's code, 2 minutes each, then bench --speculative mtp at
 # batch 32 and siblings on 16 x n16 held-out code prompts, greedy).
 # Logs and JSON go to $OUT.
@@ -68,6 +69,9 @@ for part in $PARTS; do
                tests/kernels/test_rmsnorm.py tests/kernels/test_chunk_gated_delta_rule.py \
                tests/kernels/test_qk_norm_rope_store.py tests/kernels/test_sampling.py tests/kernels/test_sampling_chunked.py 2>&1 \
                | tee "$OUT/gpu_kernel8_tests.log" | grep -E "^FAILED|passed|failed" | tail -20 ;;
+    spectests) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_verify_kernels.py \
+               tests/e2e/test_gpu_engine.py::test_verify_steps_replay_the_decode_graphs tests/e2e/test_gpu_hybrid.py \
+               -k "verify or mtp or draft" 2>&1 | tee "$OUT/gpu_spec_tests.log" | grep -E "^FAILED|passed|failed" | tail -12 ;;
     hybridtests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu_hybrid.py tests/kernels/test_linear_verify_kernels.py 2>&1 \
                | tee "$OUT/gpu_hybrid_tests.log" | grep -E "^FAILED|passed|failed" | tail -12 ;;
     fla) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla_site .whl_fla/*.whl \
