@@ -266,7 +266,7 @@ def test_rollout_run_with_speculation_writes_the_same_rows_and_reports_acceptanc
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     tables = {}
-    for spec in ([], ["--speculative", "siblings", "--num-draft-tokens", "3"]):
+    for spec in ([], ["--speculative", "siblings", "--num-draft-tokens", "3", "--speculative-max-batch", "16"]):
         out = tmp_path / ("spec" if spec else "plain")
         args = ["--model", repo / "recipes" / "example_model", "--data", repo / "recipes" / "prompts.parquet",
                 "--out", out, "--n", 4, "--max-new-tokens", 24, "--temperature", 0, "--limit", 4, "--max-running", 4,
@@ -280,4 +280,4 @@ def test_rollout_run_with_speculation_writes_the_same_rows_and_reports_acceptanc
     assert [r["response_token_ids"] for r in tables[True]] == [r["response_token_ids"] for r in tables[False]]
     speculation = manifest["speculation"]
     assert speculation["acceptance_length"] > 1 and speculation["accepted_draft_tokens"] > 0
-    assert manifest["engine"]["speculative"] == {"method": "siblings", "num_draft_tokens": 3}
+    assert manifest["engine"]["speculative"] == {"method": "siblings", "num_draft_tokens": 3, "max_batch": 16}
