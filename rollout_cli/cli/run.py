@@ -73,9 +73,6 @@ def run_command(
         if continue_aborted and dp != 1:
             raise RolloutError("--continue-aborted runs on one engine for now; drop --dp")
         launch = _pick_launcher(model, engine, token_file, dp, tp, engine_options)
-        if env is not None and launch.func not in (embedded_run, remote_run):
-            raise RolloutError("--env runs episodes on whole engines (in this process, its --dp replicas or a "
-                               "daemon): drop --tp")
         # one set of sampling settings for every launcher: a bad value is one line before a model loads or
         # a daemon is called
         params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

@@ -208,8 +208,6 @@ def _env_file(tmp_path: Path, body: str) -> Path:
     ("raising_make_env", "--env make_env(row) on row 0 raised KeyError: 'no_such_column'"),
     ("stepless_env", "--env make_env(row) returned int, which has no step(turn) method"),
     ("raising_step", "--env the environment's step on row 0 raised ValueError: no tool"),
-    ("tensor_parallel", "--env runs episodes on whole engines (in this process, its --dp replicas or a daemon): "
-                        "drop --tp"),
     ("max_turns", "--max-turns must be at least 1"),
 ])
 def test_bad_environments_and_flags_get_one_line(case, message, prompts, tmp_path):
@@ -223,8 +221,6 @@ def test_bad_environments_and_flags_get_one_line(case, message, prompts, tmp_pat
     env = tmp_path / "nope.py" if case == "missing" else _env_file(tmp_path, bodies[case]) if case in bodies else CALCULATOR
     args = ["run", "--data", prompts, "--out", tmp_path / "out", "--env", env, "--max-new-tokens", 4, "--quiet"]
     args += ["--model", MODEL, "--device", "cpu"]
-    if case == "tensor_parallel":
-        args += ["--tp", 2]
     if case == "max_turns":
         args += ["--max-turns", 0]
     result = _cli(args)
@@ -243,12 +239,13 @@ def test_an_input_column_named_like_an_episode_column_is_refused(tmp_path):
     assert result.returncode != 0 and "input column 'episode_reward' has the name of an output column" in result.stderr
 
 
-def test_data_parallel_replicas_run_the_same_episodes(episodes, prompts, tmp_path):
+@pytest.mark.parametrize("parallel", [["--dp", 2], ["--tp", 2]])
+def test_parallel_engines_run_the_same_episodes(parallel, episodes, prompts, tmp_path):
     """--dp 2: each replica runs the episodes of its prompts (every sample's random stream is keyed by
     prompt, sample and position), so the union is the one-engine run's rows; the manifest adds up the
-    replicas' turns."""
+    replicas' turns. --tp 2: rank 0 runs the episodes on the split engine (its sessions pinned there)."""
     out = tmp_path / "out"
-    result = _cli(_run_args(prompts, out) + ["--dp", 2])
+    result = _cli(_run_args(prompts, out) + parallel)
     assert result.returncode == 0, result.stderr
     got, want = _rows(out), _rows(episodes)
     keys = ["prompt_index", "sample_index", "response_token_ids", "response_loss_mask", "model_turns", "finish_reason",
@@ -258,7 +255,7 @@ def test_data_parallel_replicas_run_the_same_episodes(episodes, prompts, tmp_pat
         assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=1e-5)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["episodes"]["turns"] == json.loads((episodes / "manifest.json").read_text())["episodes"]["turns"]
-    assert manifest["data_parallel"] == 2
+    assert (manifest["data_parallel"] if parallel[0] == "--dp" else manifest["engine"]["tensor_parallel"]) == 2
 
 
 def test_aborted_episodes_continue_to_the_uninterrupted_rows(episodes, prompts, tmp_path):
