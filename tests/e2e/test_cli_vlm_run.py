@@ -146,20 +146,12 @@ def test_aborted_image_samples_continue_to_the_uninterrupted_rows(job, full_run,
     import shutil
 
     model, data, _ = job
+    from trajectory_edits import cut_response, edit_trajectory_rows
+
     out = tmp_path / "out"
     shutil.copytree(full_run, out)
-    aborted = 0
-    for shard in sorted((out / "trajectories").glob("*.parquet")):
-        table = pq.read_table(shard)
-        rows = table.to_pylist()
-        for row in rows:
-            if row["sample_index"] == 1:  # cut after 2 tokens
-                for column in ("response_token_ids", "response_logprobs", "response_weight_versions"):
-                    row[column] = row[column][:2]
-                row["finish_reason"] = "abort"
-                aborted += 1
-        pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), shard)
-    assert aborted == 3
+    # the second sample of every prompt, cut after 2 tokens
+    assert edit_trajectory_rows(out, lambda row: row["sample_index"] == 1 and not cut_response(row, 2)) == 3
     result = _rollout(*_settings(model, data, out), "--resume", "--continue-aborted")
     assert result.returncode == 0, result.stderr
     columns = ["prompt_index", "sample_index", "prompt_token_ids", "response_token_ids", "finish_reason",

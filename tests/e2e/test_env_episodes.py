@@ -265,25 +265,22 @@ def test_aborted_episodes_continue_to_the_uninterrupted_rows(episodes, prompts, 
     and the episode goes on; the rows equal the uninterrupted run's."""
     import shutil
 
+    from trajectory_edits import cut_response, edit_trajectory_rows
+
+    def cut_in_second_turn(row) -> bool:
+        spans = row["model_turns"]
+        if len(spans) < 2:
+            return False
+        end = spans[1][0] + min(2, spans[1][1] - spans[1][0])  # two tokens into the second model turn
+        cut_response(row, end, ("response_token_ids", "response_logprobs", "response_weight_versions",
+                                "response_loss_mask"))
+        row.update(model_turns=[spans[0], [spans[1][0], end]], turn_cached_tokens=row["turn_cached_tokens"][:2],
+                   episode_reward=0.0)
+        return True
+
     out = tmp_path / "out"
     shutil.copytree(episodes, out)
-    cut = 0
-    for shard in sorted((out / "trajectories").glob("*.parquet")):
-        table = pq.read_table(shard)
-        rows = table.to_pylist()
-        for row in rows:
-            spans = row["model_turns"]
-            if len(spans) < 2:
-                continue
-            end = spans[1][0] + min(2, spans[1][1] - spans[1][0])  # two tokens into the second model turn
-            for column in ("response_token_ids", "response_logprobs", "response_weight_versions",
-                           "response_loss_mask"):
-                row[column] = row[column][:end]
-            row.update(model_turns=[spans[0], [spans[1][0], end]], turn_cached_tokens=row["turn_cached_tokens"][:2],
-                       finish_reason="abort", episode_reward=0.0)
-            cut += 1
-        pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), shard)
-    assert cut >= 3
+    assert edit_trajectory_rows(out, cut_in_second_turn) >= 3
     result = _cli(_run_args(prompts, out) + ["--resume", "--continue-aborted"])
     assert result.returncode == 0, result.stderr
     got, want = _rows(out), _rows(episodes)
@@ -296,14 +293,15 @@ def test_aborted_episodes_continue_to_the_uninterrupted_rows(episodes, prompts, 
     # an environment that answers differently on replay cannot continue an episode: one line, rows kept
     shutil.copytree(episodes, tmp_path / "again")
     before = _rows(tmp_path / "again")
-    for shard in sorted((tmp_path / "again" / "trajectories").glob("*.parquet")):
-        table = pq.read_table(shard)
-        rows = table.to_pylist()
-        for row in rows:
-            if len(row["model_turns"]) >= 2:
-                row["response_token_ids"][row["model_turns"][0][1]] += 1  # the first observation, changed
-                row["finish_reason"] = "abort"
-        pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), shard)
+
+    def change_first_observation(row) -> bool:
+        if len(row["model_turns"]) < 2:
+            return False
+        row["response_token_ids"][row["model_turns"][0][1]] += 1
+        row["finish_reason"] = "abort"
+        return True
+
+    assert edit_trajectory_rows(tmp_path / "again", change_first_observation) >= 3
     result = _cli(_run_args(prompts, tmp_path / "again") + ["--resume", "--continue-aborted"])
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and len(lines) == 1 and "differently on replay" in lines[0], result.stderr
