@@ -159,8 +159,9 @@ def main() -> None:
     score = reward_function(args.reward)
     rewards = [score(r) for r in rows]
     advantages = group_advantages(rows, rewards)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    from rollout_cli.models.build import resolve_device  # the engine's own rule for --device auto
+
+    device = resolve_device(args.device)
     policy = RolloutPolicy(args.model, device, args.dtype) if args.deterministic else HFPolicy(args.model, device)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
     rollout_lp = [torch.tensor(r["response_logprobs"], dtype=torch.float32, device=device) for r in rows]
