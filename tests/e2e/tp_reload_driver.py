@@ -29,28 +29,33 @@ def main(model_a: str, model_b: str, bad: str, out: str) -> None:
     engine = Engine(model_a, device="cpu", max_model_len=64, max_batch_tokens=8, tensor_parallel_size=2)
     try:
         if engine.tp.rank != 0:
-            follow(engine)
-            return
-        results = {"a": greedy(engine)}
-        try:
-            engine.reload_weights(bad)
-        except RolloutError as err:
-            results["refused"] = str(err)
-        results["version_after_refusal"] = engine.weight_version
-        results["a_again"] = greedy(engine)
-        results["b_version"] = engine.reload_weights(model_b)
-        results["b"] = greedy(engine)
-        # the Python API on rank 0 reaches every rank too: a release without backup loses every
-        # rank's weights; in-process tensors of A reach the followers as shared-memory handles
-        engine.release_memory()
-        results["stale"] = engine.resume_memory()["weights_stale"]
-        results["a_tensors_version"] = engine.update_weights_from_tensor(load_file(f"{model_a}/model.safetensors"))
-        results["a_tensors"] = greedy(engine)
-        with open(out, "w") as f:
-            json.dump(results, f)
+            follow(engine)  # no return here: the follower must reach exit_rank() below as rank 0 does
+        else:
+            _lead(engine, model_a, model_b, bad, out)
     finally:
         engine.control.close()  # rank 0 stops the followers; every rank leaves the process group
     exit_rank()  # as the CLI's ranks do: no interpreter finalization with gloo threads about
+
+
+def _lead(engine: Engine, model_a: str, model_b: str, bad: str, out: str) -> None:
+    """Rank 0's part: generate, reload, release and hand tensors over; the results go to OUT as JSON."""
+    results = {"a": greedy(engine)}
+    try:
+        engine.reload_weights(bad)
+    except RolloutError as err:
+        results["refused"] = str(err)
+    results["version_after_refusal"] = engine.weight_version
+    results["a_again"] = greedy(engine)
+    results["b_version"] = engine.reload_weights(model_b)
+    results["b"] = greedy(engine)
+    # the Python API on rank 0 reaches every rank too: a release without backup loses every
+    # rank's weights; in-process tensors of A reach the followers as shared-memory handles
+    engine.release_memory()
+    results["stale"] = engine.resume_memory()["weights_stale"]
+    results["a_tensors_version"] = engine.update_weights_from_tensor(load_file(f"{model_a}/model.safetensors"))
+    results["a_tensors"] = greedy(engine)
+    with open(out, "w") as f:
+        json.dump(results, f)
 
 
 if __name__ == "__main__":
