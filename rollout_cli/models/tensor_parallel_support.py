@@ -9,8 +9,11 @@ from rollout_cli.models.registry import model_class_for
 from rollout_cli.models.tensor_parallel import HeadSplit
 
 # Architectures whose layers are all built from the split layers above.
-DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+# Vision-language models split their language model; every rank runs the whole (replicated) vision
+# tower on the step's images, so each rank places the same embeddings at its image rows.
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
+                     "Qwen3VLMoeForConditionalGeneration")
 # Gated DeltaNet heads split like attention heads (models/gated_deltanet.py), full attention as above
 HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
@@ -22,8 +25,8 @@ def check_tensor_parallel(hf_config, size: int) -> None:
     if size == 1:
         return
     cls = model_class_for(hf_config)
-    supported = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + HYBRID_ARCHITECTURES[:3]
-    if cls.__name__ not in DENSE_ARCHITECTURES + MOE_ARCHITECTURES + HYBRID_ARCHITECTURES:
+    supported = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + HYBRID_ARCHITECTURES
+    if cls.__name__ not in supported:
         raise RolloutError(f"--tp {size} supports {', '.join(supported)} for now; "
                            f"{cls.__name__} runs with --tp 1 (or --dp N)")
     HeadSplit.of(hf_config.num_attention_heads, hf_config.num_key_value_heads, size, 0)
