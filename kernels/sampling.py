@@ -164,13 +164,15 @@ def _sampling_kernel(
     logits_ptr, stride_row, V,
     temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, raw_ptr,
     u_ptr, seed_ptr, pidx_ptr, sidx_ptr, pos_ptr,
-    tok_ptr, logprob_ptr, ws_ptr, ws_int_ptr, ws_stride, CHUNK, S,
+    tok_ptr, logprob_ptr, ws_ptr, ws_int_ptr, ws_stride, CHUNK, S, support_ptr,
     KEYED: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
-    NT: tl.constexpr, CAP: tl.constexpr, FORCED: tl.constexpr,
+    NT: tl.constexpr, CAP: tl.constexpr, FORCED: tl.constexpr, STORE_SUPPORT: tl.constexpr,
 ):
     """Launch 2, grid (B,): merge the row's S chunk partials, filter, draw, logprob.
     FORCED (`sampling_score.score_tokens`): no draw; the token is tok_ptr[row] (int64, read, not
-    written) and the logprob is reported by the very expressions below that report a drawn one."""
+    written) and the logprob is reported by the very expressions below that report a drawn one.
+    STORE_SUPPORT (`sampling_support.kept_mask`): support_ptr [B, 3] float32 gets the row's
+    (threshold t, max logit m, scale log2(e) / T): its kept set is {e >= t, e > 0}."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
     temperature = tl.load(temp_ptr + row)
@@ -195,6 +197,7 @@ def _sampling_kernel(
 
     token = argmax
     kept = zt  # mass of the tokens the draw keeps (the whole row unless a filter cuts it)
+    support_t = tl.zeros((), tl.float32)  # the filters' threshold on e (0: nothing cut)
     dropped = tl.zeros((), tl.int1)  # FORCED: the given token is outside the kept set
     if FORCED:
         forced = tl.load(tok_ptr + row)
@@ -225,6 +228,7 @@ def _sampling_kernel(
                 tl.zeros((), tl.int32), tl.zeros((), tl.float32), 0, top_p * total, True, BLOCK_S, NT, CAP)
         thresh_f = thresh.to(tl.float32, bitcast=True)
         kept = total
+        support_t = thresh_f
         if FORCED:
             # kept iff e >= t, e as the draw's pass computes it, and e > 0 (such a token is never drawn;
             # the reference's kept probability is 0); which rows report over a kept set is the
@@ -251,6 +255,10 @@ def _sampling_kernel(
     else:
         tl.store(tok_ptr + row, token.to(tl.int64))
     tl.store(logprob_ptr + row, tl.where(raw, raw_lp, processed_lp))
+    if STORE_SUPPORT:
+        tl.store(support_ptr + row * 3, support_t)
+        tl.store(support_ptr + row * 3 + 1, m)
+        tl.store(support_ptr + row * 3 + 2, scale)
 
 
 
@@ -303,11 +311,12 @@ def _check_settings(logits, temperature, top_k, top_p, min_p, raw_logprobs) -> t
 
 
 def _launch(logits, settings, u_arg, key_args, tokens, logprobs, workspace, keyed: bool, forced: bool,
-            block_v, block_s, num_thresholds, cap, num_warps, chunk, num_warps_partials) -> None:
+            block_v, block_s, num_thresholds, cap, num_warps, chunk, num_warps_partials, support=None) -> None:
     """The two launches of `sample` (forced False) and `sampling_score.score_tokens` (forced True:
     `tokens` [B] int64 is read, the given tokens), with the same knobs so that both run the same
     chunking and the same arithmetic. settings: (temperature, top_k, top_p, min_p, raw_logprobs),
-    checked; logprobs [B] float32 is written; workspace None or `sample_workspace`'s shape."""
+    checked; logprobs [B] float32 is written; workspace None or `sample_workspace`'s shape;
+    support None or [B, 3] float32, written with each row's kept-set parameters (`_sampling_kernel`)."""
     batch, vocab = logits.shape
     for name, n in (("block_v", block_v), ("block_s", block_s), ("num_thresholds", num_thresholds), ("cap", cap)):
         assert n >= 2 and n & (n - 1) == 0, f"{name} must be a power of two >= 2"
@@ -330,9 +339,10 @@ def _launch(logits, settings, u_arg, key_args, tokens, logprobs, workspace, keye
     _sampling_kernel[(batch,)](
         logits, logits.stride(0), vocab, *settings, u_arg, *key_args,
         tokens, logprobs, workspace, ws_int, cols, chunk_len, num_chunks,
+        support if support is not None else logprobs,  # not read unless STORE_SUPPORT
         KEYED=keyed, S_BLOCK=max(2, triton.next_power_of_2(num_chunks)), BLOCK_V=block,
         BLOCK_S=min(block_s, triton.next_power_of_2(vocab)), NT=num_thresholds, CAP=cap, FORCED=forced,
-        num_warps=num_warps,
+        STORE_SUPPORT=support is not None, num_warps=num_warps,
     )
 
 

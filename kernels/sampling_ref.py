@@ -102,6 +102,18 @@ def reported_logprobs_ref(logits, temperature, raw_logprobs, top_k=None, top_p=N
     return _reported(*_distributions(logits, temperature, top_k, top_p, min_p), raw_logprobs)
 
 
+def kept_mask_ref(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
+    """bool [B, V]: the tokens `sample_ref` can draw from each row (probability > 0 in the distribution
+    it draws from: the filters' kept set, or the whole softmax when nothing filters) - the set its
+    processed logprob is renormalised over. Greedy rows: T = 1 and no filter, as their logprob is
+    reported. The Triton sampler's own set: `sampling_support.kept_mask`."""
+    _, processed, kept, renormalise = _distributions(logits, temperature, top_k, top_p, min_p)
+    support = processed.exp() > 0
+    if kept is not None:
+        support = torch.where(renormalise[:, None], kept > 0, support)
+    return support
+
+
 def sample_ref(logits, temperature, top_k, top_p, min_p, raw_logprobs, uniform=None, keys=None):
     """`sample` in plain torch, same arguments (uniform [B] float32, or keys: four int64 [B]).
     logits [B, V] -> (token ids [B] int64, logprob of each chosen token [B] float32)."""
