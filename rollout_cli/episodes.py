@@ -126,6 +126,9 @@ def check_episode_sampling(params) -> None:
     if params.top_logprobs:
         raise RolloutError("--top-logprobs is not supported with --env yet (an episode's response mixes model and "
                            "environment tokens); drop one of them")
+    if params.return_sampling_mask:
+        raise RolloutError("--sampling-mask is not supported with --env yet (an episode's response mixes model and "
+                           "environment tokens); drop one of them")
 
 
 class EpisodeRunner:

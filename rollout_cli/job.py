@@ -215,7 +215,8 @@ def run_job(
                               routing_dtype=routing_dtype,
                               routing_shape=(len(engine.model.moe_layers), engine.model.top_k) if routing_dtype else (0, 0),
                               replica=None if group.alone else group.rank, episodes=job.env is not None,
-                              top_logprobs=params.top_logprobs > 0, images=source.has_images)
+                              top_logprobs=params.top_logprobs > 0, images=source.has_images,
+                              sampling_mask=params.return_sampling_mask)
     episodes = EpisodeRunner(engine, load_environment(job.env), job.max_turns) if job.env is not None else None
     finish_reasons: Counter[str] = Counter()
     stats_before = dataclasses.replace(engine.scheduler.stats)

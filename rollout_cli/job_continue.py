@@ -70,7 +70,7 @@ def _aborted_samples(out: Path, aborted: dict[str, set], finished: set) -> dict[
                 samples[pair] = PartialSample(
                     row["prompt_index"], row["sample_index"], row["prompt_token_ids"], row["response_token_ids"],
                     row["response_logprobs"], row.get("response_weight_versions") or [""] * len(row["response_token_ids"]),
-                    episode=episode)
+                    episode=episode, response_sampling_mask=row.get("response_sampling_mask"))
     return samples
 
 

@@ -116,6 +116,31 @@ def _switch_kernels(model, on: bool) -> None:
     enable_batch_invariant_kernels(model, on)
 
 
+def sampling_mask_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                           sampling_mask: list) -> torch.Tensor:
+    """A trainer's logprobs of sampled tokens over the sets they were drawn from (`rollout run
+    --sampling-mask`): log_softmax(logits / T) renormalised over each position's kept ids, at its target,
+    as the rollout reported it (processed logprobs). Replaying the recorded set instead of re-running
+    top-k / top-p / min-p on the trainer's logits keeps a token that sat at the cut on the same side.
+    logits [R, V] (any dtype, computed in float32), targets [R] int64, sampling_mask: R lists of token
+    ids (the rows of response_sampling_mask) -> [R] float32, differentiable. A position with an empty
+    list (no mask recorded) is refused: there is no set to replay."""
+    if len(sampling_mask) != logits.shape[0] or targets.shape != (logits.shape[0],):
+        raise RolloutError(f"sampling_mask_logprobs: {logits.shape[0]} logits rows need as many targets and masks, "
+                           f"got {tuple(targets.shape)} and {len(sampling_mask)}")
+    if temperature <= 0:
+        raise RolloutError("sampling_mask_logprobs: a sampling mask comes from temperature > 0")
+    if any(not ids for ids in sampling_mask):
+        raise RolloutError("sampling_mask_logprobs: a position has no recorded mask (a token carried over from a run "
+                           "without --sampling-mask); score it without the mask")
+    rows = torch.cat([torch.full((len(ids),), row, dtype=torch.long) for row, ids in enumerate(sampling_mask)])
+    cols = torch.tensor([t for ids in sampling_mask for t in ids], dtype=torch.long)
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    keep[rows.to(logits.device), cols.to(logits.device)] = True
+    scaled = (logits.float() / temperature).masked_fill(~keep, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
 class Policy:
     """Rollout's model of a checkpoint with trainable parameters."""
 

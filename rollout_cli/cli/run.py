@@ -38,6 +38,7 @@ def run_command(
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 disables.", rich_help_panel=opt.SAMPLING)] = 0,
     min_p: Annotated[float, typer.Option(help="Drop tokens under min_p x the top probability; 0 disables.", rich_help_panel=opt.SAMPLING)] = 0.0,
     top_logprobs: Annotated[int, typer.Option(help="Also write each response token's K most likely tokens and their logprobs (columns response_top_token_ids, response_top_logprobs); steps with them run without CUDA graphs; 0 = off.", rich_help_panel=opt.SAMPLING)] = 0,
+    sampling_mask: Annotated[bool, typer.Option("--sampling-mask", help="Also write, per response token, the ids of the tokens --top-k / --top-p / --min-p kept (column response_sampling_mask): the set it was drawn from, for a trainer to renormalise over; needs a filter and --temperature > 0; steps with it run without CUDA graphs.", rich_help_panel=opt.SAMPLING)] = False,
     seed: opt.Seed = 0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Generate past eos tokens until --max-new-tokens.", rich_help_panel=opt.SAMPLING)] = False,
     logprobs_mode: Annotated[str, typer.Option(help="processed: log_softmax(logits / temperature) over the tokens top-k / top-p / min-p keep; raw: before temperature and filters.", rich_help_panel=opt.SAMPLING)] = "processed",
@@ -53,7 +54,7 @@ def run_command(
     env: Annotated[Optional[str], typer.Option(help="Multi-turn episodes: a Python file defining make_env(row) (see recipes/envs/calculator.py); every sample becomes an episode of model and environment turns, its row gains response_loss_mask, model_turns, episode_reward, turn_cached_tokens.", rich_help_panel=EPISODES)] = None,
     max_turns: Annotated[int, typer.Option(help="With --env: model turns per episode at most (--max-new-tokens is per turn).", rich_help_panel=EPISODES)] = 8,
     dp: Annotated[int, typer.Option(help="Data parallel: run N engine replicas (one per GPU, or N processes on the CPU) that split the prompts and share OUT. Across machines, start `rollout run` with torchrun instead.", rich_help_panel=opt.ENGINE)] = 1,
-    tp: Annotated[int, typer.Option(help="Tensor parallel: split the model over N GPUs (N processes on the CPU); dense Llama / Qwen2 / Qwen3, MoE Qwen2-MoE / Qwen3-MoE / Mixtral and hybrid Qwen3-Next / Qwen3.5 models. With --dp M: M such engines share the prompts.", rich_help_panel=opt.ENGINE)] = 1,
+    tp: Annotated[int, typer.Option(help="Tensor parallel: split the model over N GPUs (N processes on the CPU); dense Llama / Qwen2 / Qwen3, MoE Qwen2-MoE / Qwen3-MoE / Mixtral, hybrid Qwen3-Next / Qwen3.5 and vision-language Qwen3-VL / Qwen3.5 models. With --dp M: M such engines share the prompts.", rich_help_panel=opt.ENGINE)] = 1,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary table.")] = False,
     engine: opt.EngineAddress = None,
     token_file: opt.TokenFile = None,
@@ -77,7 +78,8 @@ def run_command(
         # a daemon is called
         params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, seed=seed, ignore_eos=ignore_eos,
-                                logprobs_mode=logprobs_mode, top_logprobs=top_logprobs)
+                                logprobs_mode=logprobs_mode, top_logprobs=top_logprobs,
+                                return_sampling_mask=sampling_mask)
         if env is not None:
             check_episode_sampling(params)
     job_fields = dict(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume,

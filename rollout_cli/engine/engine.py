@@ -370,7 +370,7 @@ class Engine:
             prompt_token_ids=request.prompt_token_ids,
             response_token_ids=request.output_token_ids,
             response_logprobs=request.output_logprobs,
-            response_top_logprobs=request.output_top_logprobs if request.params.top_logprobs else None,
+            **request.per_token_outputs(),  # response_top_logprobs, response_sampling_mask
             response_text=self.decode(request.output_token_ids),
             finish_reason=request.finish_reason,
             # the version that sampled the last token (the current one for an empty response)

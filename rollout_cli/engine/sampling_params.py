@@ -35,6 +35,11 @@ class SamplingParams:
     top_logprobs: int = 0
     """Also the K most likely tokens and their logprobs (in logprobs_mode) at every sampled position
     (OpenAI's top_logprobs); 0 = off. Steps holding such a sample run without CUDA graphs."""
+    return_sampling_mask: bool = False
+    """Also the ids of the tokens top_k / top_p / min_p kept at every sampled position: the set the token
+    was drawn from and its processed logprob is renormalised over, which a trainer replays (DeepSeek-V3.2's
+    "keep sampling mask"). Needs temperature > 0 and a filter. Steps holding such a sample run without
+    CUDA graphs."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -51,9 +56,25 @@ class SamplingParams:
             raise RolloutError("--min-p must be in [0, 1)")
         if self.top_logprobs < 0:
             raise RolloutError("top_logprobs must be >= 0 (0 disables it)")
+        if self.return_sampling_mask and self.temperature == 0.0:
+            raise RolloutError("--sampling-mask needs --temperature > 0: greedy decoding draws from no kept set")
+        if self.return_sampling_mask and not self.filters:
+            raise RolloutError("--sampling-mask records the tokens --top-k / --top-p / --min-p keep; set one of "
+                               "them (without a filter every token is kept)")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise RolloutError(f"unknown --logprobs-mode {self.logprobs_mode!r}; choose processed or raw")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def filters(self) -> bool:
+        """Whether top_k, top_p or min_p cuts the distribution."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
+    def per_token_extras(self) -> bool:
+        """Whether each sampled position also reports a top list or a sampling mask: eager steps, one
+        sampled row per sample (no CUDA graphs, no drafts)."""
+        return self.top_logprobs > 0 or self.return_sampling_mask

@@ -110,7 +110,7 @@ class StepLoop:
         tokens, logprobs = engine.runner.collect(handle)
         # no update runs while a step is in flight (it needs no running request): the step's version is the current one
         finished = engine.scheduler.postprocess(handle.out, tokens, logprobs, handle.scores, handle.score_tops,
-                                                engine.weight_version, handle.sample_tops)
+                                                engine.weight_version, handle.sample_extras)
         scheduler = engine.scheduler  # --speculative mtp: the head's pass
         engine.runner.draft_after_step(handle.out, scheduler.drafter is not None, scheduler.drafting_now())
         now = time.perf_counter()

@@ -43,11 +43,18 @@ class Trajectory:
     # order, which a trainer needs to rebuild the vision inputs; None for a text prompt. A run over an image
     # column writes it as a column (io.trajectories.IMAGE_FIELDS; [] for its text rows), a text run has none
     image_grid_thw: list | None = None
+    # with SamplingParams.return_sampling_mask: per response token, the ids (ascending) of the tokens the
+    # filters kept, the set it was drawn from and its logprob renormalised over (None for tokens carried
+    # over from a partial response; [] in the Parquet column); None otherwise (no column)
+    response_sampling_mask: list | None = None
 
     def to_row(self) -> dict[str, Any]:
         row = {k: v for k, v in self.__dict__.items() if k not in METRIC_FIELDS}
-        if self.image_grid_thw is None:
-            del row["image_grid_thw"]
+        for optional in ("image_grid_thw", "response_sampling_mask"):  # columns of the runs that ask for them
+            if row[optional] is None:
+                del row[optional]
+        if self.response_sampling_mask is not None:  # io.trajectories.SAMPLING_MASK_FIELDS
+            row["response_sampling_mask"] = [ids if ids is not None else [] for ids in self.response_sampling_mask]
         row.update(self.episode or {})
         if self.response_top_logprobs is not None:  # io.trajectories.TOP_LOGPROB_FIELDS
             row["response_top_token_ids"] = [[t for t, _ in top] if top else [] for top in self.response_top_logprobs]
@@ -111,12 +118,16 @@ class PartialSample:
     episode: dict | None = None
     """An aborted episode to continue (`run --env --resume --continue-aborted`): its row's episode columns
     (response_loss_mask, model_turns, turn_cached_tokens); the response holds model and environment tokens."""
+    response_sampling_mask: list | None = None
+    """Per response token, the kept ids it was drawn from (a trajectory's response_sampling_mask), carried
+    into the continued sample's; None: not recorded (the continued sample's mask lists None there)."""
 
     @classmethod
     def of(cls, trajectory: Trajectory, params: SamplingParams | None = None) -> PartialSample:
         return cls(trajectory.prompt_index, trajectory.sample_index, list(trajectory.prompt_token_ids),
                    list(trajectory.response_token_ids), list(trajectory.response_logprobs),
-                   list(trajectory.response_weight_versions), dict(trajectory.passthrough), params)
+                   list(trajectory.response_weight_versions), dict(trajectory.passthrough), params,
+                   response_sampling_mask=trajectory.response_sampling_mask)
 
 
 @dataclass(frozen=True)

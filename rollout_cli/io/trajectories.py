@@ -43,6 +43,11 @@ TOP_LOGPROB_FIELDS: tuple[pa.Field, ...] = (
     pa.field("response_top_token_ids", pa.list_(pa.list_(pa.int32()))),
     pa.field("response_top_logprobs", pa.list_(pa.list_(pa.float32()))),
 )
+# `rollout run --sampling-mask`: per response token, the ids the top-k / top-p / min-p filters kept (the set
+# it was drawn from; empty for tokens carried over by --continue-aborted)
+SAMPLING_MASK_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("response_sampling_mask", pa.list_(pa.list_(pa.int32()))),
+)
 # `rollout run --env` (rollout_cli/episodes.py): the response holds model and environment tokens
 EPISODE_FIELDS: tuple[pa.Field, ...] = (
     pa.field("response_loss_mask", pa.list_(pa.int8())),  # 1: a model token, 0: an environment token
@@ -60,11 +65,12 @@ IMAGE_FIELDS: tuple[pa.Field, ...] = (
 
 
 def trajectory_schema(passthrough_schema: pa.Schema, episodes: bool = False, top_logprobs: bool = False,
-                      images: bool = False) -> pa.Schema:
-    """The fixed columns in order (then the episode columns, the top-logprob columns, the image columns, as
-    asked), then the input's passthrough columns in input order."""
+                      images: bool = False, sampling_mask: bool = False) -> pa.Schema:
+    """The fixed columns in order (then the episode columns, the top-logprob columns, the image columns, the
+    sampling-mask column, as asked), then the input's passthrough columns in input order."""
     fields = (list(FIXED_FIELDS) + (list(EPISODE_FIELDS) if episodes else [])
-              + (list(TOP_LOGPROB_FIELDS) if top_logprobs else []) + (list(IMAGE_FIELDS) if images else []))
+              + (list(TOP_LOGPROB_FIELDS) if top_logprobs else []) + (list(IMAGE_FIELDS) if images else [])
+              + (list(SAMPLING_MASK_FIELDS) if sampling_mask else []))
     names = [f.name for f in fields]
     for name in passthrough_schema.names:
         if name in names:
@@ -225,10 +231,11 @@ class TrajectoryWriter(ShardWriter):
         episodes: bool = False,
         top_logprobs: bool = False,
         images: bool = False,
+        sampling_mask: bool = False,
     ) -> None:
         super().__init__(
             out_dir,
-            trajectory_schema(passthrough_schema, episodes, top_logprobs, images),
+            trajectory_schema(passthrough_schema, episodes, top_logprobs, images, sampling_mask),
             shard_rows=shard_rows,
             flush_seconds=flush_seconds,
             subdir=subdir,

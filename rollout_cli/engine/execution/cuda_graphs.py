@@ -153,7 +153,7 @@ class DecodeGraphs:
         """A decode-only step within the largest bucket; samples that want their positions' top
         logprobs run eagerly (the graphs copy back the sampled token and its logprob only)."""
         return 0 < len(entries) <= self.max_batch and all(
-            e.num_new_tokens == 1 and e.sample and not e.request.params.top_logprobs for e in entries)
+            e.num_new_tokens == 1 and e.sample and not e.request.params.per_token_extras for e in entries)
 
     def run(self, entries, tokens_on_device: bool = False) -> torch.Tensor:
         """Replay for a decode-only step; returns (token ids, logprobs) as float64 [2, len(entries)],

@@ -17,7 +17,7 @@ from rollout_cli.engine.execution.attention import KVCache, prepare_attention
 from rollout_cli.engine.execution.linear_state import HybridBatch, begin_step, prepare_step
 from rollout_cli.engine.execution.mtp_step import MTPStep
 from rollout_cli.engine.execution.on_policy import PoolTokenAttention, token_forward
-from rollout_cli.engine.execution.sampler import SamplingRows, sample_rows, sampled_top_logprobs, teacher_logprobs
+from rollout_cli.engine.execution.sampler import SamplingRows, sample_extras, sample_rows, teacher_logprobs
 from rollout_cli.engine.execution.vision_step import EncoderCache, step_positions_and_images
 from rollout_cli.engine.scheduling.schedule_output import BatchEntry, ScheduleOutput
 
@@ -72,7 +72,7 @@ class StepHandle:
     logprobs: list[float] | None = None
     scores: list[float] = field(default_factory=list)  # scoring requests' teacher-forced logprobs, entry order
     score_tops: list | None = None  # with --top-logprobs: (ids, logprobs) of the k most likely tokens, per score
-    sample_tops: list | None = None  # per sampled row: its (token id, logprob) top list, or None (not asked)
+    sample_extras: list | None = None  # per sampled row: (top list, sampling mask), sampler.sample_extras
     prefilled: bool = False  # the step ran prompt tokens
     graph_step: bool = False  # replayed a decode graph: its sampled tokens are also on the device
     host: torch.Tensor | None = None
@@ -212,9 +212,9 @@ class ModelRunner:
             return self._launch_graph(out, rows, tokens_on_device=on_device, started=started)
         if pending:
             self._resolve_pending(out, prev)
-        tokens, logprobs, scores, tops, sample_tops = self._run_eager(out)
+        tokens, logprobs, scores, tops, extras = self._run_eager(out)
         return StepHandle(out, tokens=tokens, logprobs=logprobs, scores=scores, score_tops=tops, prefilled=prefilled,
-                          launch_time=started, sample_tops=sample_tops)
+                          launch_time=started, sample_extras=extras)
 
     def collect(self, handle: StepHandle) -> tuple[list[int], list[float]]:
         """The step's (tokens, logprobs), waiting for the GPU if it is still running."""
@@ -238,7 +238,7 @@ class ModelRunner:
 
     def _run_eager(self, out: ScheduleOutput) -> tuple[list[int], list[float], list[float], list | None, list | None]:
         """(sampled tokens, their logprobs, the scored rows' logprobs, their top-k (ids, logprobs) or None,
-        the sampled rows' top lists or None)."""
+        the sampled rows' (top list, sampling mask) or None: sampler.sample_extras)."""
         sampled = [e for e in out.entries if e.sample]
         self._write_table(out.entries)
         if self.mtp_step is not None:  # --speculative mtp: draft positions 2..K, now that their slots exist
@@ -265,10 +265,9 @@ class ModelRunner:
                                        use_triton=self.attention_backend == "triton", per_row=self.per_token)
         # one device-to-host copy: float64 holds both the token ids and the float32 logprobs exactly
         token_values, logprob_values = torch.stack((tokens.double(), logprobs.double())).tolist()
-        sample_tops = None
-        if any(e.request.params.top_logprobs for e in sampled):
-            sample_tops = sampled_top_logprobs(logits, requests, tokens, per_row=self.per_token)
-        return [int(t) for t in token_values], logprob_values, scores, tops, sample_tops
+        extras = sample_extras(logits, requests, tokens, per_row=self.per_token,
+                               use_triton=self.attention_backend == "triton")
+        return [int(t) for t in token_values], logprob_values, scores, tops, extras
 
     def _graph_rows(self, entries) -> list | None:
         """The one-token rows a decode graph replays for this step, or None where no graph can run it.

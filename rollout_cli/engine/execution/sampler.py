@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout_kernels.sampling_ref import as_int64_key, sample_ref, token_logprobs_ref
+from rollout_kernels.sampling_ref import as_int64_key, kept_mask_ref, sample_ref, token_logprobs_ref
 
 # rows of the int64 table, then of the float32 table
 SEED, PROMPT_INDEX, SAMPLE_INDEX, POSITION, TOP_K = range(5)
@@ -119,6 +119,41 @@ def sampled_top_logprobs(logits: torch.Tensor, requests, tokens: torch.Tensor, p
         k = request.params.top_logprobs
         out.append([(t, v) for t, v in zip(row_ids[:k], row_values[:k]) if v != float("-inf")] if k else None)
     return out
+
+
+def sampling_masks(logits: torch.Tensor, requests, per_row: bool, use_triton: bool) -> list:
+    """The sampling mask of each sampled row: logits [B, V] of the rows `requests` drew from -> per row,
+    the ids (ascending) of the tokens its draw could pick (the kept set its processed logprob is
+    renormalised over) for requests with params.return_sampling_mask, None for the others. The set
+    of the sampler that drew: the Triton kernel's (`sampling_support.kept_mask`, same knobs as
+    `sample_rows`), else the torch reference's, one row at a time under `per_row` as sample_rows."""
+    rows = SamplingRows(list(requests), [0] * len(requests))
+    ints, floats = rows.to_device(logits.device)
+    settings = (floats[TEMPERATURE], ints[TOP_K], floats[TOP_P], floats[MIN_P])
+    if per_row:
+        mask = torch.cat([kept_mask_ref(logits[i : i + 1].clone(), *(s[i : i + 1].clone() for s in settings))
+                          for i in range(logits.shape[0])])
+    elif use_triton:
+        from rollout_kernels.sampling_support import kept_mask  # triton is optional on the CPU's torch path
+
+        mask = kept_mask(logits, *settings)
+    else:
+        mask = kept_mask_ref(logits, *settings)
+    return [mask[i].nonzero().squeeze(-1).tolist() if r.params.return_sampling_mask else None
+            for i, r in enumerate(requests)]
+
+
+def sample_extras(logits: torch.Tensor, requests, tokens: torch.Tensor, per_row: bool, use_triton: bool):
+    """What sampled rows report beside their token and logprob: per row (top list or None, sampling mask
+    or None) as SamplingParams.top_logprobs / return_sampling_mask ask; None when no row asks for either
+    (the common case: nothing computed)."""
+    wants_top = any(r.params.top_logprobs for r in requests)
+    wants_mask = any(r.params.return_sampling_mask for r in requests)
+    if not (wants_top or wants_mask):
+        return None
+    tops = sampled_top_logprobs(logits, requests, tokens, per_row) if wants_top else [None] * len(requests)
+    masks = sampling_masks(logits, requests, per_row, use_triton) if wants_mask else [None] * len(requests)
+    return list(zip(tops, masks, strict=True))
 
 
 def teacher_logprobs(logits: torch.Tensor, entries, per_row: bool, use_triton: bool = False):

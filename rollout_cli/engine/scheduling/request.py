@@ -34,6 +34,9 @@ class Request:
     # with params.top_logprobs K: per response token, the K most likely (token id, logprob), most likely
     # first (None for tokens carried over from a partial response); [] otherwise
     output_top_logprobs: list = field(default_factory=list)
+    # with params.return_sampling_mask: per response token, the ids the filters kept (ascending; None for
+    # tokens carried over from a partial response); [] otherwise
+    output_sampling_mask: list = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_computed_tokens: int = 0
@@ -138,20 +141,30 @@ class Request:
         """Whether the next appended token ends the sample by length, whatever the token (append_token's rule)."""
         return len(self.output_token_ids) + 1 >= self.params.max_new_tokens or self.num_tokens + 1 >= self.max_model_len
 
-    def append_token(self, token_id: int, logprob: float, weight_version: str = "", top=None) -> None:
-        """Record one sampled token (sampled under `weight_version`; `top` its position's most likely
-        (token id, logprob) pairs, with params.top_logprobs) and set finish_reason if it ends the sample."""
+    def append_token(self, token_id: int, logprob: float, weight_version: str = "", extras=None) -> None:
+        """Record one sampled token (sampled under `weight_version`; `extras` its position's (top list,
+        sampling mask) when params ask for either: sampler.sample_extras) and set finish_reason if it
+        ends the sample."""
         spans = self.version_spans
         if not spans or spans[-1][1] != weight_version:  # one compare per token: a new span only on a change
             spans.append((len(self.output_token_ids), weight_version))
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprob)
-        if self.params.top_logprobs:
-            self.output_top_logprobs.append(top)
+        if extras is not None:
+            top, mask = extras
+            if self.params.top_logprobs:
+                self.output_top_logprobs.append(top)
+            if self.params.return_sampling_mask:
+                self.output_sampling_mask.append(mask)
         if not self.params.ignore_eos and token_id in self.eos_token_ids:
             self.finish_reason = "stop"
         elif len(self.output_token_ids) >= self.params.max_new_tokens or self.num_tokens >= self.max_model_len:
             self.finish_reason = "length"
+
+    def per_token_outputs(self) -> dict:
+        """The per-token outputs its params ask for, as Trajectory fields (None where not asked)."""
+        return dict(response_top_logprobs=self.output_top_logprobs if self.params.top_logprobs else None,
+                    response_sampling_mask=self.output_sampling_mask if self.params.return_sampling_mask else None)
 
     def response_weight_versions(self, current: str) -> list[str]:
         """The weight version that sampled each response token ([] for an empty response; `current`

@@ -88,11 +88,26 @@ class RequestMaker:
                           params=params, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                           payload=sample.passthrough, conversation=sample.conversation, output_token_ids=response,
                           output_logprobs=list(sample.response_logprobs),
-                          output_top_logprobs=[None] * len(response) if params.top_logprobs else [])
+                          output_top_logprobs=[None] * len(response) if params.top_logprobs else [],
+                          output_sampling_mask=self._carried_masks(sample, params, where))
         for i, version in enumerate(sample.response_weight_versions):
             if not request.version_spans or request.version_spans[-1][1] != version:
                 request.version_spans.append((i, version))
         return request
+
+    @staticmethod
+    def _carried_masks(sample: PartialSample, params: SamplingParams, where: str) -> list:
+        """With params.return_sampling_mask, the continued request's masks so far: the sample's own (an
+        aborted row's column), else None per carried token; [] otherwise."""
+        length = len(sample.response_token_ids)
+        if not params.return_sampling_mask:
+            return []
+        if sample.response_sampling_mask is None:
+            return [None] * length
+        if len(sample.response_sampling_mask) != length:
+            raise RolloutError(f"{where}: response_sampling_mask must hold one entry per response token ({length}); "
+                               "pass an aborted trajectory's column as it is")
+        return [list(ids) if ids else None for ids in sample.response_sampling_mask]
 
     def scoring(self, sample: ScoreInput, params: SamplingParams, top_logprobs: int = 0) -> Request:
         """A request that runs prompt + response through the model and scores the response tokens."""

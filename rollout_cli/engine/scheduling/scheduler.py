@@ -245,13 +245,13 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
 
     def postprocess(self, out: ScheduleOutput, tokens: list[int], logprobs: list[float],
                     scores: list[float] = (), score_tops: list | None = None,
-                    weight_version: str = "", sample_tops: list | None = None) -> list[Request]:
+                    weight_version: str = "", sample_extras: list | None = None) -> list[Request]:
         """Advance each request by its step; `tokens`/`logprobs` hold one entry per sampling request,
         `scores` the scored rows' logprobs in entry order (scoring requests), `score_tops` their top-k;
-        `weight_version`: the weights the step ran on (recorded per token); `sample_tops`: per sampling
-        request its position's most likely (token id, logprob) pairs (None for requests not asking)."""
+        `weight_version`: the weights the step ran on (recorded per token); `sample_extras`: per sampling
+        request its position's (top list, sampling mask) (sampler.sample_extras; None: no request asks)."""
         finished = []
-        sampled = iter(zip(tokens, logprobs, sample_tops if sample_tops is not None else repeat(None)))
+        sampled = iter(zip(tokens, logprobs, sample_extras if sample_extras is not None else repeat(None)))
         scored = iter(zip(scores, score_tops if score_tops is not None else [None] * len(scores)))
         now = time.monotonic()
         for entry in out.entries:
@@ -279,10 +279,10 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
                 self.linear.snapshot(request.prompt_key_ids[:num_prompt - 1], request.state_slot,
                                      request.cache_node)
             if entry.sample:
-                token, logprob, top = next(sampled)
+                token, logprob, extras = next(sampled)
                 if request.first_token_time is None:
                     request.first_token_time = now
-                request.append_token(token, logprob, weight_version, top)
+                request.append_token(token, logprob, weight_version, extras)
                 self._observe(request)
             if entry.score_targets:
                 first = entry.start + entry.score_first_row + 1 - request.score_from  # index of the first target

@@ -69,7 +69,7 @@ class Speculation:
     def _draft(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decode-ready request: at most num_draft_tokens, `budget`, and what its
         max_new_tokens and --max-model-len leave after the token this step samples anyway."""
-        if request.params.top_logprobs or request.is_scoring:  # one row per sample there
+        if request.params.per_token_extras or request.is_scoring:  # one row per sample there
             return []
         room = min(self.num_draft_tokens, budget, request.params.max_new_tokens - len(request.output_token_ids) - 1,
                    request.max_model_len - request.num_tokens - 1)
@@ -81,8 +81,8 @@ class Speculation:
         request = entry.request
         rows = [next(sampled) for _ in range(1 + entry.num_draft)]
         appended = 0
-        for j, (token, logprob, top) in enumerate(rows):
-            request.append_token(token, logprob, weight_version, top)
+        for j, (token, logprob, extras) in enumerate(rows):
+            request.append_token(token, logprob, weight_version, extras)
             appended += 1
             if request.finish_reason is not None or j == entry.num_draft or token != entry.token_ids[1 + j]:
                 break
