@@ -42,6 +42,7 @@ class Choice:
     cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served
     session: dict | None = None  # a session turn: the session's statistics after it (server/sessions.py)
     top_logprobs: list = field(default_factory=list)  # per token: (token id, logprob) pairs, or None (not asked)
+    sampling_mask: list | None = None  # per token: the kept ids it was drawn from (return_sampling_mask), or None
 
 
 class OnlineRequest:
@@ -100,7 +101,7 @@ class OnlineRequest:
 
     def finish(self, prompt: int, sample: int, token_ids: list[int], logprobs: list[float], finish_reason: str,
                weight_versions: list[str], cached_prompt_tokens: int = 0, session_turn=None,
-               tops: list | None = None) -> None:
+               tops: list | None = None, masks: list | None = None) -> None:
         """The sample ended (in the engine, by a stop rule, or aborted) with these tokens.
         `session_turn(request, choice) -> statistics` records a session's turn before the answer goes out."""
         text = self.samples[prompt][sample]
@@ -111,7 +112,8 @@ class OnlineRequest:
         count = len(text.token_ids)
         choice = Choice(index, prompt, list(text.token_ids), list(text.logprobs), text.visible_text(final=True),
                         "stop" if text.stopped else finish_reason, text.stop_reason, list(weight_versions[:count]),
-                        cached_prompt_tokens, top_logprobs=list(text.tops))
+                        cached_prompt_tokens, top_logprobs=list(text.tops),
+                        sampling_mask=None if masks is None else masks[:count])  # a stop string may cut tokens
         if session_turn is not None and self.session_id is not None:
             choice.session = session_turn(self, choice)
         self._emit(("finish", choice))
@@ -212,7 +214,8 @@ class LiveRequests:
         request, prompt = found
         request.finish(prompt, trajectory.sample_index, trajectory.response_token_ids,
                        trajectory.response_logprobs, trajectory.finish_reason, trajectory.response_weight_versions,
-                       trajectory.cached_prompt_tokens, self.session_turn, trajectory.response_top_logprobs)
+                       trajectory.cached_prompt_tokens, self.session_turn, trajectory.response_top_logprobs,
+                       trajectory.response_sampling_mask)
         self._forget_if_done(request)
 
     def abort_queued(self, request_id: str | None = None) -> int:

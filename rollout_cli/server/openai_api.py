@@ -5,8 +5,9 @@ these routes take its requests unchanged, with the extensions RL needs (vLLM's n
 them): `return_token_ids` (the prompt's and each choice's token ids, and the weight version of every
 token), token ids as the completions prompt, `stop_token_ids`, `top_k`, `min_p`, `ignore_eos`,
 `request_id` (abort it with POST /abort_request {"request_id": ...}), `session_id` (one turn of a
-multi-turn conversation whose KV stays pinned for the next turn, engine/scheduling/sessions.py) and
-`chat_template_kwargs`. Vision-language checkpoints take image parts in chat messages (openai_images.py).
+multi-turn conversation whose KV stays pinned for the next turn, engine/scheduling/sessions.py),
+`return_sampling_mask` (SGLang's name: each choice's `sampling_mask`, per token the ids top_k / top_p /
+min_p kept; whole responses only) and `chat_template_kwargs`. Vision-language checkpoints take image parts in chat messages (openai_images.py).
 
 The request bodies and their translation are in openai_requests.py. Each request becomes an OnlineRequest (server/online.py) served by the engine thread together with
 every other request in flight. A sample's random stream is keyed as in `rollout run`: with the same
@@ -312,6 +313,8 @@ class _ResponseShape:
             else:
                 item["text"] = c.text
             self._ids(item, c, c.token_ids)
+            if c.sampling_mask is not None:  # per returned token, the ids top_k / top_p / min_p kept
+                item["sampling_mask"] = c.sampling_mask
             out.append(item)
         response = {**self._head(), "choices": out, "usage": self.usage()}
         if self.chat and self.return_token_ids:

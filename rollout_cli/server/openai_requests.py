@@ -51,6 +51,7 @@ class SamplingKeys(OpenAIBody):
     request_id: Optional[str] = Field(None, max_length=256)
     session_id: Optional[str] = Field(None, max_length=256)
     logprobs_mode: Literal["processed", "raw"] = "processed"
+    return_sampling_mask: bool = False  # SGLang's name: each choice's sampling_mask (whole responses only)
 
 
 class CompletionRequest(SamplingKeys):
@@ -96,6 +97,8 @@ def refuse_unsupported(body: SamplingKeys) -> None:
             raise RolloutError("suffix is not supported; leave it out")
         if body.best_of not in (None, body.n):
             raise RolloutError("best_of is not supported; use n and pick among the choices")
+    if body.return_sampling_mask and body.stream:
+        raise RolloutError("return_sampling_mask comes with whole responses only; send stream false")
     if not 0 <= top_logprobs_of(body) <= MAX_TOP_LOGPROBS:
         raise RolloutError(f"{'top_logprobs' if isinstance(body, ChatCompletionRequest) else 'logprobs'} must be in "
                            f"[0, {MAX_TOP_LOGPROBS}]: the number of most likely tokens returned per position")
@@ -133,6 +136,7 @@ def sampling_params(body: SamplingKeys, max_tokens: int) -> SamplingParams:
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, min_p=body.min_p,
         seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
         ignore_eos=body.ignore_eos, logprobs_mode=body.logprobs_mode, top_logprobs=top_logprobs_of(body),
+        return_sampling_mask=body.return_sampling_mask,
     )
 
 

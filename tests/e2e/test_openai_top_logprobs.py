@@ -50,3 +50,23 @@ def test_completions_integer_logprobs_give_one_map_per_position(server):  # noqa
         assert 1 <= len(alternatives) <= 2 and alternatives.get(token) == logprob
     plain = server["client"].completions.create(model="example", prompt="Count to five:", max_tokens=2, logprobs=0)
     assert plain.choices[0].logprobs.top_logprobs is None
+
+
+def test_sampling_masks_come_with_whole_responses(server):  # noqa: F811
+    """return_sampling_mask (an extension, SGLang's name): per returned token the ids the filters kept, the
+    token among them, as many lists as tokens; a streamed request asking for them is one 400 line."""
+    client = server["client"]
+    kwargs = dict(model="example", messages=MESSAGES, max_tokens=5, temperature=0.9, seed=3,
+                  extra_body={"return_token_ids": True, "ignore_eos": True, "top_k": 6, "return_sampling_mask": True})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    tokens, masks = choice.model_extra["token_ids"], choice.model_extra["sampling_mask"]
+    assert len(tokens) == len(masks) == 5
+    assert all(token in ids and len(ids) <= 6 for token, ids in zip(tokens, masks, strict=True))
+    plain = client.chat.completions.create(**{**kwargs, "extra_body": {"top_k": 6}}).choices[0]
+    assert "sampling_mask" not in plain.model_extra
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="whole responses only"):
+        client.chat.completions.create(**kwargs, stream=True)
+    with pytest.raises(openai.BadRequestError, match="set one of them"):
+        client.chat.completions.create(**{**kwargs, "extra_body": {"return_sampling_mask": True}})
