@@ -65,6 +65,9 @@ class ScoreJobConfig:
     """An image run's prompt file (the pixels its trajectories do not hold); None: the file its manifest names."""
     image_key: str | None = None
     """That file's image column; None: the run's (its manifest), else images, else image."""
+    sampling_mask: bool = False
+    """Renormalise each token over the run's recorded kept set (its response_sampling_mask column) instead of
+    re-running top-k / top-p / min-p on the scoring logits: what a trainer replaying the masks computes."""
 
 
 @dataclass
@@ -110,10 +113,13 @@ def _dataset(data: str) -> ds.Dataset:
     return dataset
 
 
-def _samples(dataset: ds.Dataset, done: set, run_logprobs: dict, images=None) -> Iterator[ScoreInput]:
+def _samples(dataset: ds.Dataset, done: set, run_logprobs: dict, images=None,
+             masks: bool = False) -> Iterator[ScoreInput]:
     """The trajectories not yet scored, one Parquet batch at a time; their run logprobs go to `run_logprobs`.
-    `images`: an image run's (VisionPromptEncoder, ImageRows), the pixels looked up by prompt_index."""
-    columns = list(NEEDED) + (["image_grid_thw"] if images is not None else [])
+    `images`: an image run's (VisionPromptEncoder, ImageRows), the pixels looked up by prompt_index;
+    `masks`: each row's response_sampling_mask goes with it."""
+    columns = (list(NEEDED) + (["image_grid_thw"] if images is not None else [])
+               + (["response_sampling_mask"] if masks else []))
     for batch in dataset.to_batches(columns=columns):
         for row in batch.to_pylist():
             key = (row["prompt_index"], row["sample_index"])
@@ -121,7 +127,8 @@ def _samples(dataset: ds.Dataset, done: set, run_logprobs: dict, images=None) ->
                 continue
             run_logprobs[key] = row["response_logprobs"]
             yield ScoreInput(row["prompt_index"], row["sample_index"], row["prompt_token_ids"],
-                             row["response_token_ids"], images=_row_images(row, images))
+                             row["response_token_ids"], images=_row_images(row, images),
+                             sampling_mask=row["response_sampling_mask"] if masks else None)
 
 
 def _row_images(row: dict, images) -> tuple:
@@ -166,6 +173,9 @@ def run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig,
     if job.top_logprobs < 0:
         raise RolloutError(f"--top-logprobs {job.top_logprobs}: give 0 (off) or the number of tokens to keep")
     dataset = _dataset(job.data)
+    if job.sampling_mask and "response_sampling_mask" not in dataset.schema.names:
+        raise RolloutError(f"--sampling-mask: {job.data} holds no response_sampling_mask column; run with "
+                           "--sampling-mask to record the kept sets, or score without it")
     images = _image_source(engine, dataset, job)  # before OUT exists: a missing prompt file is refused first
     prepare_output_dir(job.out, job.resume)
     create_output_dir(job.out, (SCORES_SUBDIR,))
@@ -174,7 +184,8 @@ def run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig,
                 "deterministic": engine.config.deterministic,
                 "sampling": {name: getattr(params, name) for name in ("temperature", "logprobs_mode", "top_p", "top_k",
                                                                       "min_p")},
-                "top_logprobs": job.top_logprobs}
+                "top_logprobs": job.top_logprobs,
+                **({"sampling_mask": True} if job.sampling_mask else {})}  # older manifests: no key
     previous = read_manifest(job.out) if job.resume else None
     if previous and previous.get("settings") != settings:
         name, old, new = _first_difference(previous.get("settings") or {}, settings)
@@ -190,8 +201,8 @@ def run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig,
         with ShardWriter(job.out, schema, job.shard_rows, job.flush_seconds, subdir=SCORES_SUBDIR) as writer:
             if on_progress is not None:
                 on_progress(progress)
-            scores = engine.score(_samples(dataset, done, run_logprobs, images), params, on_step=writer.maybe_flush,
-                                  top_logprobs=job.top_logprobs)
+            scores = engine.score(_samples(dataset, done, run_logprobs, images, job.sampling_mask), params,
+                                  on_step=writer.maybe_flush, top_logprobs=job.top_logprobs)
             for score in scores:
                 run_logprobs.pop((score.prompt_index, score.sample_index), None)
                 row = {"prompt_index": score.prompt_index, "sample_index": score.sample_index,

@@ -26,6 +26,7 @@ def score_command(
     top_p: Annotated[Optional[float], typer.Option(help="The run's nucleus mass (processed logprobs are over the kept set); default: the run's, else 1.", rich_help_panel=opt.SAMPLING)] = None,
     top_k: Annotated[Optional[int], typer.Option(help="The run's top-k; default: the run's, else 0 (off).", rich_help_panel=opt.SAMPLING)] = None,
     min_p: Annotated[Optional[float], typer.Option(help="The run's min-p; default: the run's, else 0 (off).", rich_help_panel=opt.SAMPLING)] = None,
+    sampling_mask: Annotated[bool, typer.Option("--sampling-mask", help="Renormalise each token over the run's recorded kept set (column response_sampling_mask, from run --sampling-mask) instead of re-running the filters on the scoring logits: what a trainer replaying the masks computes.", rich_help_panel=opt.SAMPLING)] = False,
     top_logprobs: Annotated[int, typer.Option(help="Also write the K most likely tokens and their logprobs at every response position (teacher scoring for distillation); 0 = off.", rich_help_panel=DATA)] = 0,
     images_from: Annotated[Optional[str], typer.Option(help="An image run's prompt Parquet file (trajectories hold the image tokens, not the pixels); default: the file the run's manifest names.", rich_help_panel=DATA)] = None,
     image_key: Annotated[Optional[str], typer.Option(help="The image column of --images-from; default: the run's.", rich_help_panel=DATA)] = None,
@@ -59,7 +60,8 @@ def score_command(
         params = SamplingParams(**{name: value if value is not None else recorded.get(name, defaults[name])
                                    for name, value in given.items()})
         job = ScoreJobConfig(data=data, out=out, resume=resume, shard_rows=shard_rows, flush_seconds=flush_seconds,
-                             top_logprobs=top_logprobs, images_from=images_from, image_key=image_key)
+                             top_logprobs=top_logprobs, images_from=images_from, image_key=image_key,
+                             sampling_mask=sampling_mask)
         config = opt.engine_config(model=model, quiet=quiet, **engine_options)
         with console.status("loading model"):
             engine = Engine(config)

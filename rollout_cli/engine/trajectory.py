@@ -141,6 +141,9 @@ class ScoreInput:
     passthrough: dict[str, Any] = field(default_factory=dict)
     images: tuple = ()
     """Vision-language models: the prompt's images (PromptInput.images)."""
+    sampling_mask: list | None = None
+    """Per response token, the kept ids to renormalise its processed logprob over (a run's
+    response_sampling_mask: what a trainer replaying the masks computes); None: the params' filters."""
 
 
 @dataclass

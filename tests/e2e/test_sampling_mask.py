@@ -12,6 +12,7 @@ import torch
 
 from parity import make_engine, prompts_of
 from rollout_cli import PartialSample, SamplingParams
+from rollout_cli.engine.trajectory import ScoreInput
 from rollout_cli.errors import RolloutError
 from rollout_cli.training import sampling_mask_logprobs
 
@@ -88,6 +89,29 @@ def test_off_by_default_and_carried_over_a_continuation(tiny_checkpoints):
         sampling_mask_logprobs(torch.zeros(2, 8), torch.tensor([0, 1]), 1.0, [[0], []])
 
 
+@pytest.mark.parametrize("options", [{}, dict(attention_backend="triton")], ids=["torch", "triton"])
+def test_scoring_over_the_recorded_masks(tiny_checkpoints, options):
+    """Engine.score with each sample's masks (`rollout score --sampling-mask`) gives the run's logprobs; the
+    masks are what it renormalises over: a mask of the sampled token alone scores it 0 (to rounding)."""
+    engine = make_engine(tiny_checkpoints["qwen3"], **options)
+    params = dataclasses.replace(_params(SETTINGS[-1]), max_new_tokens=4)
+    run = engine.generate(PROMPTS[:2], params)
+
+    def scored(masks_of):
+        inputs = [ScoreInput(t.prompt_index, t.sample_index, t.prompt_token_ids, t.response_token_ids,
+                             sampling_mask=masks_of(t)) for t in run]
+        return {(s.prompt_index, s.sample_index): s.response_logprobs for s in engine.score(inputs, params)}
+
+    replayed = scored(lambda t: t.response_sampling_mask)
+    for t in run:
+        assert replayed[(t.prompt_index, t.sample_index)] == pytest.approx(t.response_logprobs, abs=1e-5)
+    alone = scored(lambda t: [[token] for token in t.response_token_ids])
+    assert all(abs(value) < 3e-7 for values in alone.values() for value in values)  # log(p / p), rounded
+    with pytest.raises(RolloutError, match="non-empty list per response token"):
+        list(engine.score([ScoreInput(0, 0, run[0].prompt_token_ids, run[0].response_token_ids,
+                                      sampling_mask=[[1]])], params))
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(temperature=0.0, top_k=5), "needs --temperature > 0"),
     (dict(temperature=1.0), "set one of them"),
@@ -98,9 +122,11 @@ def test_a_mask_needs_a_filter_and_sampling(settings, message):
 
 
 def test_cli_writes_the_column_and_a_resume_keeps_the_setting(tmp_path):
-    """`rollout run --sampling-mask`: a list<list<int32>> column, one mask per response token holding it;
+    """`rollout run --sampling-mask`: a list<list<int32>> column, one mask per response token holding it, which
+    `rollout score --sampling-mask` scores over (the run's logprobs back; refused for a run without it);
     a --resume that drops the flag would mix rows with and without masks: refused in one line; bad
     combinations are one line and no output."""
+    import json
     import subprocess
     import sys
     from pathlib import Path
@@ -125,6 +151,18 @@ def test_cli_writes_the_column_and_a_resume_keeps_the_setting(tmp_path):
         assert len(row["response_sampling_mask"]) == len(row["response_token_ids"])
         assert all(token in ids and len(ids) <= 7 for token, ids in zip(row["response_token_ids"],
                                                                         row["response_sampling_mask"], strict=True))
+    score = [sys.executable, "-m", "rollout_cli.cli.main", "score", "--model", str(repo / "recipes/example_model"),
+             "--quiet", "--sampling-mask"]
+    scored = subprocess.run(score + ["--data", str(tmp_path / "masked"), "--out", str(tmp_path / "scores")],
+                            capture_output=True, text=True, timeout=300, cwd=repo)
+    assert scored.returncode == 0, scored.stderr
+    manifest = json.loads((tmp_path / "scores" / "manifest.json").read_text())
+    assert manifest["settings"]["sampling_mask"] is True and manifest["max_abs_diff"] < 1e-5
+    plain = rollout("--out", str(tmp_path / "plain"), "--limit", "1")
+    assert plain.returncode == 0, plain.stderr
+    refused = subprocess.run(score + ["--data", str(tmp_path / "plain"), "--out", str(tmp_path / "none")],
+                             capture_output=True, text=True, timeout=300, cwd=repo)
+    assert refused.returncode == 2 and "holds no response_sampling_mask column" in refused.stderr, refused.stderr
     resumed = rollout("--out", str(tmp_path / "masked"), "--resume")
     assert resumed.returncode != 0 and "sampling" in resumed.stderr and "Traceback" not in resumed.stderr
     for extra, message in ((["--top-k", "0"], "set one of them"), (["--temperature", "0"], "needs --temperature > 0"),

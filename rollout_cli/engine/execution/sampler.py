@@ -179,7 +179,7 @@ def teacher_logprobs(logits: torch.Tensor, entries, per_row: bool, use_triton: b
         chosen = score_tokens(logits, targets, floats[TEMPERATURE], ints[TOP_K], floats[TOP_P], floats[MIN_P],
                               floats[RAW_LOGPROBS] > 0.5)
         if not num_top:
-            return chosen
+            return _over_masks(logits, entries, targets, floats, chosen, num_top)
 
     def score(rows: slice, row_logits: torch.Tensor):
         return token_logprobs_ref(row_logits, targets[rows], floats[TEMPERATURE, rows],
@@ -193,5 +193,41 @@ def teacher_logprobs(logits: torch.Tensor, entries, per_row: bool, use_triton: b
         parts = [score(slice(i, i + 1), logits[i : i + 1].clone()) for i in range(logits.shape[0])]
         scored = torch.cat(parts) if not num_top else tuple(torch.cat(column) for column in zip(*parts))
     if chosen is not None:  # the top list from the reference, the targets' logprobs from the kernel
-        return (chosen, *scored[1:])
-    return scored
+        scored = (chosen, *scored[1:])
+    return _over_masks(logits, entries, targets, floats, scored, num_top)
+
+
+def _over_masks(logits: torch.Tensor, entries, targets: torch.Tensor, floats: torch.Tensor, scored, num_top: int):
+    """teacher_logprobs' result with the rows of requests that carry score_masks (`score --sampling-mask`)
+    replaced: their processed logprobs renormalised over the given kept ids (the torch sampler's
+    expression: log_softmax(logits / T) minus the log of the kept probabilities' sum, -inf outside),
+    instead of over the set the filters cut from these logits; raw rows are left as they are."""
+    rows, masks = [], []
+    row = 0
+    for e in entries:
+        if e.request.score_masks is not None:
+            first = e.first_scored
+            rows += range(row, row + len(e.score_targets))
+            masks += e.request.score_masks[first : first + len(e.score_targets)]
+        row += len(e.score_targets)
+    if not rows:
+        return scored
+    index = torch.tensor(rows, device=logits.device)
+    temperature = floats[TEMPERATURE, index]
+    temperature = torch.where(temperature == 0, torch.ones_like(temperature), temperature)
+    processed = torch.log_softmax(logits[index].float() / temperature[:, None], dim=-1)  # [M, V]
+    keep = torch.zeros(processed.shape, dtype=torch.bool, device=logits.device)
+    keep[torch.tensor([i for i, ids in enumerate(masks) for _ in ids], device=logits.device),
+         torch.tensor([t for ids in masks for t in ids], device=logits.device)] = True
+    kept = torch.where(keep, processed.exp(), torch.zeros_like(processed)).sum(dim=-1, keepdim=True)
+    reported = torch.where(keep, processed - kept.log(), torch.full_like(processed, float("-inf")))
+    processed_rows = floats[RAW_LOGPROBS, index] <= 0.5  # raw logprobs have no kept set
+    index, reported = index[processed_rows], reported[processed_rows]
+    chosen = scored[0].clone() if num_top else scored.clone()
+    chosen[index] = reported.gather(-1, targets[index][:, None]).squeeze(-1)
+    if not num_top:
+        return chosen
+    ids, values = scored[1].clone(), scored[2].clone()
+    top = reported.topk(ids.shape[1], dim=-1)
+    ids[index], values[index] = top.indices, top.values
+    return chosen, ids, values

@@ -68,6 +68,9 @@ class Request:
     score_from: int | None = None
     scored_logprobs: list[float | None] | None = None
     score_top_k: int = 0  # also the k most likely tokens at each scored position (--top-logprobs)
+    # per scored position, the kept ids to renormalise over (a run's response_sampling_mask, `score
+    # --sampling-mask`) instead of the filters; None: the filters' set
+    score_masks: list | None = None
     scored_top: list | None = None  # per scored position: (token ids [k], logprobs [k]), as scored_logprobs
     # A prompt with images (vision-language models): where they sit, the multimodal positions and the
     # prefix-cache key (models.vision_language.VisionLayout, shared by the prompt's samples); None: text

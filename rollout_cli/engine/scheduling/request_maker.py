@@ -113,12 +113,18 @@ class RequestMaker:
         """A request that runs prompt + response through the model and scores the response tokens."""
         ids = list(sample.prompt_token_ids) + list(sample.response_token_ids)
         self._check(sample.prompt_index, ids, "prompt + response")
+        masks = sample.sampling_mask
+        if masks is not None and (len(masks) != len(sample.response_token_ids) or not all(masks)):
+            raise RolloutError(f"sample ({sample.prompt_index}, {sample.sample_index}): the sampling mask must hold "
+                               f"a non-empty list per response token ({len(sample.response_token_ids)}); a run "
+                               "without --sampling-mask (or a token carried over from one) has none to score over")
         return Request(request_id=next(self._ids), prompt_index=sample.prompt_index,
                        sample_index=sample.sample_index, prompt_token_ids=ids, params=params,
                        max_model_len=self.max_model_len, payload=dict(sample.passthrough),
                        score_from=len(sample.prompt_token_ids),
                        scored_logprobs=[None] * len(sample.response_token_ids), score_top_k=top_logprobs,
-                       scored_top=[None] * len(sample.response_token_ids) if top_logprobs else None)
+                       scored_top=[None] * len(sample.response_token_ids) if top_logprobs else None,
+                       score_masks=None if masks is None else [list(m) for m in masks])
 
     def check_prompt(self, prompt_index: int, ids: list[int]) -> None:
         """Refuse (RolloutError) a prompt the engine could not admit, before it is queued."""

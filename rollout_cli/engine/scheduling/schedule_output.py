@@ -40,6 +40,11 @@ class BatchEntry:
         self.num_new_tokens = len(self.token_ids)
 
     @property
+    def first_scored(self) -> int:
+        """Scoring entries: the response index of score_targets[0] (request.scored_logprobs' index)."""
+        return self.start + self.score_first_row + 1 - self.request.score_from
+
+    @property
     def new_slots(self) -> list[int]:
         """KV slots the new tokens are stored into."""
         return self.table_slots[len(self.table_slots) - self.num_new_tokens:]

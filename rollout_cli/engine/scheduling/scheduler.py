@@ -285,7 +285,7 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
                 request.append_token(token, logprob, weight_version, extras)
                 self._observe(request)
             if entry.score_targets:
-                first = entry.start + entry.score_first_row + 1 - request.score_from  # index of the first target
+                first = entry.first_scored
                 for i in range(len(entry.score_targets)):
                     request.scored_logprobs[first + i], top = next(scored)
                     if request.scored_top is not None:
