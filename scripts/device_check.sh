@@ -38,7 +38,8 @@
 # spectests (issue 22's GPU tests: the verify kernels compiled, dense verify steps on the decode graphs, MTP with
 # graphs and chained drafts on the hybrids), specmodels (issue 22's targets: scripts/train_speculation_models.py trains a small Qwen3-Next-shaped model with
 # its MTP head and a dense one on the standard library's code, 2 minutes each, then bench --speculative mtp at
-# batch 32 and siblings on 16 x n16 held-out code prompts, greedy).
+# batch 32 and siblings on 16 x n16 held-out code prompts, greedy). masktests (--sampling-mask: the kept-set kernel
+# compiled against the sampler, masked samples beside graph-replayed ones, HF logits replayed over the masks).
 # Logs and JSON go to $OUT.
 # torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
 set -uo pipefail
@@ -72,6 +73,9 @@ for part in $PARTS; do
     spectests) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear_verify_kernels.py \
                tests/e2e/test_gpu_engine.py::test_verify_steps_replay_the_decode_graphs tests/e2e/test_gpu_hybrid.py \
                -k "verify or mtp or draft" 2>&1 | tee "$OUT/gpu_spec_tests.log" | grep -E "^FAILED|passed|failed" | tail -12 ;;
+    masktests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sampling_support.py \
+               tests/e2e/test_gpu_engine.py::test_sampling_masks_on_the_gpu_sampler 2>&1 \
+               | tee "$OUT/gpu_mask_tests.log" | grep -E "^FAILED|passed|failed" | tail -12 ;;
     hybridtests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu_hybrid.py tests/kernels/test_linear_verify_kernels.py 2>&1 \
                | tee "$OUT/gpu_hybrid_tests.log" | grep -E "^FAILED|passed|failed" | tail -12 ;;
     fla) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla_site .whl_fla/*.whl \

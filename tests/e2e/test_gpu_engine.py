@@ -160,3 +160,29 @@ def test_verify_steps_replay_the_decode_graphs(tiny_checkpoints, deterministic):
     stats = engine.scheduler.stats
     assert stats.verify_steps > 0 and 0 < stats.accepted_draft_tokens < stats.draft_tokens
     assert engine.runner.graphs.replays >= stats.verify_steps // 12  # one replay per step of 12 verifying requests
+
+
+def test_sampling_masks_on_the_gpu_sampler(tiny_checkpoints, hf_ref):
+    """--sampling-mask on CUDA (bf16, graphs captured): masked samples run eagerly beside graph-replayed
+    ones, each token lies in its mask (the compiled sampler's own kept set), and HF's float32 logits
+    renormalised over the masks stay within bf16 drift of the run's logprobs."""
+    import torch
+
+    from rollout_cli.training import sampling_mask_logprobs
+
+    model_dir = tiny_checkpoints["qwen3"]
+    engine = _engine(model_dir, dtype="bfloat16", attention_backend="triton")
+    assert engine.runner.graphs is not None
+    prompts = _prompts(engine.hf_config.vocab_size, 4, seed=5)
+    params = SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.9, seed=2, max_new_tokens=8, ignore_eos=True,
+                            return_sampling_mask=True)
+    results = engine.generate(prompts, params)
+    hf = hf_ref.model(model_dir)  # float32 on the CPU (a tiny model)
+    for result in results:
+        masks = result.response_sampling_mask
+        assert all(token in ids and len(ids) <= 20 for token, ids in zip(result.response_token_ids, masks, strict=True))
+        sequence = result.prompt_token_ids + result.response_token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([sequence])).logits[0, len(result.prompt_token_ids) - 1 : -1]
+        replayed = sampling_mask_logprobs(logits, torch.tensor(result.response_token_ids), 0.9, masks)
+        assert (replayed - torch.tensor(result.response_logprobs)).abs().max() < 0.1  # bf16 vs float32 logits
