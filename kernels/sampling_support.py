@@ -36,23 +36,20 @@ def _kept_mask_kernel(logits_ptr, stride_row, V, support_ptr, mask_ptr, BLOCK: t
     tl.store(mask_ptr + row * V + idx, ((e >= t) & (e > 0.0)).to(tl.int8), mask=inside)
 
 
-def kept_mask(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    block_v: int = BLOCK_V,
-    block_s: int = 1024,
-    num_thresholds: int = 8,
-    cap: int = 512,
-    num_warps: int = 8,
-    chunk: int = CHUNK,
-    num_warps_partials: int = 4,
-) -> torch.Tensor:
+# `sampling.sample`'s tuning knobs and their defaults: the mask is the draw's only with the draw's knobs
+SAMPLE_KNOBS = dict(block_v=BLOCK_V, block_s=1024, num_thresholds=8, cap=512, num_warps=8, chunk=CHUNK,
+                    num_warps_partials=4)
+
+
+def kept_mask(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              min_p: torch.Tensor, **knobs) -> torch.Tensor:
     """logits [B, V] float32 / bfloat16 / float16, settings as `sampling.sample`'s -> bool [B, V]: the
     tokens `sample` can draw from each row with these settings and knobs (the ones its processed
-    logprob is renormalised over; greedy rows: T = 1 and no filter, as their logprob is reported)."""
+    logprob is renormalised over; greedy rows: T = 1 and no filter, as their logprob is reported).
+    `knobs`: any of SAMPLE_KNOBS, as passed to `sample`."""
+    unknown = set(knobs) - set(SAMPLE_KNOBS)
+    assert not unknown, f"unknown knobs {sorted(unknown)}"
+    knobs = {**SAMPLE_KNOBS, **knobs}
     batch, vocab = _check_settings(logits, temperature, top_k, top_p, min_p,
                                    torch.zeros(temperature.shape, dtype=torch.bool, device=logits.device))
     dev = logits.device
@@ -64,7 +61,7 @@ def kept_mask(
     logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
     settings = (temperature, top_k, top_p, min_p, torch.zeros(batch, dtype=torch.bool, device=dev))
     _launch(logits, settings, temperature, (top_k,) * 4, targets, logprobs, None, False, True,
-            block_v, block_s, num_thresholds, cap, num_warps, chunk, num_warps_partials, support=support)
+            *(knobs[name] for name in SAMPLE_KNOBS), support=support)
     block = min(2048, triton.next_power_of_2(vocab))
     _kept_mask_kernel[(batch, triton.cdiv(vocab, block))](logits, logits.stride(0), vocab, support, mask,
                                                           BLOCK=block)
