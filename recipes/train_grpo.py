@@ -37,11 +37,12 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoModelForCausalLM
 
+from rollout_cli.engine.tokenizer import TOKENIZER_SIDE_FILES, copy_side_files
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rewards import reward_function  # noqa: E402
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+SIDE_FILES = ("generation_config.json", *TOKENIZER_SIDE_FILES)
 
 
 def group_advantages(rows: list[dict], rewards: list[float]) -> list[float]:
@@ -127,9 +128,7 @@ def save_checkpoint(model, source_dir: str, out_dir: str) -> None:
     temp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(temp, ignore_errors=True)
     model.save_pretrained(temp, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(source_dir, name)):
-            shutil.copy(os.path.join(source_dir, name), os.path.join(temp, name))
+    copy_side_files(source_dir, temp, SIDE_FILES)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(temp, out_dir)
 

@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from rollout_cli.engine.execution.attention import KVCache
 from rollout_cli.engine.execution.linear_state import HybridBatch, LinearBatch, LinearStatePool
 from rollout_cli.engine.execution.on_policy import attend_token, token_forward
+from rollout_cli.engine.tokenizer import TOKENIZER_SIDE_FILES, copy_side_files
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import (build_model, is_hybrid, load_model_config, resolve_attention_backend,
                                       resolve_device, resolve_dtype)
@@ -46,8 +47,7 @@ from rollout_kernels.gated_delta_rule import chunk_gated_delta_rule_ref
 from rollout_kernels.sampling_ref import token_logprobs_ref
 
 # files copied next to a saved checkpoint so that it loads like the one it came from
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "chat_template.jinja", "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
+SIDE_FILES = ("config.json", "generation_config.json", *TOKENIZER_SIDE_FILES)
 SAFETENSORS_TO_TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
@@ -296,9 +296,7 @@ class Policy:
         shutil.rmtree(temp, ignore_errors=True)
         os.makedirs(temp)
         save_file({k: v.contiguous() for k, v in self.state_dict_hf().items()}, os.path.join(temp, "model.safetensors"))
-        for name in SIDE_FILES:
-            if os.path.isfile(os.path.join(self.model_dir, name)):
-                shutil.copy(os.path.join(self.model_dir, name), os.path.join(temp, name))
+        copy_side_files(self.model_dir, temp, SIDE_FILES)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(temp, out_dir)
 

@@ -11,11 +11,8 @@ that `rollout run` can read chat prompts (ids past that tokenizer's vocabulary d
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "tokenizer.model")
+from rollout_cli.engine.tokenizer import copy_side_files
 
 
 def random_checkpoint(config_dir: str, out_dir: str, norm_scale: float = 8.0, seed: int = 0,
@@ -29,9 +26,8 @@ def random_checkpoint(config_dir: str, out_dir: str, norm_scale: float = 8.0, se
     with torch.no_grad():
         model.model.norm.weight.mul_(norm_scale)
     model.save_pretrained(out_dir)
-    for name in TOKENIZER_FILES if tokenizer_from else ():
-        if os.path.isfile(os.path.join(tokenizer_from, name)):
-            shutil.copy(os.path.join(tokenizer_from, name), os.path.join(out_dir, name))
+    if tokenizer_from:
+        copy_side_files(tokenizer_from, out_dir)
     return out_dir
 
 

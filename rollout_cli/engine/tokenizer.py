@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import os
-
+import shutil
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# every file a checkpoint's tokenizer and chat template may live in: copied beside a checkpoint saved from
+# it (the trainer's save_pretrained, the GRPO recipe, scripts/random_checkpoint.py) so that it tokenizes alike
+TOKENIZER_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                        "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def copy_side_files(source_dir: str, out_dir: str, names: tuple[str, ...] = TOKENIZER_SIDE_FILES) -> None:
+    """Copy those of `names` that source_dir holds into out_dir."""
+    for name in names:
+        if os.path.isfile(os.path.join(source_dir, name)):
+            shutil.copy(os.path.join(source_dir, name), os.path.join(out_dir, name))
 
 
 def load_tokenizer(model_dir: str):
