@@ -8,6 +8,7 @@ What the manifest records is job_manifest.py; what --resume compares, job_resume
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -43,7 +44,8 @@ from rollout_cli.job_manifest import (
 )
 from rollout_cli.episodes import EpisodeRunner, check_episode_sampling, check_max_turns, load_environment
 from rollout_cli.job_continue import drop_superseded_aborts, prepare_continuation
-from rollout_cli.job_resume import check_resume, fingerprints
+from rollout_cli.io.output_lock import OutputLock
+from rollout_cli.job_resume import check_resume, check_resumed_pairs, fingerprints
 
 # Debug knob (tests): "ROWS" or "ROWS:SIGNAL" (TERM, INT, KILL; default TERM). The job raises SIGNAL in
 # itself at the first engine step after ROWS trajectories reached the writer, so a kill test lands at
@@ -150,10 +152,16 @@ def run_job(
 
     In a data-parallel `group` (rollout_cli.data_parallel; default: this process alone) this replica
     generates only the prompts it owns; replica 0 prepares OUT and writes the manifest, with every
-    replica's counts.
+    replica's counts, and holds OUT against any other job meanwhile (io/output_lock.py).
     `weights_path`: where the engine's weights were last loaded from when that is not its model
     directory (the daemon after a reload); --resume refuses to mix weights.
     """
+    with OutputLock(job.out) if group.is_leader else contextlib.nullcontext() as lock:
+        return _run_job(engine, params, job, on_progress, group, weights_path, lock)
+
+
+def _run_job(engine: Engine, params: SamplingParams, job: JobConfig, on_progress, group: ReplicaGroup,
+             weights_path: str | None, lock: OutputLock | None) -> dict:
     leader = group.is_leader
     if job.env is not None:  # the daemon's /generate reaches here without the CLI's check
         check_episode_sampling(params)
@@ -176,12 +184,14 @@ def run_job(
         if job.resume:
             check_resume(job, settings, manifest["fingerprints"])
             done = completed_pairs(job.out)
+            check_resumed_pairs(job.out, done, params.n)
             if job.continue_aborted:
                 if not group.alone:
                     raise RolloutError("--continue-aborted runs on one engine for now; drop --dp")
                 continuing = prepare_continuation(job.out)
                 done -= continuing.keys()
         create_output_dir(job.out, (TRAJECTORIES_SUBDIR, ROUTING_SUBDIR) if routing_dtype else (TRAJECTORIES_SUBDIR,))
+        lock.hold()  # a new OUT exists from here; a resumed one was held from the start
         write_manifest(job.out, manifest)
     group.barrier()
     if not leader and job.resume:

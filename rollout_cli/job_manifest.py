@@ -42,6 +42,10 @@ def job_settings(engine: Engine, job: JobConfig, params: SamplingParams) -> dict
         # fp8 and bf16 weights are two policies: a resume in the other one would mix them
         "quantization": engine.config.quantization,
         "kv_cache_dtype": engine.config.kv_cache_dtype,
+        # float32 and bf16 logprobs of one policy differ (1e-3 on the example model); the model length
+        # decides which samples end by "length"
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "max_model_len": engine.max_model_len,
         # multi-turn episodes: another environment or turn limit makes other rows
         "env": job.env and {"file": file_digest(Path(job.env)), "max_turns": job.max_turns},
     }

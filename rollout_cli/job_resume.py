@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.errors import RolloutError
 from rollout_cli.io.fingerprints import checkpoint_change, checkpoint_fingerprint, data_change, data_fingerprint
-from rollout_cli.io.output_dir import read_manifest
+from rollout_cli.io.output_dir import part_files_in, read_manifest
 from rollout_cli.models.hub import source_change
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # Manifest keys that must be equal for --resume to continue a run. The checkpoint, the prompt file and
 # the weights are compared by content (the manifest's "fingerprints"), never by the paths as typed.
 RESUME_KEYS = ("prompt_key", "image_key", "limit", "sampling", "capture_routing", "deterministic", "quantization",
-               "kv_cache_dtype", "env")
+               "kv_cache_dtype", "env", "dtype", "max_model_len")
 SAMPLING_DEFAULTS = dataclasses.asdict(SamplingParams())
 # A manifest written before fingerprints were recorded: its paths are compared as typed, as they were then.
 LEGACY_RESUME_KEYS = ("model", "data", *RESUME_KEYS)
@@ -60,7 +60,11 @@ def check_resume(job: JobConfig, settings: dict, fingerprints: dict) -> None:
     """Refuse, in one line that says what changed, a --resume that would mix two jobs in OUT."""
     previous = read_manifest(job.out)
     if previous is None:
+        if part_files_in(job.out):
+            raise RolloutError(f"--resume: {job.out} holds trajectory shards but no manifest.json, so nothing tells "
+                               "which run wrote them; restore its manifest.json, or choose another --out")
         return
+    _check_run_manifest(job.out, previous)
     # --continue-aborted carries samples over new weights on purpose (each token records its version):
     # another checkpoint of the same model (config, tokenizer, template) is allowed, another model is not
     new_weights_allowed = job.continue_aborted
@@ -103,6 +107,31 @@ def check_resume(job: JobConfig, settings: dict, fingerprints: dict) -> None:
                 f"--resume: {job.out} was made with {name}={old!r}, this run has {new!r}; "
                 "use the same settings to resume, or choose another --out"
             )
+
+
+def _check_run_manifest(out: str, manifest: dict) -> None:
+    """A manifest --resume can compare against: a run's (not a score's), with its settings and well-formed
+    fingerprints; anything else is refused rather than read as "no such setting recorded"."""
+    damaged = f"--resume: {out}/manifest.json"
+    if not isinstance(manifest.get("sampling"), dict):
+        what = "a score's (rollout score)" if "settings" in manifest else "damaged: it records no sampling settings"
+        raise RolloutError(f"{damaged} is {what}, not a run's; choose another --out")
+    recorded = manifest.get("fingerprints")
+    if recorded is None:
+        return  # a manifest from before fingerprints: its paths are compared instead
+    parts = ("checkpoint", "data", "weights")
+    if not isinstance(recorded, dict) or not all(isinstance(recorded.get(part), dict) for part in parts):
+        raise RolloutError(f"{damaged} is damaged (its fingerprints need {', '.join(parts)}); restore it, or "
+                           "choose another --out")
+
+
+def check_resumed_pairs(out: str, done: set[tuple[int, int]], n: int) -> None:
+    """Every finished sample in OUT is one this run makes: sample indices in [0, n), prompt indices >= 0
+    (a shard copied in from another run, or edited, is refused rather than counted done)."""
+    stray = sorted(pair for pair in done if pair[0] < 0 or not 0 <= pair[1] < n)
+    if stray:
+        raise RolloutError(f"--resume: {out} holds sample {stray[0]} (prompt_index, sample_index), which a run with "
+                           f"--n {n} does not make; remove the shard that holds it, or choose another --out")
 
 
 def _difference(key: str, old, new) -> tuple[str, object, object]:

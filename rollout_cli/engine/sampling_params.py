@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rollout_cli.errors import RolloutError
@@ -46,8 +47,8 @@ class SamplingParams:
             raise RolloutError("--n must be at least 1")
         if self.max_new_tokens < 1:
             raise RolloutError("--max-new-tokens must be at least 1")
-        if self.temperature < 0:
-            raise RolloutError("--temperature must be >= 0 (0 means greedy)")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise RolloutError(f"--temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise RolloutError("--top-p must be in (0, 1]")
         if self.top_k < 0:

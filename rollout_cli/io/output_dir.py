@@ -73,6 +73,11 @@ def completed_pairs(out_dir: str | Path, subdir: str = TRAJECTORIES_SUBDIR,
                 f"shard {path} is unreadable ({reason}); delete it and run again with --resume "
                 "to regenerate its rows"
             ) from err
+        for column in table.itercolumns():
+            if not pa.types.is_integer(column.type) or column.null_count:
+                raise RolloutError(f"shard {path} is not one rollout wrote (its {table.column_names[0]} / "
+                                   f"{table.column_names[1]} must be integers without nulls); delete it and run "
+                                   "again with --resume to regenerate its rows")
         pairs.update(zip(table.column(0).to_pylist(), table.column(1).to_pylist()))
     routing = Path(out_dir) / ROUTING_SUBDIR
     if clean and routing.is_dir():  # trajectories are the truth: drop routing a crash left without its trajectories
@@ -169,6 +174,12 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
     if not isinstance(manifest, dict):
         raise RolloutError(f"{path} does not hold a JSON object; restore or delete it, or choose another --out")
     return manifest
+
+
+def part_files_in(out_dir: str | Path, subdir: str = TRAJECTORIES_SUBDIR) -> dict[str, Path]:
+    """{file name: path} of the whole shards in OUT/subdir ({} when there is no such folder)."""
+    directory = Path(out_dir) / subdir
+    return part_files(directory) if directory.is_dir() else {}
 
 
 def part_files(directory: Path) -> dict[str, Path]:

@@ -279,7 +279,7 @@ def test_a_job_and_online_requests_do_not_mix(server):
     (dict(prompt="x", extra_body={"tempreature": 1}), 400, "did you mean temperature"),
     (dict(prompt=[99999]), 400, "token ids outside"),
     (dict(prompt="x", presence_penalty=0.5), 400, "presence_penalty"),
-    (dict(prompt="x", temperature=-1), 400, "temperature must be >= 0"),
+    (dict(prompt="x", temperature=-1), 400, "temperature must be a finite number >= 0"),
 ])
 def test_bad_requests_get_one_line(server, args, status, message):
     with pytest.raises(openai.APIStatusError) as caught:
