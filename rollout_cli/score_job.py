@@ -25,11 +25,12 @@ import pyarrow.parquet as pq
 from rollout_cli.engine.engine import Engine
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.trajectory import ScoreInput
-from rollout_cli.errors import RolloutError
+from rollout_cli.errors import RolloutError, one_line
 from rollout_cli.io.image_prompts import VisionPromptEncoder
 from rollout_cli.io.image_rows import ImageRows
 from rollout_cli.io.prompt_encoding import InvalidPrompt
 from rollout_cli.io.output_dir import (
+    MANIFEST_NAME,
     TRAJECTORIES_SUBDIR,
     completed_pairs,
     create_output_dir,
@@ -89,6 +90,10 @@ def trajectories_path(data: str) -> Path:
         path = path / TRAJECTORIES_SUBDIR
     if not path.exists():
         raise RolloutError(f"--data {data} does not exist; pass a run's output directory or its trajectories/ folder")
+    if path.is_dir() and (path / MANIFEST_NAME).is_file():  # an output directory, but not a run's
+        what = "a `rollout score` output" if (path / SCORES_SUBDIR).is_dir() else "no run's output"
+        raise RolloutError(f"--data {data} is {what} (no {TRAJECTORIES_SUBDIR}/ folder); pass the output directory "
+                           f"of `rollout run` or its {TRAJECTORIES_SUBDIR}/ folder")
     return path
 
 
@@ -106,11 +111,39 @@ def _run_manifest(data: str) -> dict:
 
 
 def _dataset(data: str) -> ds.Dataset:
-    dataset = ds.dataset(str(trajectories_path(data)), format="parquet")
+    path = str(trajectories_path(data))
+    # an explicit schema lists the shards without opening any: each is checked below, naming the bad one
+    for fragment in ds.dataset(path, format="parquet", schema=pa.schema([])).get_fragments():
+        _check_shard(fragment.path, data)
+    dataset = ds.dataset(path, format="parquet")
     missing = [name for name in NEEDED if name not in dataset.schema.names]
     if missing:
         raise RolloutError(f"{data} holds no {', '.join(missing)} column(s); pass the trajectories of rollout run")
     return dataset
+
+
+def _check_shard(path: str, data: str) -> None:
+    """Refuse a shard that is unreadable or whose sample keys are not integers, before OUT is touched:
+    found mid-job they were tracebacks (pyarrow's, or a None key's) after the manifest said running.
+    Reads the footer and the two key columns only."""
+    whole = Path(path).resolve() == Path(data).resolve()  # --data names this one file
+    name = f"--data {data}" if whole else f"shard {path} of --data {data}"
+    fix = "delete or replace it (rollout run --resume regenerates a run's lost rows)"
+    try:
+        schema = pq.read_schema(path)
+        missing = [column for column in NEEDED if column not in schema.names]
+        if missing:
+            raise RolloutError(f"{name} holds no {', '.join(missing)} column(s); " + (
+                "pass the trajectories of rollout run" if whole else "move that file out of the trajectories"))
+        keys = pq.read_table(path, columns=["prompt_index", "sample_index"])
+    except (pa.ArrowException, OSError) as err:
+        raise RolloutError(f"{name} is not a readable Parquet file ({one_line(err)}); {fix}") from err
+    for column in keys.column_names:
+        kind = keys.schema.field(column).type
+        if not pa.types.is_integer(kind):
+            raise RolloutError(f"{name}: column {column} holds {kind}, not integers; {fix}")
+        if keys.column(column).null_count:
+            raise RolloutError(f"{name}: column {column} holds {keys.column(column).null_count} null(s); {fix}")
 
 
 def _samples(dataset: ds.Dataset, done: set, run_logprobs: dict, images=None,
@@ -177,20 +210,17 @@ def run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig,
         raise RolloutError(f"--sampling-mask: {job.data} holds no response_sampling_mask column; run with "
                            "--sampling-mask to record the kept sets, or score without it")
     images = _image_source(engine, dataset, job)  # before OUT exists: a missing prompt file is refused first
-    prepare_output_dir(job.out, job.resume)
-    create_output_dir(job.out, (SCORES_SUBDIR,))
-    done = completed_pairs(job.out, SCORES_SUBDIR) if job.resume else set()
     settings = {"model": engine.config.model, "data": job.data, "weight_version": engine.weight_version,
                 "deterministic": engine.config.deterministic,
                 "sampling": {name: getattr(params, name) for name in ("temperature", "logprobs_mode", "top_p", "top_k",
                                                                       "min_p")},
                 "top_logprobs": job.top_logprobs,
                 **({"sampling_mask": True} if job.sampling_mask else {})}  # older manifests: no key
-    previous = read_manifest(job.out) if job.resume else None
-    if previous and previous.get("settings") != settings:
-        name, old, new = _first_difference(previous.get("settings") or {}, settings)
-        raise RolloutError(f"--resume: {job.out} was scored with {name}={old!r}, this job has {new!r}; "
-                           "use the same settings to resume, or choose another --out")
+    prepare_output_dir(job.out, job.resume)
+    if job.resume:
+        _check_resumable(job.out, settings)  # before create_output_dir: a refused --out is left as it was
+    create_output_dir(job.out, (SCORES_SUBDIR,))
+    done = completed_pairs(job.out, SCORES_SUBDIR) if job.resume else set()
     started = time.monotonic()
     write_manifest(job.out, {"status": "running", "settings": settings})
     progress = ScoreProgress(samples_total=dataset.count_rows() - len(done))
@@ -221,6 +251,18 @@ def run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig,
                     "scored_this_run": progress.samples_done, **compare_with_run(dataset, job.out)}
         write_manifest(job.out, manifest)
     return manifest
+
+
+def _check_resumable(out: str, settings: dict) -> None:
+    """Refuse to --resume into an --out that holds a run's output, or scores made with other settings."""
+    if (Path(out) / TRAJECTORIES_SUBDIR).is_dir():
+        raise RolloutError(f"--resume: {out} holds a run's output ({TRAJECTORIES_SUBDIR}/), not scores; "
+                           "pass the --out of an earlier `rollout score`, or choose another --out")
+    previous = read_manifest(out)
+    if previous and previous.get("settings") != settings:
+        name, old, new = _first_difference(previous.get("settings") or {}, settings)
+        raise RolloutError(f"--resume: {out} was scored with {name}={old!r}, this job has {new!r}; "
+                           "use the same settings to resume, or choose another --out")
 
 
 def _first_difference(old: dict, new: dict, prefix: str = "") -> tuple[str, object, object]:

@@ -31,13 +31,44 @@ def load_model_config(model_dir: str):
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as err:
         raise RolloutError(f"cannot parse {path}: {err}") from err
-    architectures = raw.get("architectures") or []
+    if not isinstance(raw, dict):
+        held = "null" if raw is None else "an array" if isinstance(raw, list) else f"a {type(raw).__name__}"
+        raise RolloutError(f"config.json must hold a JSON object, {path} holds {held}; "
+                           "restore the checkpoint's config.json")
+    architectures = _architectures(raw, path)
     model_class_for(type("RawConfig", (), {"architectures": architectures}))  # fail early, one line
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except Exception as err:  # transformers raises many types for bad configs
         raise RolloutError(f"cannot load {path}: {str(err).splitlines()[0]}") from err
-    return _language_model_config(config, architectures)
+    config = _language_model_config(config, architectures)
+    _check_sizes(config, path)
+    return config
+
+
+def _architectures(raw: dict, path: str) -> list[str]:
+    """config.json's architectures list; a bare string would be read as a list of its letters."""
+    architectures = raw.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise RolloutError(f"{path}: architectures is {architectures!r}, it must be a list of class names such as "
+                           '["Qwen3ForCausalLM"]; fix config.json')
+    return architectures
+
+
+# sizes the layers are allocated with: a non-positive one fails deep in torch (negative dimension) or
+# builds empty layers that only fail when the weights do not fit
+_SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+              "intermediate_size", "head_dim")
+
+
+def _check_sizes(config, path: str) -> None:
+    """Refuse a size in the (language model's) config that is not a positive integer, naming its key."""
+    for key in _SIZE_KEYS:
+        value = getattr(config, key, None)
+        if value is None:  # not used by this architecture, or derived from the others
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise RolloutError(f"{path}: {key} is {value!r}, it must be a positive integer; fix config.json")
 
 
 def _language_model_config(config, architectures: list[str]):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +104,57 @@ def test_top_logprobs_columns(run_dir, tmp_path):
         for ids, lps, chosen in zip(row["top_token_ids"], row["top_logprobs"], row["response_logprobs"], strict=True):
             assert len(ids) == 3 and lps == sorted(lps, reverse=True) and lps[0] >= chosen
     assert json.loads((out / "manifest.json").read_text())["settings"]["top_logprobs"] == 3
+
+
+def _one_line(done: subprocess.CompletedProcess, *words: str) -> str:
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: "), done.stderr
+    for word in words:
+        assert word in done.stderr, f"{word!r} missing from: {done.stderr}"
+    return done.stderr
+
+
+def test_a_score_output_as_data_is_one_line(tmp_path):
+    scored = tmp_path / "scored"  # the layout `rollout score` writes
+    (scored / "scores").mkdir(parents=True)
+    (scored / "manifest.json").write_text(json.dumps({"status": "complete", "settings": {}}))
+    done = _cli("score", *COMMON, "--data", scored, "--out", tmp_path / "s")
+    _one_line(done, str(scored), "rollout score", "trajectories/")
+    assert not (tmp_path / "s").exists()
+
+
+def _with_bad_shard(run_dir: Path, tmp_path: Path, kind: str) -> Path:
+    """A copy of the run with one more shard: random bytes, or the first shard with a broken prompt_index."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    shard = copy / "trajectories" / "part-00009.parquet"
+    if kind == "garbage":
+        shard.write_bytes(bytes(range(256)) * 4)
+        return copy
+    table = pq.read_table(copy / "trajectories" / "part-00000.parquet")
+    column = table.column("prompt_index")
+    broken = (pa.array([None] * len(column), pa.int64()) if kind == "null"
+              else column.cast(pa.string()))
+    index = table.schema.get_field_index("prompt_index")
+    pq.write_table(table.set_column(index, "prompt_index", broken), shard)
+    return copy
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("garbage", ("not a readable Parquet file",)),
+    ("null", ("prompt_index", "null")),
+    ("string", ("prompt_index", "string", "not integers")),
+])
+def test_a_bad_shard_is_one_line_naming_it_and_out_is_not_created(run_dir, tmp_path, kind, words):
+    data = _with_bad_shard(run_dir, tmp_path, kind)
+    done = _cli("score", *COMMON, "--data", data, "--out", tmp_path / "s")
+    _one_line(done, "part-00009.parquet", *words)
+    assert not (tmp_path / "s").exists()
+
+
+def test_resume_into_a_run_output_is_refused_and_creates_nothing(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    done = _cli("score", *COMMON, "--data", copy, "--out", copy, "--resume")
+    _one_line(done, "--resume", "trajectories/", "--out")
+    assert sorted(p.name for p in copy.iterdir()) == ["manifest.json", "trajectories"]
