@@ -26,8 +26,10 @@ from rollout_cli.engine.engine import Engine
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.trajectory import ScoreInput
 from rollout_cli.errors import RolloutError, one_line
+from rollout_cli.io.fingerprints import checkpoint_fingerprint
 from rollout_cli.io.image_prompts import VisionPromptEncoder
 from rollout_cli.io.image_rows import ImageRows
+from rollout_cli.io.output_lock import OutputLock
 from rollout_cli.io.prompt_encoding import InvalidPrompt
 from rollout_cli.io.output_dir import (
     MANIFEST_NAME,
@@ -200,7 +202,25 @@ def _image_source(engine: Engine, dataset: ds.Dataset, job: ScoreJobConfig):
 
 def run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig,
                   on_progress: Callable[[ScoreProgress], None] | None = None) -> dict:
-    """Score every trajectory of `job.data` (those not already in `job.out` with --resume); returns the manifest."""
+    """Score every trajectory of `job.data` (those not already in `job.out` with --resume); returns the manifest.
+    OUT is held against any other job meanwhile (io/output_lock.py)."""
+    with OutputLock(job.out) as lock:
+        return _run_score_job(engine, params, job, on_progress, lock)
+
+
+def _identity(engine: Engine, data: str) -> dict:
+    """What a --resume must find unchanged beyond the typed settings: the weights by content and the
+    numerics they ran with, and the run being scored (its sampling settings and fingerprints: a run
+    made again at the same path is another run)."""
+    cfg = engine.config
+    run = _run_manifest(data)
+    return {"checkpoint": None if cfg.load_format == "dummy" else checkpoint_fingerprint(cfg.model)["digest"],
+            "load_format": cfg.load_format, "dtype": str(engine.dtype).removeprefix("torch."),
+            "quantization": cfg.quantization, "kv_cache_dtype": cfg.kv_cache_dtype,
+            "run": {"sampling": run.get("sampling"), "fingerprints": run.get("fingerprints")}}
+
+
+def _run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig, on_progress, lock: OutputLock) -> dict:
     if job.shard_rows < 1 or not job.flush_seconds > 0:
         raise RolloutError("--shard-rows must be at least 1 and --flush-seconds above 0")
     if job.top_logprobs < 0:
@@ -215,11 +235,13 @@ def run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig,
                 "sampling": {name: getattr(params, name) for name in ("temperature", "logprobs_mode", "top_p", "top_k",
                                                                       "min_p")},
                 "top_logprobs": job.top_logprobs,
-                **({"sampling_mask": True} if job.sampling_mask else {})}  # older manifests: no key
+                **({"sampling_mask": True} if job.sampling_mask else {}),  # older manifests: no key
+                "identity": _identity(engine, job.data)}
     prepare_output_dir(job.out, job.resume)
     if job.resume:
         _check_resumable(job.out, settings)  # before create_output_dir: a refused --out is left as it was
     create_output_dir(job.out, (SCORES_SUBDIR,))
+    lock.hold()  # a new OUT exists from here; a resumed one was held from the start
     done = completed_pairs(job.out, SCORES_SUBDIR) if job.resume else set()
     started = time.monotonic()
     write_manifest(job.out, {"status": "running", "settings": settings})
@@ -259,8 +281,11 @@ def _check_resumable(out: str, settings: dict) -> None:
         raise RolloutError(f"--resume: {out} holds a run's output ({TRAJECTORIES_SUBDIR}/), not scores; "
                            "pass the --out of an earlier `rollout score`, or choose another --out")
     previous = read_manifest(out)
-    if previous and previous.get("settings") != settings:
-        name, old, new = _first_difference(previous.get("settings") or {}, settings)
+    recorded = (previous or {}).get("settings") or {}
+    if "identity" not in recorded:  # scores made before it was recorded: the typed settings alone
+        settings = {k: v for k, v in settings.items() if k != "identity"}
+    if previous and recorded != settings:
+        name, old, new = _first_difference(recorded, settings)
         raise RolloutError(f"--resume: {out} was scored with {name}={old!r}, this job has {new!r}; "
                            "use the same settings to resume, or choose another --out")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "recipes" / "example_model"
@@ -158,3 +159,25 @@ def test_resume_into_a_run_output_is_refused_and_creates_nothing(run_dir, tmp_pa
     done = _cli("score", *COMMON, "--data", copy, "--out", copy, "--resume")
     _one_line(done, "--resume", "trajectories/", "--out")
     assert sorted(p.name for p in copy.iterdir()) == ["manifest.json", "trajectories"]
+
+
+def test_resume_finds_the_weights_and_the_run_by_content(run_dir, tmp_path):
+    """A --resume scores with the same weights (by content, not path), dtype and run: other weights at the
+    same path, another --dtype, or the run made again at its path are refused in one line."""
+    model = tmp_path / "model"
+    shutil.copytree(MODEL, model)
+    data = tmp_path / "run"
+    shutil.copytree(run_dir, data)
+    out = tmp_path / "scores"
+    common = ["--model", model, "--quiet", "--data", data, "--out", out, "--deterministic", "--dtype", "bfloat16"]
+    assert _cli("score", *common).returncode == 0
+    assert _cli("score", *common, "--resume").returncode == 0  # the same job resumes
+    _one_line(_cli("score", *common[:-1], "float32", "--resume"), "identity.dtype")
+    tensors = load_file(model / "model.safetensors")
+    save_file({k: v * 1.5 for k, v in tensors.items()}, model / "model.safetensors")
+    _one_line(_cli("score", *common, "--resume"), "identity.checkpoint")
+    shutil.copy(MODEL / "model.safetensors", model / "model.safetensors")  # the same bytes back
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["sampling"]["seed"] += 1  # as if the run had been made again at its path with another seed
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    _one_line(_cli("score", *common, "--resume"), "identity.run.sampling.seed")
