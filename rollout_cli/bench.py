@@ -98,6 +98,11 @@ class BenchConfig:
             raise RolloutError("--carry-over needs a round count >= 0 and --carry-at in (0, 1)")
         if self.images < 0:
             raise RolloutError("--images is a count per prompt: 0 or more")
+        if self.baseline_batch < 1:  # range() refuses a 0 step; a negative one yields no batch at all
+            raise RolloutError(f"--baseline-batch must be at least 1, not {self.baseline_batch}; give a batch size")
+        if not 0 <= self.baseline_time_limit < math.inf:  # also false for nan
+            raise RolloutError(f"--baseline-time-limit is seconds, not {self.baseline_time_limit}; "
+                               "give 0 (never stop) or more")
         if self.images and (self.turns > 1 or self.carry_over):
             raise RolloutError("--images runs single-turn prompts for now; drop --turns or --carry-over")
 

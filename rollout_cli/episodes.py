@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import operator
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -60,11 +62,16 @@ def load_environment(path: str) -> Callable[[dict], Any]:
     if not os.path.isfile(path):
         raise RolloutError(f"--env {path}: no such file; pass a Python file that defines make_env(row)")
     spec = importlib.util.spec_from_file_location(f"rollout_env_{abs(hash(os.path.abspath(path)))}", path)
+    if spec is None or spec.loader is None:  # importlib finds no loader for a name not ending in .py
+        raise RolloutError(f"--env {path} is not a Python file; the env file must be a Python file (.py) "
+                           "defining make_env(row)")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except Exception as err:  # noqa: BLE001 - the user's file: say which and why, in one line
         raise RolloutError(f"--env {path} failed to import: {type(err).__name__}: {err}") from err
+    except BaseException as err:
+        raise _exited(f"{path} on import", err) from err
     make_env = getattr(module, "make_env", None)
     if not callable(make_env):
         raise RolloutError(f"--env {path} defines no make_env(row) function; see recipes/envs/calculator.py")
@@ -113,6 +120,53 @@ def _user_call(what: str, fn, *args):
     except Exception as err:  # noqa: BLE001 - the user's code: say where and why, in one line
         raise RolloutError(f"--env {what} raised {type(err).__name__}: {err}; fix the environment or the "
                            "rows it reads") from err
+    except BaseException as err:
+        raise _exited(what, err) from err
+
+
+def _exited(what: str, err: BaseException) -> RolloutError:
+    """sys.exit() or another BaseException from the env's code, as one line. Let through, it would end an
+    embedded run with exit 0 and kill the daemon's worker thread (every later command hanging). A
+    KeyboardInterrupt on the main thread may be a real Ctrl-C or SIGTERM (cli/errors.py): it still stops the run."""
+    if isinstance(err, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+        raise err
+    code = f" {err.code}" if isinstance(err, SystemExit) else ""
+    return RolloutError(f"--env {what} exited ({type(err).__name__}{code}); an environment must return, "
+                        "not exit: fix the environment")
+
+
+def _step_answer(step, what: str) -> tuple[float, Any]:
+    """A step's reward as a float, and its observation checked for type; one line naming the row else."""
+    if not isinstance(step, EnvStep):
+        raise RolloutError(f"the environment's step returned {type(step).__name__}; return an EnvStep")
+    try:
+        reward = float(step.reward)
+    except (TypeError, ValueError):
+        raise RolloutError(f"--env {what} returned reward {_short(step.reward)}, not a number; "
+                           "return EnvStep(reward=<float>)") from None
+    observation = step.observation
+    if observation is None or isinstance(observation, str):
+        return reward, observation
+    try:  # token ids: a list, a tuple, an array of ints
+        ids = list(observation)
+    except TypeError:
+        ids = None
+    if ids is None or not all(_is_token_id(t) for t in ids):
+        raise RolloutError(f"--env {what} returned observation {_short(observation)}; return text, "
+                           "a list of int token ids, or None")
+    return reward, ids
+
+
+def _is_token_id(value) -> bool:
+    try:
+        return not isinstance(value, bool) and operator.index(value) == value
+    except TypeError:
+        return False
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_max_turns(max_turns: int) -> None:
@@ -238,12 +292,12 @@ class EpisodeRunner:
             finish = "stop" if ids and ids[-1] in self.engine.eos_token_ids else "length"
             step = _user_call(f"the environment's step on {where}", env.step,
                               ModelTurn(self.engine.decode(ids), ids, finish, k))
-            if not isinstance(step, EnvStep) or step.done or \
-                    self._observation_ids(step.observation) != response[end:turns[k + 1][0]]:
+            reward, observation = _step_answer(step, f"the environment's step on {where}")
+            if step.done or self._observation_ids(observation) != response[end:turns[k + 1][0]]:
                 raise RolloutError(f"--continue-aborted: the environment answered model turn {k} of {where} "
                                    "differently on replay; continuing an episode needs an environment whose answers "
                                    "depend only on the model's turns (drop --continue-aborted to keep the row)")
-            episode.reward += float(step.reward)
+            episode.reward += reward
         active[episode.key] = episode
         previous = len(row.prompt_token_ids) + turns[-2][0] if len(turns) > 1 else 0
         return PartialSample(row.prompt_index, row.sample_index, episode.prompt_token_ids + episode.response,
@@ -273,11 +327,11 @@ class EpisodeRunner:
         self.sessions.turn_finished(self.engine.scheduler, episode.session_id,
                                     self.engine.cache_key(turn.prompt_token_ids, episode.images), ids,
                                     turn.cached_prompt_tokens)
-        step = _user_call(f"the environment's step on row {episode.prompt_index}", episode.env.step,
+        what = f"the environment's step on row {episode.prompt_index}"
+        step = _user_call(what, episode.env.step,
                           ModelTurn(turn.response_text, list(ids), turn.finish_reason, len(episode.model_turns) - 1))
-        if not isinstance(step, EnvStep):
-            raise RolloutError(f"the environment's step returned {type(step).__name__}; return an EnvStep")
-        episode.reward += float(step.reward)
+        reward, observation = _step_answer(step, what)
+        episode.reward += reward
         if step.done:
             episode.finish_reason = "done"
             return None
@@ -285,7 +339,7 @@ class EpisodeRunner:
             episode.finish_reason = "max_turns"
             return None
         # an observation is kept only when a model turn follows it
-        observation = self._observation_ids(step.observation)
+        observation = self._observation_ids(observation)
         if len(episode.prompt_token_ids) + len(episode.response) + len(observation) > self.engine.requests.max_prompt_len:
             episode.finish_reason = "length"  # no room left for a model token under --max-model-len
             return None

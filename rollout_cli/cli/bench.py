@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Annotated, Optional
 
 import typer
@@ -65,6 +66,7 @@ def bench_command(
 
     console = Console()
     with user_errors():
+        _check_json_path(json_path)  # before the model loads: the report is written only after the whole run
         cfg = BenchConfig(num_prompts=num_prompts, input_len=input_len, output_len=output_len,
                           input_len_range=input_len_range, output_len_range=output_len_range, n=n,
                           temperature=temperature, seed=seed, baseline=baseline, baseline_batch=baseline_batch,
@@ -245,7 +247,23 @@ def _read_prompts(path: str, prompt_key: str, model: str) -> list[list[int]]:
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
     except Exception:
         tokenizer = None
-    return [row.prompt_token_ids for row in PromptSource(path, tokenizer, prompt_key=prompt_key)]
+    prompts = [row.prompt_token_ids for row in PromptSource(path, tokenizer, prompt_key=prompt_key)]
+    if not prompts:  # the report's means would divide by zero after the timed run
+        raise RolloutError(f"--data {path} holds no prompts; give a Parquet file with at least one row")
+    return prompts
+
+
+def _check_json_path(path: str | None) -> None:
+    """Refuse a --json file that cannot be written: a directory, or one in a directory that is not there."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise RolloutError(f"--json {path} is a directory; give a file path for the report")
+    if not os.path.isdir(parent):
+        raise RolloutError(f"--json {path}: directory {parent} does not exist; create it or give another path")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise RolloutError(f"--json {path} is not writable; give a path you can write")
 
 
 def _versions(device) -> dict:

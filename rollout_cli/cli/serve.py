@@ -46,6 +46,7 @@ def serve_command(
     from rollout_cli.models.build import load_model_config  # heavy: torch
 
     try:
+        _check_port(port)  # before the model loads and --tp starts ranks
         engine_config = dataclasses.replace(opt.engine_config(model=model, **engine_options),
                                             weights_cpu_backup=weights_cpu_backup)
         hf_config = load_model_config(engine_config.model)  # a bad --model fails here, before the socket is claimed
@@ -60,6 +61,12 @@ def serve_command(
     except RolloutError as err:
         fail(str(err))
     raise typer.Exit(code)
+
+
+def _check_port(port: int | None) -> None:
+    """A port outside 0..65535 would reach bind() only to fail there with an OverflowError."""
+    if port is not None and not 0 <= port <= 65535:
+        raise RolloutError(f"--port {port} is not a TCP port; give one in 0..65535 (0: any free port)")
 
 
 def _tensor_parallel_rank(engine_config, hf_config, tp: int, socket: str | None):

@@ -69,6 +69,19 @@ class EngineClient:
                                "pass --token-file with the token it was started with")
         raise RolloutError(message or f"the engine at {self.address} answered HTTP {response.status_code}")
 
+    def _json(self, body: bytes | str) -> dict:
+        """The daemon answers JSON objects; anything else (an HTML page of another HTTP server at that
+        address) is a wrong --engine, said in one line rather than a JSONDecodeError."""
+        try:
+            value = json.loads(body)
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError
+            value = None
+        if not isinstance(value, dict):
+            text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+            raise RolloutError(f"{self.address} answered with something that is not the rollout daemon's JSON "
+                               f"({' '.join(text.split())[:80]!r}); is the address a rollout serve daemon?")
+        return value
+
     def _open(self, method: str, path: str, body: dict | None) -> httpx.Response:
         """Send the request and return the response with its body not yet read.
 
@@ -107,7 +120,7 @@ class EngineClient:
         finally:
             response.close()
         self._check(response)
-        return response.json()
+        return self._json(response.content)
 
     def get(self, path: str) -> dict:
         return self._send("GET", path)
@@ -155,7 +168,7 @@ class EngineClient:
             self._check(response)
             for line in response.iter_lines():
                 if line.strip():
-                    yield json.loads(line)
+                    yield self._json(line)
         except httpx.RemoteProtocolError as err:
             raise RolloutError(f"the engine at {self.address} closed the connection mid-job ({err}); "
                                "check its log, then rerun with --resume") from err

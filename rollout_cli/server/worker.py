@@ -321,7 +321,8 @@ class EngineWorker(OnlineCommands, WeightCommands, threading.Thread):
             handle.finish(event="aborted", reason=self._abort_reason, manifest=manifest)
         except RolloutError as err:
             handle.finish(event="error", message=str(err))
-        except Exception as err:  # noqa: BLE001 - one bad job must not take the daemon down
+        except BaseException as err:  # noqa: BLE001 - one bad job must not take the daemon down; a
+            # SystemExit let through would end this thread quietly, every later command waiting on it
             log.error("job failed:\n%s", traceback.format_exc())
             handle.finish(event="error", message=f"internal error: {type(err).__name__}: {err}")
         else:

@@ -162,6 +162,32 @@ def test_bad_flags_are_one_line(tmp_path):
     assert mode.returncode == 2 and "unknown --capture-routing 'sometimes'" in mode.stderr
 
 
+@pytest.mark.parametrize("flags, message", [
+    (("--json", "."), "is a directory"),
+    (("--json", "no/such/dir/report.json"), "does not exist"),
+    (("--baseline", "hf", "--baseline-batch", 0), "--baseline-batch must be at least 1"),
+    (("--baseline-batch", -1), "--baseline-batch must be at least 1"),
+    (("--baseline-time-limit", -1), "--baseline-time-limit is seconds"),
+    (("--baseline-time-limit", "nan"), "--baseline-time-limit is seconds"),
+])
+def test_bad_report_path_and_baseline_flags_are_one_line_before_the_model_loads(flags, message):
+    """A model that is not there: the flag is refused first, not after loading and timing."""
+    result = _bench("--model", "no/such/model", "--device", "cpu", *flags)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert message in result.stderr
+
+
+def test_data_without_rows_is_one_line(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
+    result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 2, "--output-len", 4, "--data", empty)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"--data {empty} holds no prompts" in result.stderr
+
+
 def test_hf_baseline_time_limit_reports_a_bound():
     """A baseline stopped at its time limit reports at most what the whole run could reach: the time
     spent plus every step left at the fastest step measured."""

@@ -251,6 +251,71 @@ def test_many_clients_retrying_on_409_see_no_protocol_error(daemon):
     assert not any((work / f"never_{i}").exists() for i in range(CLIENTS))
 
 
+# ---- not a daemon at the address, a port that is not one ----
+
+def _html_server(path: Path) -> socket.socket:
+    """Another HTTP server on a Unix socket: every request gets 200 with an HTML page."""
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen(16)  # listening before any client starts: nothing to wait for
+
+    def answer() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed by the test
+                return
+            with conn:
+                _read_request(conn)  # all of it: closing on unread bytes would reset the connection
+                page = b"<html><body>Welcome to nginx!</body></html>"
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nConnection: close\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(page), page))
+
+    threading.Thread(target=answer, daemon=True).start()
+    return server
+
+
+def _read_request(conn: socket.socket) -> None:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536) or b"\r\n\r\n"
+    body_length = 0 if b"content-length:" not in data.lower() else _length(data)
+    while len(data.partition(b"\r\n\r\n")[2]) < body_length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return
+        data += chunk
+
+
+def test_a_server_answering_html_is_one_line(tmp_path):
+    sock = tmp_path / "web.sock"
+    server = _html_server(sock)
+    try:
+        for args in (["status"], ["release-memory"], ["reload-weights", str(MODEL)],
+                     ["run", "--data", str(PROMPTS), "--out", str(tmp_path / "out"), "--max-new-tokens", "4",
+                      "--limit", "2"]):
+            result = subprocess.run([sys.executable, "-m", "rollout_cli.cli.main", *args, "--engine", str(sock)],
+                                    capture_output=True, text=True, timeout=120, cwd=REPO)
+            assert result.returncode == 2, (args, result.stderr)
+            assert result.stderr.strip().splitlines() == [
+                f"error: {sock} answered with something that is not the rollout daemon's JSON "
+                "('<html><body>Welcome to nginx!</body></html>'); is the address a rollout serve daemon?"], args
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("port", [99999, -1])
+def test_a_port_out_of_range_is_one_line_before_the_model_loads(tmp_path, port):
+    token = tmp_path / "token"
+    token.write_text("secret")
+    result = subprocess.run([sys.executable, "-m", "rollout_cli.cli.main", "serve", "--model", "no/such/model",
+                             "--device", "cpu", "--port", str(port), "--token-file", str(token)],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --port {port} is not a TCP port; give one in 0..65535 (0: any free port)"]
+
+
 # ---- last: the daemon took all of the above without a traceback ----
 
 def test_the_daemon_logged_no_traceback_and_still_serves(daemon):

@@ -200,6 +200,10 @@ def _env_file(tmp_path: Path, body: str) -> Path:
     return path
 
 
+_ANSWER = ("from rollout_cli.episodes import EnvStep\n\nclass E:\n    def step(self, turn):\n"
+           "        return EnvStep({})\n\ndef make_env(row):\n    return E()\n")
+
+
 @pytest.mark.parametrize("case, message", [
     ("missing", "no such file; pass a Python file that defines make_env(row)"),
     ("no_make_env", "defines no make_env(row) function"),
@@ -209,6 +213,11 @@ def _env_file(tmp_path: Path, body: str) -> Path:
     ("stepless_env", "--env make_env(row) returned int, which has no step(turn) method"),
     ("raising_step", "--env the environment's step on row 0 raised ValueError: no tool"),
     ("max_turns", "--max-turns must be at least 1"),
+    ("not_python", "is not a Python file; the env file must be a Python file (.py) defining make_env(row)"),
+    ("int_observation", "--env the environment's step on row 0 returned observation 12345; return text"),
+    ("text_reward", "--env the environment's step on row 0 returned reward 'x', not a number"),
+    ("exiting_step", "--env the environment's step on row 0 exited (SystemExit 0)"),
+    ("exiting_make_env", "--env make_env(row) on row 0 exited (SystemExit 3)"),
 ])
 def test_bad_environments_and_flags_get_one_line(case, message, prompts, tmp_path):
     bodies = {"no_make_env": "x = 1\n", "broken": "1 / 0\n",
@@ -217,8 +226,14 @@ def test_bad_environments_and_flags_get_one_line(case, message, prompts, tmp_pat
               "raising_make_env": "def make_env(row):\n    return row['no_such_column']\n",
               "stepless_env": "def make_env(row):\n    return 7\n",
               "raising_step": "class E:\n    def step(self, turn):\n        raise ValueError('no tool')\n\n"
-                              "def make_env(row):\n    return E()\n"}
-    env = tmp_path / "nope.py" if case == "missing" else _env_file(tmp_path, bodies[case]) if case in bodies else CALCULATOR
+                              "def make_env(row):\n    return E()\n",
+              "int_observation": _ANSWER.format("observation=12345"), "text_reward": _ANSWER.format("reward='x'"),
+              "exiting_step": "import sys\nclass E:\n    def step(self, turn):\n        sys.exit(0)\n\n"
+                              "def make_env(row):\n    return E()\n",
+              "exiting_make_env": "def make_env(row):\n    raise SystemExit(3)\n"}
+    env = {"missing": tmp_path / "nope.py", "not_python": prompts}.get(case)  # not_python: a Parquet file
+    if env is None:
+        env = _env_file(tmp_path, bodies[case]) if case in bodies else CALCULATOR
     args = ["run", "--data", prompts, "--out", tmp_path / "out", "--env", env, "--max-new-tokens", 4, "--quiet"]
     args += ["--model", MODEL, "--device", "cpu"]
     if case == "max_turns":
@@ -227,7 +242,7 @@ def test_bad_environments_and_flags_get_one_line(case, message, prompts, tmp_pat
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
-    if case in ("missing", "no_make_env", "broken", "max_turns"):
+    if case in ("missing", "no_make_env", "broken", "max_turns", "not_python"):
         assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
@@ -345,3 +360,27 @@ def test_episodes_run_on_the_daemon_as_they_run_here(episodes, prompts, tmp_path
     for a, b in zip(got, want, strict=True):
         assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=1e-5)
 
+
+
+def test_an_env_exiting_on_the_daemon_fails_its_job_and_the_daemon_serves_on(prompts, tmp_path):
+    """sys.exit() in a step once ended the daemon's worker thread: the job and every later command hung."""
+    from test_daemon import Daemon
+
+    env = _env_file(tmp_path, "import sys\nclass E:\n    def step(self, turn):\n        sys.exit(0)\n\n"
+                              "def make_env(row):\n    return E()\n")
+    sock = tmp_path / "engine.sock"
+    daemon = Daemon(["--socket", sock], tmp_path / "daemon.log")
+    try:
+        import httpx
+
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://rollout") as client:
+            daemon.wait_ready(client)
+        job = ["run", "--engine", sock, "--data", prompts, "--max-new-tokens", 4, "--limit", 2, "--quiet"]
+        failed = _cli(job + ["--out", tmp_path / "failed", "--env", env])
+        assert failed.returncode == 2 and failed.stderr.strip().splitlines() == [
+            "error: --env the environment's step on row 0 exited (SystemExit 0); an environment must return, "
+            "not exit: fix the environment"], failed.stderr
+        assert _cli(["status", "--engine", sock]).returncode == 0
+        assert _cli(job + ["--out", tmp_path / "after"]).returncode == 0
+    finally:
+        daemon.kill()
