@@ -32,7 +32,7 @@ def bench_command(
     n: opt.N = 1,
     turns: Annotated[int, typer.Option(help="Model turns per sample: above 1 every sample is a multi-turn episode (as rollout run --env), a synthetic environment answering each turn with --observation-len tokens; --output-len is per turn. Reports each later turn's prefill against its new tokens.", rich_help_panel=WORKLOAD)] = 1,
     observation_len: Annotated[int, typer.Option(help="With --turns: the environment's tokens after each model turn.", rich_help_panel=WORKLOAD)] = 32,
-    long_tail: Annotated[Optional[float], typer.Option(help="Long-tailed output lengths: this share of the prompts run to --output-len, the rest to lengths uniform in [output-len/16, output-len/4].", rich_help_panel=WORKLOAD)] = None,
+    long_tail: Annotated[Optional[float], typer.Option(help="Long-tailed output lengths: this share of the prompts run to --output-len, the rest to lengths uniform in \\[output-len/16, output-len/4].", rich_help_panel=WORKLOAD)] = None,
     carry_over: Annotated[int, typer.Option(help="Above 0: also run this many rounds of the workload twice, waiting for every sample of a round, then carrying the unfinished samples over to the next round once --carry-at of them finished (partial rollouts); prints the tail's share of the time and the throughput gain.", rich_help_panel=WORKLOAD)] = 0,
     carry_at: Annotated[float, typer.Option(help="With --carry-over: the share of a round's samples after which the rest are carried over.", rich_help_panel=WORKLOAD)] = 0.9,
     images: Annotated[int, typer.Option(help="Vision-language models: images before each prompt's text (random patch rows, each prompt its own); reports the vision tower's share of the run and its FLOP/s.", rich_help_panel=WORKLOAD)] = 0,
