@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import operator
 import os
 import threading
@@ -60,7 +61,8 @@ class EnvStep:
 def load_environment(path: str) -> Callable[[dict], Any]:
     """The `make_env` of an environment file; one line on anything wrong with it."""
     if not os.path.isfile(path):
-        raise RolloutError(f"--env {path}: no such file; pass a Python file that defines make_env(row)")
+        what = "is a directory" if os.path.isdir(path) else "no such file"
+        raise RolloutError(f"--env {path}: {what}; pass a Python file that defines make_env(row)")
     spec = importlib.util.spec_from_file_location(f"rollout_env_{abs(hash(os.path.abspath(path)))}", path)
     if spec is None or spec.loader is None:  # importlib finds no loader for a name not ending in .py
         raise RolloutError(f"--env {path} is not a Python file; the env file must be a Python file (.py) "
@@ -142,8 +144,10 @@ def _step_answer(step, what: str) -> tuple[float, Any]:
     try:
         reward = float(step.reward)
     except (TypeError, ValueError):
-        raise RolloutError(f"--env {what} returned reward {_short(step.reward)}, not a number; "
-                           "return EnvStep(reward=<float>)") from None
+        reward = math.nan
+    if not math.isfinite(reward):  # a NaN reward would reach the trainer's advantages
+        raise RolloutError(f"--env {what} returned reward {_short(step.reward)}, not a finite number; "
+                           "return EnvStep(reward=<float>)")
     observation = step.observation
     if observation is None or isinstance(observation, str):
         return reward, observation

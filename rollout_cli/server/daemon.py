@@ -44,6 +44,9 @@ def read_token(token_file: str) -> str:
     return token
 
 
+MAX_SOCKET_PATH = 107  # bytes of sockaddr_un.sun_path (108) less its terminating NUL
+
+
 def bind_unix_socket(path: str) -> socket.socket:
     if os.path.lexists(path):
         if not is_socket_file(path):
@@ -56,6 +59,9 @@ def bind_unix_socket(path: str) -> socket.socket:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise RolloutError(f"directory {directory} of --socket does not exist")
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:  # the kernel's sun_path limit (bind says only "None")
+        raise RolloutError(f"--socket {path} is {len(os.fsencode(path))} bytes long; a Unix socket path holds at most "
+                           f"{MAX_SOCKET_PATH}: pass a shorter one (a relative path counts as typed)")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o177)
     try:
@@ -115,8 +121,8 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
     _Server = _server_class()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout serve: %(message)s", stream=sys.stderr)
-    if session_retention_seconds <= 0:
-        raise RolloutError("--session-retention-seconds must be > 0")
+    if not 0 < session_retention_seconds < float("inf"):  # NaN too
+        raise RolloutError(f"--session-retention-seconds must be a finite number > 0, got {session_retention_seconds}")
     if max_request_bytes < 1:
         raise RolloutError(f"--max-request-bytes must be at least 1 (default {DEFAULT_MAX_REQUEST_BYTES})")
     tcp = host is not None or port is not None

@@ -323,3 +323,16 @@ def test_the_daemon_logged_no_traceback_and_still_serves(daemon):
     assert daemon["proc"].poll() is None
     log = daemon["log"].read_text()
     assert "Traceback" not in log and "ERROR" not in log and "Exception" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--socket", "s" * 120], f"error: --socket {'s' * 120} is 120 bytes long; a Unix socket path holds at most 107: "
+                              "pass a shorter one (a relative path counts as typed)"),
+    (["--session-retention-seconds", "nan"], "error: --session-retention-seconds must be a finite number > 0, got nan"),
+])
+def test_a_socket_path_too_long_and_a_nan_retention_are_one_line(tmp_path, args, message):
+    result = subprocess.run([sys.executable, "-m", "rollout_cli.cli.main", "serve", "--model",
+                             str(REPO / "recipes" / "example_model"), "--device", "cpu", *args],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)  # the socket path relative
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1:] == [message] and "Traceback" not in result.stderr

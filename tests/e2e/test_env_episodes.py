@@ -215,7 +215,9 @@ _ANSWER = ("from rollout_cli.episodes import EnvStep\n\nclass E:\n    def step(s
     ("max_turns", "--max-turns must be at least 1"),
     ("not_python", "is not a Python file; the env file must be a Python file (.py) defining make_env(row)"),
     ("int_observation", "--env the environment's step on row 0 returned observation 12345; return text"),
-    ("text_reward", "--env the environment's step on row 0 returned reward 'x', not a number"),
+    ("text_reward", "--env the environment's step on row 0 returned reward 'x', not a finite number"),
+    ("nan_reward", "--env the environment's step on row 0 returned reward nan, not a finite number"),
+    ("directory", "is a directory; pass a Python file that defines make_env(row)"),
     ("exiting_step", "--env the environment's step on row 0 exited (SystemExit 0)"),
     ("exiting_make_env", "--env make_env(row) on row 0 exited (SystemExit 3)"),
 ])
@@ -228,10 +230,11 @@ def test_bad_environments_and_flags_get_one_line(case, message, prompts, tmp_pat
               "raising_step": "class E:\n    def step(self, turn):\n        raise ValueError('no tool')\n\n"
                               "def make_env(row):\n    return E()\n",
               "int_observation": _ANSWER.format("observation=12345"), "text_reward": _ANSWER.format("reward='x'"),
+              "nan_reward": _ANSWER.format("reward=float('nan')"),
               "exiting_step": "import sys\nclass E:\n    def step(self, turn):\n        sys.exit(0)\n\n"
                               "def make_env(row):\n    return E()\n",
               "exiting_make_env": "def make_env(row):\n    raise SystemExit(3)\n"}
-    env = {"missing": tmp_path / "nope.py", "not_python": prompts}.get(case)  # not_python: a Parquet file
+    env = {"missing": tmp_path / "nope.py", "not_python": prompts, "directory": tmp_path}.get(case)
     if env is None:
         env = _env_file(tmp_path, bodies[case]) if case in bodies else CALCULATOR
     args = ["run", "--data", prompts, "--out", tmp_path / "out", "--env", env, "--max-new-tokens", 4, "--quiet"]
@@ -242,7 +245,7 @@ def test_bad_environments_and_flags_get_one_line(case, message, prompts, tmp_pat
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
-    if case in ("missing", "no_make_env", "broken", "max_turns", "not_python"):
+    if case in ("missing", "no_make_env", "broken", "max_turns", "not_python", "directory"):
         assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
