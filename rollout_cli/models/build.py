@@ -9,6 +9,7 @@ import torch
 
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.architectures import MULTIMODAL_ARCHITECTURES
+from rollout_cli.models.finite import describe, nonfinite_names
 from rollout_cli.models.fp8 import quantize_model
 from rollout_cli.models.loader import init_dummy_weights, load_checkpoint, safetensors_files
 from rollout_cli.models.mtp import attach_mtp, check_mtp_checkpoint
@@ -202,6 +203,9 @@ def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dt
         if quantization is not None:
             quantize_model(model, quantization, empty=True)
         load_checkpoint(model, model_dir)
+        bad = nonfinite_names(model.named_parameters())
+        if bad:
+            raise RolloutError(f"{model_dir}: {describe(bad)}; every logprob would be NaN: export the checkpoint again")
     if mtp:  # reloads may leave the head out: trainers often drop it, and a stale head only drafts
         model.optional_checkpoint_prefixes = ("mtp.",)
     return model.eval()

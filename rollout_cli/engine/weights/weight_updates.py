@@ -26,6 +26,7 @@ from rollout_cli.engine.weights.tensor_bucket import FlattenedBucket, unflatten_
 from rollout_cli.engine.weights.tensor_ipc import deserialize_named_tensors
 from rollout_cli.engine.weights.weight_group import WeightGroup, open_weight_group
 from rollout_cli.errors import RolloutError
+from rollout_cli.models.finite import describe, nonfinite_names
 from rollout_cli.models.loader import (
     TensorHeader,
     TensorTarget,
@@ -110,7 +111,14 @@ def commit_weights(engine, staged: list[tuple[TensorTarget, torch.Tensor]], new_
                    complete: bool = True) -> str:
     """The last phase of every weight update (disk, tensors, broadcast), once all of it was checked and
     staged: copy in place, flush the prefix cache (its KV came from the old weights), bump the version.
-    Only a `complete` update (every tensor) makes weights lost in a release without backup valid again."""
+    Only a `complete` update (every tensor) makes weights lost in a release without backup valid again.
+    Tensors holding NaN or inf are refused first (a trainer that diverged), where checking is cheap: on
+    the engine's device, and on the host for a CPU engine (a GPU engine's reload from disk stages on the
+    host, where the check would cost about 1 s per GB: not checked there)."""
+    checked = [(t.checkpoint_name, x) for t, x in staged if x.device.type != "cpu" or engine.device.type == "cpu"]
+    bad = nonfinite_names(checked)
+    if bad:
+        raise RolloutError(f"refused: {describe(bad)}; the engine keeps weight version {engine.weight_version}")
     params = dict(engine.model.named_parameters())
     for target, tensor in staged:
         copy_into_parameters(params, target, tensor)
