@@ -170,9 +170,9 @@ def test_row_invariance():
 
 
 def _entries(params_list, targets_per_row, score_top_k=0):
-    """BatchEntry-like objects: one scored row per (params, target)."""
+    """BatchEntry-like objects: one scored row per (params, target), scored over the filters' set."""
     return [SimpleNamespace(request=SimpleNamespace(params=p, prompt_index=i, sample_index=0,
-                                                    score_top_k=score_top_k), score_targets=[t])
+                                                    score_top_k=score_top_k, score_masks=None), score_targets=[t])
             for i, (p, t) in enumerate(zip(params_list, targets_per_row))]
 
 

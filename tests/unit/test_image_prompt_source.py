@@ -23,7 +23,7 @@ from rollout_cli.errors import RolloutError
 from rollout_cli.io.image_prompts import VisionPromptEncoder
 from rollout_cli.io.prompts import PromptSource
 from rollout_cli.io.trajectories import TrajectoryWriter
-from rollout_cli.job_resume import check_resume
+from rollout_cli.job_resume import SAMPLING_DEFAULTS, check_resume
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vlm_fixtures import IMAGE_PAD, build_tiny_vlm, png_bytes, random_image  # noqa: E402
@@ -229,9 +229,11 @@ def test_image_grid_thw_column(tmp_path):
 
 def test_resume_compares_the_image_key(tmp_path):
     job = SimpleNamespace(out=str(tmp_path), continue_aborted=False, data="p.parquet")
-    settings = {"model_source": None, "image_key": "pics"}
-    (tmp_path / "manifest.json").write_text(json.dumps({"image_key": None}))
+    settings = {"model_source": None, "image_key": "pics", "sampling": {}}
+    (tmp_path / "manifest.json").write_text(json.dumps({"image_key": None, "sampling": {}}))
     with pytest.raises(RolloutError, match="made with image_key=None, this run has 'pics'"):
         check_resume(job, settings, {"weights": {"version": "0"}})
-    (tmp_path / "manifest.json").write_text(json.dumps({"prompt_key": "prompt"}))  # from before --image-key
-    check_resume(job, {"model_source": None, "prompt_key": "prompt", "image_key": None}, {"weights": {"version": "0"}})
+    # from before --image-key (a run's manifest always records its sampling settings)
+    (tmp_path / "manifest.json").write_text(json.dumps({"prompt_key": "prompt", "sampling": SAMPLING_DEFAULTS}))
+    check_resume(job, {"model_source": None, "prompt_key": "prompt", "image_key": None, "sampling": SAMPLING_DEFAULTS},
+                 {"weights": {"version": "0"}})
