@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from rollout_kernels.sampling import BLOCK_V, CHUNK, chunk_layout, sample, sample_workspace
+from rollout_kernels.sampling import sample
+from rollout_kernels.sampling_layout import BLOCK_V, CHUNK, chunk_layout, sample_workspace
 
 
 def benchmark_sample(batch: int = 256, vocab: int = 151936, dtype=torch.bfloat16, setting: str = "plain",

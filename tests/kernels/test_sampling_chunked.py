@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from rollout_kernels.sampling import chunk_layout, sample, sample_workspace, workspace_columns
+from rollout_kernels.sampling import sample
+from rollout_kernels.sampling_layout import chunk_layout, sample_workspace, workspace_columns
 from test_sampling import (BOUNDARY, CHUNKED, DEV, LOGPROB_TOL, SETTINGS, _boundary_distance, _check_against_reference,
                            _logits, _params)
 
