@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from rollout_cli.engine.execution.attention import KVCache
 from rollout_cli.engine.execution.linear_state import HybridBatch, LinearBatch, LinearStatePool
 from rollout_cli.engine.execution.on_policy import attend_token, token_forward
+from rollout_cli.engine.execution.sampler import kept_ids_mask
 from rollout_cli.engine.tokenizer import TOKENIZER_SIDE_FILES, copy_side_files
 from rollout_cli.errors import RolloutError
 from rollout_cli.models.build import (build_model, is_hybrid, load_model_config, resolve_attention_backend,
@@ -133,10 +134,7 @@ def sampling_mask_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperat
     if any(not ids for ids in sampling_mask):
         raise RolloutError("sampling_mask_logprobs: a position has no recorded mask (a token carried over from a run "
                            "without --sampling-mask); score it without the mask")
-    rows = torch.cat([torch.full((len(ids),), row, dtype=torch.long) for row, ids in enumerate(sampling_mask)])
-    cols = torch.tensor([t for ids in sampling_mask for t in ids], dtype=torch.long)
-    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    keep[rows.to(logits.device), cols.to(logits.device)] = True
+    keep = kept_ids_mask(sampling_mask, logits.shape, logits.device)
     scaled = (logits.float() / temperature).masked_fill(~keep, float("-inf"))
     return torch.log_softmax(scaled, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
 

@@ -121,6 +121,16 @@ def sampled_top_logprobs(logits: torch.Tensor, requests, tokens: torch.Tensor, p
     return out
 
 
+def kept_ids_mask(ids_per_row: list, shape: tuple[int, int], device) -> torch.Tensor:
+    """bool [R, V] (`shape`), True at each row's listed token ids: recorded sampling masks (R lists of ids,
+    a trajectory's response_sampling_mask) as a mask over the vocabulary."""
+    rows = torch.tensor([row for row, ids in enumerate(ids_per_row) for _ in ids], dtype=torch.long, device=device)
+    cols = torch.tensor([t for ids in ids_per_row for t in ids], dtype=torch.long, device=device)
+    keep = torch.zeros(shape, dtype=torch.bool, device=device)
+    keep[rows, cols] = True
+    return keep
+
+
 def sampling_masks(logits: torch.Tensor, requests, per_row: bool, use_triton: bool) -> list:
     """The sampling mask of each sampled row: logits [B, V] of the rows `requests` drew from -> per row,
     the ids (ascending) of the tokens its draw could pick (the kept set its processed logprob is
@@ -216,9 +226,7 @@ def _over_masks(logits: torch.Tensor, entries, targets: torch.Tensor, floats: to
     temperature = floats[TEMPERATURE, index]
     temperature = torch.where(temperature == 0, torch.ones_like(temperature), temperature)
     processed = torch.log_softmax(logits[index].float() / temperature[:, None], dim=-1)  # [M, V]
-    keep = torch.zeros(processed.shape, dtype=torch.bool, device=logits.device)
-    keep[torch.tensor([i for i, ids in enumerate(masks) for _ in ids], device=logits.device),
-         torch.tensor([t for ids in masks for t in ids], device=logits.device)] = True
+    keep = kept_ids_mask(masks, processed.shape, logits.device)
     kept = torch.where(keep, processed.exp(), torch.zeros_like(processed)).sum(dim=-1, keepdim=True)
     reported = torch.where(keep, processed - kept.log(), torch.full_like(processed, float("-inf")))
     processed_rows = floats[RAW_LOGPROBS, index] <= 0.5  # raw logprobs have no kept set
