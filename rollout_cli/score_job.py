@@ -38,6 +38,7 @@ from rollout_cli.io.output_dir import (
     create_output_dir,
     prepare_output_dir,
     read_manifest,
+    sample_key_problem,
     write_manifest,
 )
 from rollout_cli.io.trajectories import ShardWriter
@@ -140,12 +141,9 @@ def _check_shard(path: str, data: str) -> None:
         keys = pq.read_table(path, columns=["prompt_index", "sample_index"])
     except (pa.ArrowException, OSError) as err:
         raise RolloutError(f"{name} is not a readable Parquet file ({one_line(err)}); {fix}") from err
-    for column in keys.column_names:
-        kind = keys.schema.field(column).type
-        if not pa.types.is_integer(kind):
-            raise RolloutError(f"{name}: column {column} holds {kind}, not integers; {fix}")
-        if keys.column(column).null_count:
-            raise RolloutError(f"{name}: column {column} holds {keys.column(column).null_count} null(s); {fix}")
+    problem = sample_key_problem(keys)
+    if problem is not None:
+        raise RolloutError(f"{name}: {problem}; {fix}")
 
 
 def _samples(dataset: ds.Dataset, done: set, run_logprobs: dict, images=None,

@@ -73,11 +73,11 @@ def completed_pairs(out_dir: str | Path, subdir: str = TRAJECTORIES_SUBDIR,
                 f"shard {path} is unreadable ({reason}); delete it and run again with --resume "
                 "to regenerate its rows"
             ) from err
-        for column in table.itercolumns():
-            if not pa.types.is_integer(column.type) or column.null_count:
-                raise RolloutError(f"shard {path} is not one rollout wrote (its {table.column_names[0]} / "
-                                   f"{table.column_names[1]} must be integers without nulls); delete it and run "
-                                   "again with --resume to regenerate its rows")
+        problem = sample_key_problem(table)
+        if problem is not None:
+            raise RolloutError(f"shard {path} is not one rollout wrote (its {table.column_names[0]} / "
+                               f"{table.column_names[1]} must be integers without nulls: {problem}); delete it and "
+                               "run again with --resume to regenerate its rows")
         pairs.update(zip(table.column(0).to_pylist(), table.column(1).to_pylist()))
     routing = Path(out_dir) / ROUTING_SUBDIR
     if clean and routing.is_dir():  # trajectories are the truth: drop routing a crash left without its trajectories
@@ -89,6 +89,18 @@ def completed_pairs(out_dir: str | Path, subdir: str = TRAJECTORIES_SUBDIR,
             if name not in whole:
                 path.unlink()
     return pairs
+
+
+def sample_key_problem(keys: pa.Table) -> str | None:
+    """What is wrong with a shard's sample keys (its prompt_index and sample_index columns, read alone),
+    or None: both must be integers without nulls (a shard rollout did not write may hold anything)."""
+    for name in keys.column_names:
+        column = keys.column(name)
+        if not pa.types.is_integer(column.type):
+            return f"column {name} holds {column.type}, not integers"
+        if column.null_count:
+            return f"column {name} holds {column.null_count} null(s)"
+    return None
 
 
 def prepare_output_dir(out_dir: str | Path, resume: bool) -> None:
