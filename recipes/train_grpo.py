@@ -38,6 +38,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollout_cli.engine.tokenizer import TOKENIZER_SIDE_FILES, copy_side_files
+from rollout_cli.models.build import resolve_device  # the engine's own rule for --device auto
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rewards import reward_function  # noqa: E402
@@ -100,7 +101,7 @@ class RolloutPolicy:
     """rollout's own forward (rollout_cli.training): the deterministic engine's logprobs, bit for bit."""
 
     def __init__(self, model_dir: str, device: torch.device, dtype: str):
-        from rollout_cli.training import Policy
+        from rollout_cli.training import Policy  # the engine's trainer forward: only this trainer needs it
 
         self.policy = Policy(model_dir, device=str(device), dtype=dtype)
 
@@ -158,8 +159,6 @@ def main() -> None:
     score = reward_function(args.reward)
     rewards = [score(r) for r in rows]
     advantages = group_advantages(rows, rewards)
-    from rollout_cli.models.build import resolve_device  # the engine's own rule for --device auto
-
     device = resolve_device(args.device)
     policy = RolloutPolicy(args.model, device, args.dtype) if args.deterministic else HFPolicy(args.model, device)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
