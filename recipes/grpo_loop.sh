@@ -64,7 +64,9 @@ on_policy_args=()
 $ROLLOUT serve --model "$MODEL" --socket "$SOCKET" --device "$DEVICE" --dtype "$DTYPE" "${on_policy_args[@]}" >"$WORKDIR/serve.log" 2>&1 &
 SERVE_PID=$!
 for _ in $(seq 1 240); do
-    $ROLLOUT status --engine "$SOCKET" >/dev/null 2>&1 && break
+    # the socket answers while the engine loads (state loading); jobs are refused until it serves
+    state=$($ROLLOUT status --engine "$SOCKET" 2>/dev/null | awk '$1 == "state" {print $2}') || true
+    [ -n "$state" ] && [ "$state" != loading ] && break
     kill -0 "$SERVE_PID" 2>/dev/null || { echo "error: rollout serve exited; see $WORKDIR/serve.log" >&2; exit 1; }
     sleep 0.5
 done

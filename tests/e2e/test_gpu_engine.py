@@ -165,13 +165,14 @@ def test_verify_steps_replay_the_decode_graphs(tiny_checkpoints, deterministic):
 def test_sampling_masks_on_the_gpu_sampler(tiny_checkpoints, hf_ref):
     """--sampling-mask on CUDA (bf16, graphs captured): masked samples run eagerly beside graph-replayed
     ones, each token lies in its mask (the compiled sampler's own kept set), and HF's float32 logits
-    renormalised over the masks stay within bf16 drift of the run's logprobs."""
+    renormalised over the masks replay the run's logprobs. float32 on both sides: in bf16 the model's own
+    drift (0.15 nats on one token of this random model) would hide a wrong mask's renormalisation."""
     import torch
 
     from rollout_cli.training import sampling_mask_logprobs
 
     model_dir = tiny_checkpoints["qwen3"]
-    engine = _engine(model_dir, dtype="bfloat16", attention_backend="triton")
+    engine = _engine(model_dir, dtype="float32", attention_backend="triton")
     assert engine.runner.graphs is not None
     prompts = _prompts(engine.hf_config.vocab_size, 4, seed=5)
     params = SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.9, seed=2, max_new_tokens=8, ignore_eos=True,
@@ -185,4 +186,4 @@ def test_sampling_masks_on_the_gpu_sampler(tiny_checkpoints, hf_ref):
         with torch.no_grad():
             logits = hf(torch.tensor([sequence])).logits[0, len(result.prompt_token_ids) - 1 : -1]
         replayed = sampling_mask_logprobs(logits, torch.tensor(result.response_token_ids), 0.9, masks)
-        assert (replayed - torch.tensor(result.response_logprobs)).abs().max() < 0.1  # bf16 vs float32 logits
+        assert (replayed - torch.tensor(result.response_logprobs)).abs().max() < 2e-3  # GPU vs CPU float32 (TF32-free)
