@@ -85,6 +85,10 @@ class EngineConfig:
     """With speculative: decode steps with more running requests than this carry no drafts (vLLM's
     speculative_disable_by_batch_size): where a step is compute-bound, verifying drafts costs more than
     the tokens it saves. None: draft at every batch size."""
+    speculative_gate: bool = True
+    """With speculative: draft only at the batch sizes where drafting steps measured more tokens per
+    second than plain decode steps (engine/scheduling/draft_gate.py; `--speculative-always` turns it off:
+    every decode step within speculative_max_batch drafts). Speed only: the tokens are the same."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -121,7 +121,7 @@ def engine_settings(engine: Engine) -> dict:
         "tensor_parallel": cfg.tensor_parallel_size,
         "attention_backend": engine.attention_backend,
         "speculative": cfg.speculative and {"method": cfg.speculative, "num_draft_tokens": cfg.num_draft_tokens,
-                                             "max_batch": cfg.speculative_max_batch},
+                                             "max_batch": cfg.speculative_max_batch, "gate": cfg.speculative_gate},
     }
 
 

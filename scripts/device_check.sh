@@ -41,7 +41,7 @@
 # batch 32 and siblings on 16 x n16 held-out code prompts, greedy). masktests (--sampling-mask: the kept-set kernel
 # compiled against the sampler, masked samples beside graph-replayed ones, HF logits replayed over the masks).
 # Logs and JSON go to $OUT.
-# torch_memory_saver travels as a wheel: carry .whl (docs/device-runs.md says how to fetch it).
+# torch_memory_saver and the daemon's web stack travel as wheels: `bash scripts/device_wheels.sh`, then carry .whl.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 PARTS=${*:-tests b06 b8 mixed grpo moe30 moe30hf control memtests}

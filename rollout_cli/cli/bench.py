@@ -311,6 +311,10 @@ def _table(report: dict) -> Table:
     if "acceptance_length" in r:
         table.add_row("speculation", f"{r['acceptance_length']:.2f} tokens per verifying step "
                       f"({r['verify_steps']:,} verify steps)")
+    if "gate_drafting_steps" in r:
+        drafted, plain = r["gate_drafting_steps"], r["gate_plain_steps"]
+        table.add_row("speculation gate", f"drafts in {drafted:,} of {drafted + plain:,} decode steps "
+                      "(the batch sizes where drafting measured faster)")
     if "images_encoded" in r:
         rate = f", {r['vision_tflops_per_s']:,.1f} TFLOP/s" if r["vision_tflops_per_s"] else ""
         peak = f" ({r['vision_peak_fraction']:.0%} of matmul peak)" if r["vision_peak_fraction"] else ""

@@ -40,6 +40,7 @@ KvCacheDtype = Annotated[str, typer.Option(help="auto (the model's dtype) or fp8
 Deterministic = Annotated[bool, typer.Option("--deterministic", help="On-policy mode: tokens and logprobs bit for bit the same whatever the batch, chunking or cache hits (batch-invariant Triton kernels on a GPU; on the CPU's torch path one forward per token, slow; see README).", rich_help_panel=ENGINE)]
 Speculative = Annotated[Optional[str], typer.Option(help="siblings: speculative decoding whose drafts are what the prompt's other samples wrote after the same 3 tokens; mtp: drafts from the checkpoint's multi-token-prediction head (Qwen3-Next, Qwen3.5); verified in one forward, the tokens are those decoding without it gives (see README).", rich_help_panel=ENGINE)]
 SpeculativeMaxBatch = Annotated[Optional[int], typer.Option(help="With --speculative: decode steps with more running requests than this carry no drafts (where a step is compute-bound, verifying drafts costs more than it saves); default: draft at every batch size.", rich_help_panel=ENGINE)]
+SpeculativeAlways = Annotated[bool, typer.Option("--speculative-always", help="With --speculative: draft at every decode step (within --speculative-max-batch) instead of only at the batch sizes where drafting steps measured more tokens per second than plain ones.", rich_help_panel=ENGINE)]
 NumDraftTokens = Annotated[Optional[int], typer.Option(help="With --speculative: the most draft tokens a request verifies per step (default: 4 for siblings, 1 for mtp; mtp drafts further by chaining its head).", rich_help_panel=ENGINE)]
 WeightVersion = Annotated[str, typer.Option(help="Weight version recorded on every trajectory.", rich_help_panel=ENGINE)]
 
@@ -70,6 +71,7 @@ ENGINE_OPTIONS = (
     ("speculative", Speculative, None),
     ("num_draft_tokens", NumDraftTokens, None),
     ("speculative_max_batch", SpeculativeMaxBatch, None),
+    ("speculative_always", SpeculativeAlways, False),
     ("weight_version", WeightVersion, "0"),
 )
 ENGINE_DEFAULTS = {name: default for name, _, default in ENGINE_OPTIONS}
@@ -106,7 +108,7 @@ def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_
                   kv_cache_tokens, load_format, no_prefix_cache, attention_backend="auto", no_cuda_graphs=False,
                   weight_version="0", linear_state_memory_ratio=0.5, no_overlap_schedule=False, deterministic=False,
                   quantization=None, kv_cache_dtype="auto", revision=None, quiet=False, speculative=None,
-                  num_draft_tokens=None, speculative_max_batch=None):
+                  num_draft_tokens=None, speculative_max_batch=None, speculative_always=False):
     """The EngineConfig of the flags, a hub id already resolved to its snapshot directory (fetched
     here, before any spinner or replica starts; `quiet` silences the download bars)."""
     return resolve_engine_config(EngineConfig(
@@ -117,6 +119,7 @@ def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_
         linear_state_memory_ratio=linear_state_memory_ratio, overlap_schedule=not no_overlap_schedule,
         deterministic=deterministic, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
         speculative=speculative, num_draft_tokens=num_draft_tokens, speculative_max_batch=speculative_max_batch,
+        speculative_gate=not speculative_always,
     ), quiet=quiet)
 
 

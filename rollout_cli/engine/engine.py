@@ -206,7 +206,8 @@ class Engine:
         """--speculative drafts on or off between streams (`rollout bench` times both), a fresh drafter each time."""
         method = self.config.speculative if on else None  # (hybrid models' state pool is sized for it)
         drafter = {"mtp": MTPDrafter, "siblings": SiblingDrafter}[method]() if method else None
-        self.scheduler.enable_speculation(drafter, self.config.num_draft_tokens, self.config.speculative_max_batch)
+        self.scheduler.enable_speculation(drafter, self.config.num_draft_tokens, self.config.speculative_max_batch,
+                                          gate=self.config.speculative_gate)
 
     def retract_running(self) -> int:
         """Before a weight update inside a held stream: every running request goes back to the queue

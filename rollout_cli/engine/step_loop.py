@@ -108,6 +108,7 @@ class StepLoop:
         """Post-process a launched step (waiting for its results); returns the trajectories it finished."""
         engine = self.engine
         tokens, logprobs = engine.runner.collect(handle)
+        accepted_before = engine.scheduler.stats.accepted_draft_tokens
         # no update runs while a step is in flight (it needs no running request): the step's version is the current one
         finished = engine.scheduler.postprocess(handle.out, tokens, logprobs, handle.scores, handle.score_tops,
                                                 engine.weight_version, handle.sample_extras)
@@ -116,6 +117,7 @@ class StepLoop:
         now = time.perf_counter()
         wall = now - max(handle.launch_time, self.last_step_done)  # the step's share of wall time
         self.last_step_done = now
+        scheduler.report_decode_step(handle.out, scheduler.stats.accepted_draft_tokens - accepted_before, wall)
         traffic = engine.runner.traffic
         if handle.timing is not None:
             traffic.wall_seconds += wall

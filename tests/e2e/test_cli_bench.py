@@ -273,13 +273,25 @@ def test_random_ids_on_a_vision_language_model_hold_no_vision_tokens():
     assert make_workload(BenchConfig(num_prompts=16, input_len=64), 6).prompts[0] != workload.prompts[0]
 
 
+def test_speculative_reports_what_the_gate_let_draft(tmp_path):
+    """The default --speculative (the gate on): the drafted run's report says in how many of its decode
+    steps the gate let drafts run (which ones is timing's call; the steps' count is not)."""
+    report_path = tmp_path / "bench.json"
+    result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 2, "--n", 2, "--input-len", 6,
+                    "--output-len", 8, "--temperature", 0, "--speculative", "siblings", "--json", report_path)
+    assert result.returncode == 0, result.stderr
+    rollout = json.loads(report_path.read_text())["rollout"]
+    assert rollout["gate_drafting_steps"] + rollout["gate_plain_steps"] >= 6  # 8 tokens: 7 decode steps at most
+    assert "speculation gate" in result.stdout and "decode steps" in result.stdout
+
+
 def test_speculative_times_decoding_with_and_without_drafts(tmp_path):
     """--speculative: plain decoding and decoding with sibling drafts on one engine (ABBA), the speedup
     from the sums of times, the acceptance length from the drafted run; both runs write the same tokens."""
     report_path = tmp_path / "bench.json"
     result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 2, "--n", 4, "--input-len", 6,
                     "--output-len", 12, "--temperature", 0, "--speculative", "siblings", "--num-draft-tokens", 3,
-                    "--json", report_path)
+                    "--speculative-always", "--json", report_path)
     assert result.returncode == 0, result.stderr
     report = json.loads(report_path.read_text())
     runs = report["speculation_runs"]

@@ -180,7 +180,7 @@ def test_mtp_drafts_on_the_gpu_change_no_token(tiny_hybrid_checkpoints, tmp_path
     params = SamplingParams(n=2, max_new_tokens=24, **GREEDY)
     runs = []
     for speculative in (None, "mtp"):
-        engine = _engine(model_dir, dtype="float32", speculative=speculative,
+        engine = _engine(model_dir, dtype="float32", speculative=speculative, speculative_gate=False,
                          num_draft_tokens=draft_tokens if speculative else None)
         runs.append(sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(prompts)], params),
                            key=lambda t: (t.prompt_index, t.sample_index)))
@@ -204,7 +204,7 @@ def test_mtp_plain_steps_replay_graphs_above_the_max_batch(tiny_hybrid_checkpoin
     prompts = [PromptInput(i, p, params=SamplingParams(n=2, max_new_tokens=8 + 4 * i, **GREEDY))
                for i, p in enumerate(_prompts(300, 6, seed=9))]  # 12 running, down to 2
     runs, engines = [], []
-    for options in ({}, {"speculative": "mtp", "speculative_max_batch": 4}):
+    for options in ({}, {"speculative": "mtp", "speculative_max_batch": 4, "speculative_gate": False}):
         engine = _engine(model_dir, dtype="float32", **options)
         runs.append(sorted(engine.stream(prompts, SamplingParams()), key=lambda t: (t.prompt_index, t.sample_index)))
         engines.append(engine)

@@ -35,6 +35,7 @@ def mtp_checkpoints(tiny_hybrid_checkpoints, tmp_path_factory) -> dict[str, str]
 
 
 def _run(model: str, params: SamplingParams, **options):
+    options.setdefault("speculative_gate", False)  # every decode step drafts: the stats below count them
     engine = Engine(model, device="cpu", dtype="float32", max_model_len=128, kv_cache_tokens=2048, **options)
     results = sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], params),
                      key=lambda t: (t.prompt_index, t.sample_index))
@@ -174,7 +175,7 @@ def test_longer_drafts_are_the_heads_chain(arch, mtp_checkpoints):
     verify step (MTPStep.extend_drafts); each equals the chain recomputed over the finished sequence."""
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     engine = Engine(mtp_checkpoints[arch], device="cpu", dtype="float32", max_model_len=128, kv_cache_tokens=2048,
-                    speculative="mtp", num_draft_tokens=3, enable_prefix_cache=False)
+                    speculative="mtp", num_draft_tokens=3, enable_prefix_cache=False, speculative_gate=False)
     log, extend = {}, engine.runner.mtp_step.extend_drafts
 
     def logging_extend(entries):
@@ -247,7 +248,7 @@ def test_a_reload_without_the_head_keeps_it(mtp_checkpoints, tiny_hybrid_checkpo
         save_file({name: t * 1.01 for name, t in load_file(str(path)).items()}, str(path))
     params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     engine = Engine(mtp_checkpoints["qwen3_next"], device="cpu", dtype="float32", max_model_len=128,
-                    kv_cache_tokens=2048, speculative="mtp")
+                    kv_cache_tokens=2048, speculative="mtp", speculative_gate=False)
     head = engine.model.mtp.fc.weight.clone()
     engine.reload_weights(str(trained))
     assert torch.equal(engine.model.mtp.fc.weight, head) and engine.weight_version == "1"

@@ -27,6 +27,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 31, 8, 9], [7, 7, 8, 100, 42, 11, 12, 200, 13], [
 
 
 def _run(model: str, params: SamplingParams, drafter=None, prompts=PROMPTS, **options):
+    options.setdefault("speculative_gate", False)  # every decode step drafts: tests count the drafts
     engine = Engine(model, device="cpu", dtype="float32", max_model_len=256, kv_cache_tokens=4096, **options)
     if drafter is not None:
         engine.scheduler.enable_speculation(drafter, 5)
@@ -163,6 +164,31 @@ def test_siblings_draft_for_later_samples_and_change_no_token(arch, example_mode
     assert len(engine.scheduler.drafter) == 0  # every prompt's group is dropped once its samples ended
 
 
+def test_the_speculation_gate_sees_every_decode_step_and_changes_no_token(example_model_dir):
+    """The default --speculative: the gate (engine/scheduling/draft_gate.py) is told each decode-only step's
+    batch, kind, tokens gained and wall time; it measures plain steps first, then drafting ones, and
+    whatever it then picks (timing decides, so nothing below depends on it), the tokens are plain decoding's."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, n=4)
+    _, want = _run(example_model_dir, params, max_running=2)
+    engine = Engine(example_model_dir, device="cpu", dtype="float32", max_model_len=256, kv_cache_tokens=4096,
+                    max_running=2, speculative="siblings", num_draft_tokens=4)
+    gate, reports = engine.scheduler.draft_gate, []
+    record = gate.record
+    gate.record = lambda *step: reports.append(step) or record(*step)
+    got = sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], params),
+                 key=lambda t: (t.prompt_index, t.sample_index))
+    _assert_same(got, want)
+    # two plain steps measured (the first a warm-up), then drafting; one step late: the third was planned
+    # ahead (overlap scheduling) while the second ran, before the second's report
+    assert [drafted for _, drafted, _, _ in reports[:4]] == [False, False, False, True]
+    assert all(batch <= 2 and seconds > 0 for batch, _, _, seconds in reports)
+    assert all(tokens <= batch for batch, drafted, tokens, _ in reports if not drafted)
+    drafting = [(batch, tokens) for batch, drafted, tokens, _ in reports if drafted]
+    assert gate.drafting_steps == len(drafting) and gate.plain_steps == len(reports) - len(drafting)
+    stats = engine.scheduler.stats  # tokens reported by drafting steps: one per request plus the accepted drafts
+    assert sum(tokens - batch for batch, tokens in drafting) <= stats.accepted_draft_tokens
+
+
 def test_routing_capture_records_the_accepted_tokens_only(tiny_moe_checkpoints):
     model = tiny_moe_checkpoints["qwen3_moe"]
     params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True, n=2)
@@ -266,7 +292,8 @@ def test_rollout_run_with_speculation_writes_the_same_rows_and_reports_acceptanc
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     tables = {}
-    for spec in ([], ["--speculative", "siblings", "--num-draft-tokens", "3", "--speculative-max-batch", "16"]):
+    for spec in ([], ["--speculative", "siblings", "--num-draft-tokens", "3", "--speculative-max-batch", "16",
+                      "--speculative-always"]):  # every step drafts: the acceptance below does not hang on timing
         out = tmp_path / ("spec" if spec else "plain")
         args = ["--model", repo / "recipes" / "example_model", "--data", repo / "recipes" / "prompts.parquet",
                 "--out", out, "--n", 4, "--max-new-tokens", 24, "--temperature", 0, "--limit", 4, "--max-running", 4,
@@ -280,4 +307,5 @@ def test_rollout_run_with_speculation_writes_the_same_rows_and_reports_acceptanc
     assert [r["response_token_ids"] for r in tables[True]] == [r["response_token_ids"] for r in tables[False]]
     speculation = manifest["speculation"]
     assert speculation["acceptance_length"] > 1 and speculation["accepted_draft_tokens"] > 0
-    assert manifest["engine"]["speculative"] == {"method": "siblings", "num_draft_tokens": 3, "max_batch": 16}
+    assert manifest["engine"]["speculative"] == {"method": "siblings", "num_draft_tokens": 3, "max_batch": 16,
+                                                 "gate": False}

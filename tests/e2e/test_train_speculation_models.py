@@ -31,7 +31,7 @@ def test_trained_pair_runs_speculation(tmp_path):
     prompts = [PromptInput(i, tokenizer.encode(t)) for i, t in enumerate(texts)]
     params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     options = dict(device="cpu", dtype="float32", max_model_len=256)
-    engine = Engine(str(out / "hybrid"), speculative="mtp", num_draft_tokens=2, **options)
+    engine = Engine(str(out / "hybrid"), speculative="mtp", num_draft_tokens=2, speculative_gate=False, **options)
     saved = load_file(str(out / "hybrid" / "mtp.safetensors"))
     assert torch.equal(engine.model.mtp.fc.weight.to(torch.bfloat16), saved["mtp.fc.weight"])
     got = sorted(engine.stream(prompts, params), key=lambda t: t.prompt_index)

@@ -61,6 +61,8 @@ class ScheduleOutput:
     entries: list[BatchEntry] = field(default_factory=list)
     # hybrid models: (src, dst) linear-state slot copies to apply, in order, before the forward
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # --speculative: the decode path that proposes drafts built this step (the speculation gate times it)
+    drafting: bool = False
 
     @property
     def num_tokens(self) -> int:

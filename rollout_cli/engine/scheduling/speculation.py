@@ -15,6 +15,7 @@ A mixin of Scheduler (its allocator, linear state slots, stats and drafter).
 
 from __future__ import annotations
 
+from rollout_cli.engine.scheduling.draft_gate import DraftGate
 from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.scheduling.schedule_output import BatchEntry, ScheduleOutput
 
@@ -23,19 +24,36 @@ class Speculation:
     drafter = None  # a SiblingDrafter or MTPDrafter while speculation is on (enable_speculation)
     num_draft_tokens = 0
     max_draft_batch = None  # more running requests than this: decode steps carry no drafts
+    draft_gate = None  # a DraftGate: drafts only at batch sizes where they measured faster (None: always)
 
-    def enable_speculation(self, drafter, num_draft_tokens: int, max_batch: int | None = None) -> None:
+    def enable_speculation(self, drafter, num_draft_tokens: int, max_batch: int | None = None,
+                           gate: bool = False) -> None:
         """Propose up to `num_draft_tokens` drafts per decode with `drafter` (None: off), in steps of at
-        most `max_batch` running requests (None: any)."""
+        most `max_batch` running requests (None: any); with `gate`, only at the batch sizes where
+        drafting steps measured more tokens per second than plain ones (engine/scheduling/draft_gate.py)."""
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
         self.max_draft_batch = max_batch
+        self.draft_gate = DraftGate() if gate and drafter is not None else None
 
     def drafting_now(self) -> bool:
-        """Whether a decode step of the running requests would carry drafts: speculation is on and the
-        batch is within --speculative-max-batch (above it a step is compute-bound: drafts cost more
-        than the tokens they save)."""
-        return self.drafter is not None and (self.max_draft_batch is None or len(self.running) <= self.max_draft_batch)
+        """Whether a decode step of the running requests would carry drafts: speculation is on, the
+        batch is within --speculative-max-batch, and the gate (if on) found drafting faster at this batch
+        size (a compute-bound step verifies drafts at a cost above the tokens they save)."""
+        if self.drafter is None or (self.max_draft_batch is not None and len(self.running) > self.max_draft_batch):
+            return False
+        return self.draft_gate is None or self.draft_gate.should_draft(len(self.running))
+
+    def report_decode_step(self, out: ScheduleOutput, accepted: int, seconds: float) -> None:
+        """The step loop's report of a post-processed step: a decode-only step (every entry one request's
+        next token, with its drafts if any) teaches the gate; `accepted` is the drafts it accepted."""
+        if self.draft_gate is None or not out.entries:
+            return
+        if any(not e.sample or e.num_new_tokens != 1 + e.num_draft or e.score_targets is not None
+               for e in out.entries):
+            return  # a prefill or scoring share: not a decode step's time
+        live = sum(not e.ghost for e in out.entries)
+        self.draft_gate.record(len(out.entries), out.drafting, live + accepted, seconds)
 
     def _schedule_decodes_with_drafts(self, out: ScheduleOutput) -> bool:
         """The steady state with speculation: every running request decodes its last token and the drafts
@@ -43,6 +61,7 @@ class Speculation:
         of its own, not a branch in Scheduler._schedule_all_decodes's: that one runs for every request
         of every plain decode step and stays free of per-request draft bookkeeping."""
         running = self.running
+        out.drafting = True  # even where no request gets a draft: such a step is not overlapped
         budget = self.max_batch_tokens - len(running)
         drafts = []
         for request in running:

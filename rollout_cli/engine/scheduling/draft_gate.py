@@ -1,0 +1,120 @@
+"""When drafts pay: the speculation gate (issue 22: speculation "must turn itself down when the batch is
+compute-bound").
+
+A decode step with drafts verifies 1 + d tokens per request in one forward. At a small batch that
+forward costs about what a one-token step costs (the weights are read once either way), so every
+accepted draft is a token for free. At a large batch the step is compute- or attention-bound: it costs
+up to 1 + d times more, it runs eagerly or on wider graphs, and it cannot be overlapped with the next
+step's planning; then drafting loses. Measured on an H100 (docs/benchmarks.md, session 27), sibling
+drafts on the GRPO workload (256 running requests, 2.01 tokens per verifying step) ran at 0.43x the
+output tok/s of plain decoding.
+
+Where the crossover lies depends on the model, the GPU, the context lengths and how well the drafts
+are accepted, so the gate measures instead of guessing: per batch-size bucket it keeps the wall time of
+plain decode steps and of drafting steps and the tokens a request gained per step in each, and drafts
+only where drafting steps gain more tokens per request per second. An unmeasured option is tried first;
+the losing one is re-tried now and then (after 16 steps of the bucket, doubling up to 1,024 while it
+keeps losing), since acceptance changes over a run (sibling drafts grow better as samples finish); a
+re-try's step replaces the loser's stale figures, and if that makes it the winner on one lucky step,
+the steps that follow average it back down and hand the lead back.
+
+Which steps draft never changes a token (engine/scheduling/speculation.py): the gate only moves speed.
+Pure bookkeeping, no clock of its own: the step loop reports each decode step's wall time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+SMOOTHING = 0.3  # weight of a new step in the running averages: a few steps follow a change, one stall does not
+FIRST_RETRY = 16  # steps of a bucket before its losing option is tried again
+LAST_RETRY = 1024  # the longest wait between re-tries (the interval doubles while the loser keeps losing)
+
+
+def batch_bucket(batch: int) -> int:
+    """Buckets of batch size a factor of about sqrt(2) wide (1, 2, 3, 4-5, 6-8, 9-11, 12-16, ...): step
+    times within one are alike, and a run visits few."""
+    return round(2 * math.log2(max(batch, 1)))
+
+
+@dataclass
+class StepAverage:
+    """Running averages of one option's decode steps in one bucket."""
+
+    steps: int = 0  # steps reported; the first is a warm-up (kernels compiled, graphs cold) and not kept
+    seconds: float = 0.0  # a step's wall time
+    tokens_per_request: float = 0.0  # tokens a running request gained in a step (1 + accepted drafts)
+
+    @property
+    def measured(self) -> bool:
+        return self.steps > 1
+
+    def add(self, seconds: float, tokens_per_request: float, fresh: bool = False) -> None:
+        """One step's figures; `fresh`: they replace the averages (a re-try of the losing option, whose
+        averages are as old as its last re-try)."""
+        self.steps += 1
+        if self.steps == 1:
+            return
+        weight = 1.0 if self.steps == 2 or fresh else SMOOTHING
+        self.seconds += weight * (seconds - self.seconds)
+        self.tokens_per_request += weight * (tokens_per_request - self.tokens_per_request)
+
+    @property
+    def rate(self) -> float:
+        """Tokens per running request per second."""
+        return self.tokens_per_request / self.seconds if self.seconds > 0 else math.inf
+
+
+@dataclass
+class BucketState:
+    plain: StepAverage = field(default_factory=StepAverage)
+    drafting: StepAverage = field(default_factory=StepAverage)
+    retry_interval: int = FIRST_RETRY
+    steps_to_retry: int = FIRST_RETRY
+
+    def winner_drafts(self) -> bool:
+        return self.drafting.rate > self.plain.rate
+
+
+class DraftGate:
+    """Decides, per decode step, whether drafts pay at the current batch size (see the module doc)."""
+
+    def __init__(self):
+        self.buckets: dict[int, BucketState] = {}
+        self.drafting_steps = 0  # decode steps reported, by kind: what `rollout bench` shows
+        self.plain_steps = 0
+
+    def _bucket(self, batch: int) -> BucketState:
+        return self.buckets.setdefault(batch_bucket(batch), BucketState())
+
+    def should_draft(self, batch: int) -> bool:
+        """Whether a decode step of `batch` running requests should carry drafts. Depends only on what was
+        reported so far, so asking twice before the next report gives the same answer."""
+        state = self._bucket(batch)
+        if not state.plain.measured:
+            return False
+        if not state.drafting.measured:
+            return True
+        drafts = state.winner_drafts()
+        return not drafts if state.steps_to_retry <= 0 else drafts
+
+    def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode step of `batch` requests ran (with drafts or not), appended `tokens` tokens in all and
+        took `seconds` of wall time."""
+        if batch < 1 or seconds <= 0:
+            return
+        state = self._bucket(batch)
+        if drafted:
+            self.drafting_steps += 1
+        else:
+            self.plain_steps += 1
+        retrying = state.plain.measured and state.drafting.measured and state.steps_to_retry <= 0
+        loser_before = not state.winner_drafts() if retrying else None
+        (state.drafting if drafted else state.plain).add(seconds, tokens / batch, fresh=drafted == loser_before)
+        if not retrying:
+            state.steps_to_retry -= 1
+        elif drafted == loser_before:  # the re-try ran: wait longer if the loser lost again, else start over
+            still_losing = state.winner_drafts() != drafted
+            state.retry_interval = min(2 * state.retry_interval, LAST_RETRY) if still_losing else FIRST_RETRY
+            state.steps_to_retry = state.retry_interval

@@ -1,0 +1,70 @@
+"""The speculation gate (engine/scheduling/draft_gate.py): drafts only at the batch sizes where drafting
+steps gained more tokens per request per second than plain steps. Fed synthetic step times here (no
+clock), so every decision below is exact."""
+
+from __future__ import annotations
+
+from rollout_cli.engine.scheduling.draft_gate import FIRST_RETRY, LAST_RETRY, DraftGate, batch_bucket
+
+
+def _step(gate: DraftGate, batch: int, plain_s: float, draft_s: float, accepted_per_request: float) -> bool:
+    """One decode step as the engine runs it: ask, then report what the chosen kind cost and gained."""
+    drafts = gate.should_draft(batch)
+    tokens = batch * (1 + accepted_per_request) if drafts else batch
+    gate.record(batch, drafts, round(tokens), draft_s if drafts else plain_s)
+    return drafts
+
+
+def test_buckets_are_about_sqrt2_wide():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 6, 8, 11, 12, 16, 256)] == [0, 2, 3, 4, 5, 5, 6, 7, 7, 8, 16]
+    assert batch_bucket(0) == 0
+
+
+def test_measures_plain_then_drafting_then_keeps_the_faster():
+    gate = DraftGate()
+    # small batch: a drafting step costs 1.2x a plain one and gains 2 tokens a request: drafting wins
+    choices = [_step(gate, 8, plain_s=1.0, draft_s=1.2, accepted_per_request=1.0) for _ in range(12)]
+    assert choices[:4] == [False, False, True, True]  # each kind: a warm-up step, then one kept
+    assert all(choices[4:])
+    # large batch, its own bucket: drafting costs 3x and gains 2 tokens a request: plain wins
+    choices = [_step(gate, 256, plain_s=1.0, draft_s=3.0, accepted_per_request=1.0) for _ in range(12)]
+    assert choices[:4] == [False, False, True, True] and not any(choices[4:])
+    assert gate.should_draft(8) and not gate.should_draft(256)
+
+
+def test_the_warm_up_step_is_not_kept():
+    gate = DraftGate()
+    gate.record(4, False, 4, 1.0)
+    gate.record(4, False, 4, 1.0)
+    gate.record(4, True, 8, 500.0)  # the first drafting step compiled its kernels: not held against drafts
+    gate.record(4, True, 8, 1.5)
+    assert gate.should_draft(4)
+
+
+def test_the_loser_is_retried_less_often_while_it_keeps_losing():
+    gate = DraftGate()
+    choices = [_step(gate, 64, plain_s=1.0, draft_s=4.0, accepted_per_request=1.0) for _ in range(4000)]
+    retries = [i for i, drafted in enumerate(choices) if drafted][2:]  # after the two measuring steps
+    gaps = [b - a for a, b in zip(retries, retries[1:])]
+    assert gaps[0] == 2 * FIRST_RETRY + 1 and gaps == sorted(gaps) and max(gaps) == LAST_RETRY + 1
+    assert gate.drafting_steps == len(retries) + 2 and gate.plain_steps == 4000 - gate.drafting_steps
+
+
+def test_a_retry_that_wins_turns_drafting_back_on():
+    gate = DraftGate()
+    for _ in range(20):
+        _step(gate, 32, plain_s=1.0, draft_s=4.0, accepted_per_request=1.0)  # drafts lose: acceptance is poor
+    assert not gate.should_draft(32)
+    # acceptance grows (sibling drafts improve as samples finish): a retry finds drafting faster again
+    choices = [_step(gate, 32, plain_s=1.0, draft_s=1.1, accepted_per_request=3.0) for _ in range(200)]
+    first_draft = choices.index(True)
+    after = choices[first_draft:]
+    assert first_draft < 2 * FIRST_RETRY and all(after[:FIRST_RETRY])
+    assert after.count(False) <= len(after) // FIRST_RETRY  # plain steps now only as re-tries of the loser
+
+
+def test_reports_without_time_or_batch_are_ignored():
+    gate = DraftGate()
+    gate.record(0, True, 0, 1.0)
+    gate.record(8, True, 8, 0.0)
+    assert gate.drafting_steps == 0 and not gate.buckets.get(batch_bucket(8), None)
