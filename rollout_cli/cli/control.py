@@ -12,6 +12,7 @@ import typer
 
 from rollout_cli.cli import options as opt
 from rollout_cli.cli.errors import user_errors
+from rollout_cli.errors import RolloutError
 from rollout_cli.models.hub import resolve_model
 from rollout_cli.server.address import is_tcp
 
@@ -159,18 +160,48 @@ def flush_cache_command(engine: opt.EngineAddress = None, token_file: opt.TokenF
     typer.echo("prefix cache flushed")
 
 
+def _wait_until_serving(engine, token_file, seconds: float) -> dict:
+    """The server info once the daemon answers in a state other than loading (a daemon just started has
+    no socket yet, then loads its weights); one line and exit 1 when `seconds` run out first."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with _client(engine, token_file) as client:
+                info = client.get("/get_server_info")
+            if info.get("state") != "loading":
+                return info
+            last = "it was still loading"
+        except RolloutError as err:
+            if not str(err).startswith("no engine at"):
+                raise  # a wrong token, another server at the address: waiting would not help
+            last = str(err)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RolloutError(f"the engine did not serve within {seconds:g} s; {last}")
+        time.sleep(min(0.5, left))
+
+
 def status_command(
     engine: opt.EngineAddress = None,
     token_file: opt.TokenFile = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the server info as JSON.")] = False,
+    wait: Annotated[Optional[float], typer.Option(
+        help="Wait up to this many seconds for the engine to serve (a daemon just started answers once its "
+             "socket is up, and reports state loading until its weights are in); exit 1 if it does not.")] = None,
 ) -> None:
     """Model, weight version, state (loading / serving / paused / released), memory held and job progress.
 
     Example:
 
-        rollout status
+        rollout serve --model ckpt/ & rollout status --wait 600 && rollout run --engine ...
     """
-    info = _call(engine, token_file, "GET", "/get_server_info")
+    if wait is not None:
+        with user_errors():
+            if not wait >= 0:  # NaN too
+                raise RolloutError(f"--wait must be a number of seconds, 0 or more (got {wait:g})")
+            info = _wait_until_serving(engine, token_file, wait)
+    else:
+        info = _call(engine, token_file, "GET", "/get_server_info")
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
