@@ -113,9 +113,13 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
           served_model_name: str | None = None, session_retention_seconds: float = DEFAULT_RETENTION_SECONDS) -> int:
     """Run the daemon until /shutdown, SIGINT or SIGTERM; return the exit code."""
     # heavy: uvicorn, fastapi and the engine (torch); `rollout status` and the clients import this module
-    import uvicorn
+    try:
+        import uvicorn
 
-    from rollout_cli.server.app import create_app
+        from rollout_cli.server.app import create_app
+    except ModuleNotFoundError as err:  # an install that skipped rollout's dependencies (a bare device image)
+        raise RolloutError(f"rollout serve needs the Python package {err.name!r}, which is not installed: "
+                           f"pip install {err.name} (or reinstall rollout, which depends on it)") from err
     from rollout_cli.server.worker import EngineWorker
 
     _Server = _server_class()

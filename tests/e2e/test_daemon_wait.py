@@ -32,3 +32,20 @@ def test_status_wait_gives_up_in_one_line(tmp_path):
         "start one with rollout serve --model DIR"]
     bad = _cli(["status", "--wait", "-1", "--engine", tmp_path / "none.sock"])
     assert bad.returncode == 2 and "--wait must be a number of seconds, 0 or more (got -1)" in bad.stderr
+
+
+def test_serve_without_its_web_stack_says_what_to_install(tmp_path):
+    """A bare install (the device image had no uvicorn) gets one line naming the package, not a traceback."""
+    import sys
+
+    script = ("import sys; sys.modules['uvicorn'] = None\n"  # importing it now raises ModuleNotFoundError
+              "from rollout_cli.cli.main import app\n"
+              f"sys.argv = ['rollout', 'serve', '--model', 'recipes/example_model', '--device', 'cpu', "
+              f"'--socket', {str(tmp_path / 'bare.sock')!r}]\n"
+              "app()")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO,
+                            env=_env())
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: rollout serve needs the Python package 'uvicorn', which is not installed: pip install uvicorn "
+        "(or reinstall rollout, which depends on it)"]
