@@ -204,10 +204,9 @@ class Engine:
 
     def set_speculation(self, on: bool) -> None:
         """--speculative drafts on or off between streams (`rollout bench` times both), a fresh drafter each time."""
-        method = self.config.speculative if on else None  # (hybrid models' state pool is sized for it)
+        cfg, method = self.config, self.config.speculative if on else None  # (the state pool is sized for it)
         drafter = {"mtp": MTPDrafter, "siblings": SiblingDrafter}[method]() if method else None
-        self.scheduler.enable_speculation(drafter, self.config.num_draft_tokens, self.config.speculative_max_batch,
-                                          gate=self.config.speculative_gate)
+        self.scheduler.enable_speculation(drafter, cfg.num_draft_tokens, cfg.speculative_max_batch, cfg.speculative_gate)
 
     def retract_running(self) -> int:
         """Before a weight update inside a held stream: every running request goes back to the queue
