@@ -130,7 +130,11 @@ class EngineConfig:
                                "model's dtype, so the two could not agree bit for bit; drop one of the two")
         if self.speculative not in SPECULATIVE:
             raise RolloutError(f"unknown --speculative {self.speculative!r}; choose siblings or mtp (or leave it off)")
-        if self.num_draft_tokens is None:
+        if self.speculative is None and (self.num_draft_tokens is not None or self.speculative_max_batch is not None
+                                         or not self.speculative_gate):
+            raise RolloutError("--num-draft-tokens, --speculative-max-batch and --speculative-always tune speculative "
+                               "decoding: give --speculative siblings or mtp too, or drop them")
+        if self.num_draft_tokens is None and self.speculative is not None:
             object.__setattr__(self, "num_draft_tokens", 1 if self.speculative == "mtp" else 4)
         if self.speculative is not None and self.num_draft_tokens < 1:
             raise RolloutError("--num-draft-tokens must be at least 1")

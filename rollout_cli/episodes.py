@@ -173,6 +173,9 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+DEFAULT_MAX_TURNS = 8  # `rollout run --env` and the daemon's jobs: model turns per episode at most
+
+
 def check_max_turns(max_turns: int) -> None:
     """--max-turns: the CLI and the daemon check it before OUT exists (JobConfig), Python callers here."""
     if max_turns < 1:

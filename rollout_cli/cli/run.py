@@ -15,7 +15,7 @@ from rollout_cli.cli.errors import user_errors
 from rollout_cli.cli.remote_run import check_daemon_flags, remote_run
 from rollout_cli.cli.tensor_parallel_run import tensor_parallel_run
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.episodes import check_episode_sampling
+from rollout_cli.episodes import DEFAULT_MAX_TURNS, check_episode_sampling
 from rollout_cli.errors import RolloutError
 from rollout_cli.server.address import ENV_ENGINE
 
@@ -52,7 +52,7 @@ def run_command(
     flush_seconds: Annotated[float, typer.Option(help="Close a shard when its oldest row waited this long.", rich_help_panel=DATA)] = 10.0,
     capture_routing: Annotated[bool, typer.Option("--capture-routing", help="MoE models: write every token's expert ids to OUT/routing/ (routing replay).", rich_help_panel=DATA)] = False,
     env: Annotated[Optional[str], typer.Option(help="Multi-turn episodes: a Python file defining make_env(row) (see recipes/envs/calculator.py); every sample becomes an episode of model and environment turns, its row gains response_loss_mask, model_turns, episode_reward, turn_cached_tokens.", rich_help_panel=EPISODES)] = None,
-    max_turns: Annotated[int, typer.Option(help="With --env: model turns per episode at most (--max-new-tokens is per turn).", rich_help_panel=EPISODES)] = 8,
+    max_turns: Annotated[Optional[int], typer.Option(help="With --env: model turns per episode at most (--max-new-tokens is per turn); default 8.", rich_help_panel=EPISODES)] = None,
     dp: Annotated[int, typer.Option(help="Data parallel: run N engine replicas (one per GPU, or N processes on the CPU) that split the prompts and share OUT. Across machines, start `rollout run` with torchrun instead.", rich_help_panel=opt.ENGINE)] = 1,
     tp: Annotated[int, typer.Option(help="Tensor parallel: split the model over N GPUs (N processes on the CPU); dense Llama / Qwen2 / Qwen3, MoE Qwen2-MoE / Qwen3-MoE / Mixtral, hybrid Qwen3-Next / Qwen3.5 and vision-language Qwen3-VL / Qwen3.5 models. With --dp M: M such engines share the prompts.", rich_help_panel=opt.ENGINE)] = 1,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary table.")] = False,
@@ -82,11 +82,13 @@ def run_command(
                                 return_sampling_mask=sampling_mask)
         if env is not None:
             check_episode_sampling(params)
+        elif max_turns is not None:
+            raise RolloutError("--max-turns is for multi-turn episodes: give --env FILE too, or drop --max-turns")
     job_fields = dict(data=data, out=out, prompt_key=prompt_key, limit=limit, resume=resume,
                       continue_aborted=continue_aborted, skip_invalid=skip_invalid,
                       shard_rows=shard_rows, flush_seconds=flush_seconds, capture_routing=capture_routing)
     if env is not None:
-        job_fields.update(env=env, max_turns=max_turns)
+        job_fields.update(env=env, max_turns=DEFAULT_MAX_TURNS if max_turns is None else max_turns)
     if image_key is not None:  # only when given: a daemon from before --image-key still takes text runs
         job_fields.update(image_key=image_key)
     launch(job_fields, params, quiet)

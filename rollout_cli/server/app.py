@@ -25,6 +25,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.episodes import DEFAULT_MAX_TURNS
 from rollout_cli.errors import Conflict, RolloutError
 from rollout_cli.job import JobConfig
 from rollout_cli.server import http_errors
@@ -77,7 +78,7 @@ class GenerateRequest(_Body):
     capture_routing: bool = False
     env: Optional[str] = Field(None, max_length=PATH_CHARS,
                                description="rollout run --env: an environment file (absolute path), run on the engine.")
-    max_turns: int = 8
+    max_turns: int = DEFAULT_MAX_TURNS
 
 
 class UpdateWeightsRequest(_Body):

@@ -114,13 +114,13 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
     """Run the daemon until /shutdown, SIGINT or SIGTERM; return the exit code."""
     # heavy: uvicorn, fastapi and the engine (torch); `rollout status` and the clients import this module
     try:
-        import uvicorn
+        import uvicorn  # heavy: the web stack, loaded by the daemon alone
 
-        from rollout_cli.server.app import create_app
+        from rollout_cli.server.app import create_app  # heavy: fastapi
     except ModuleNotFoundError as err:  # an install that skipped rollout's dependencies (a bare device image)
         raise RolloutError(f"rollout serve needs the Python package {err.name!r}, which is not installed: "
                            f"pip install {err.name} (or reinstall rollout, which depends on it)") from err
-    from rollout_cli.server.worker import EngineWorker
+    from rollout_cli.server.worker import EngineWorker  # heavy: the engine (torch)
 
     _Server = _server_class()
 

@@ -120,6 +120,11 @@ def _cases(root: Path) -> dict[str, tuple[list[str], Path, tuple[str, ...]]]:
                                     words=("--logprobs-mode", "bogus", "processed", "raw")),
         "negative_n": case("negative_n", extra=("--n", "-3"), words=("--n", "at least 1")),
         "shard_rows_zero": case("shard_rows_zero", extra=("--shard-rows", "0"), words=("--shard-rows", "at least 1")),
+        # tuning flags of a feature left off are refused, not silently ignored
+        "max_turns_without_env": case("max_turns_without_env", extra=("--max-turns", "3"),
+                                      words=("--max-turns", "--env")),
+        "draft_tokens_without_speculative": case("draft_tokens_without_speculative", extra=("--num-draft-tokens", "3"),
+                                                 words=("--num-draft-tokens", "--speculative siblings or mtp")),
         "flush_seconds_negative": case("flush_seconds_negative", extra=("--flush-seconds", "-1"),
                                        words=("--flush-seconds", "-1", "0 or more")),
         "prompt_not_utf8": case("prompt_not_utf8", data / "bad_utf8.parquet",
@@ -192,7 +197,7 @@ BAD_CASES = [
     "model_without_config", "model_without_weights", "model_pickle_only", "unsupported_architecture",
     "unknown_dtype", "unknown_device", "bogus_logprobs_mode", "negative_n", "shard_rows_zero",
     "flush_seconds_negative", "prompt_not_utf8", "int_prompt", "long_chat_prompt", "out_uncreatable",
-    "max_model_len_past_positions",
+    "max_model_len_past_positions", "max_turns_without_env", "draft_tokens_without_speculative",
 ]
 
 

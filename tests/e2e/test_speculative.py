@@ -280,6 +280,10 @@ def test_refusals(example_model_dir):
         EngineConfig(model=example_model_dir, speculative="siblings", speculative_max_batch=0)
     with pytest.raises(RolloutError, match="--tp 1"):
         EngineConfig(model=example_model_dir, speculative="siblings", tensor_parallel_size=2)
+    for tuning in (dict(num_draft_tokens=3), dict(speculative_max_batch=8), dict(speculative_gate=False)):
+        with pytest.raises(RolloutError, match="tune speculative decoding: give --speculative siblings or mtp too"):
+            EngineConfig(model=example_model_dir, **tuning)  # without --speculative: refused, not ignored
+    assert EngineConfig(model=example_model_dir).num_draft_tokens is None
 
 
 def test_rollout_run_with_speculation_writes_the_same_rows_and_reports_acceptance(tmp_path):
