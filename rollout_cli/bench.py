@@ -285,8 +285,6 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig, flops_per_s
         encoder.clear()
         encoder.timed, encoder.seconds, encoder.grids = True, 0.0, []
     stats_before = dataclasses.replace(engine.scheduler.stats)
-    gate = engine.scheduler.draft_gate  # --speculative's gate: which decode steps it let draft
-    gate_before = (gate.drafting_steps, gate.plain_steps) if gate is not None else None
     engine.scheduler.stats.peak_running = 0  # the timed run's own peak
     engine.runner.traffic = type(engine.runner.traffic)()
     engine.runner.time_decode_steps = engine.device.type == "cuda"
@@ -350,8 +348,9 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig, flops_per_s
         **(vision_report(engine, seconds, flops_per_s) if workload.images else {}),
         **({"acceptance_length": 1 + (stats.accepted_draft_tokens - stats_before.accepted_draft_tokens) / verify_steps,
             "verify_steps": verify_steps} if (verify_steps := stats.verify_steps - stats_before.verify_steps) else {}),
-        **({"gate_drafting_steps": gate.drafting_steps - gate_before[0], "gate_plain_steps": gate.plain_steps - gate_before[1]}
-           if gate is not None else {}),
+        **({"gate_drafting_steps": stats.gate_drafting_steps - stats_before.gate_drafting_steps,
+            "gate_plain_steps": stats.gate_plain_steps - stats_before.gate_plain_steps}
+           if engine.scheduler.draft_gate is not None else {}),
     }
 
 

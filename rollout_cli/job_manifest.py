@@ -152,8 +152,11 @@ def job_summary(engine, progress: JobProgress, writer, finish_reasons, skipped: 
 def _speculation_summary(stats, before) -> dict:
     """With --speculative: the drafts verified this run and the tokens a verifying request gained a step."""
     steps = stats.verify_steps - before.verify_steps
-    if not steps:
+    gated = {name: getattr(stats, name) - getattr(before, name) for name in ("gate_drafting_steps", "gate_plain_steps")}
+    if not steps and not any(gated.values()):
         return {}
     accepted = stats.accepted_draft_tokens - before.accepted_draft_tokens
     return {"speculation": {"verify_steps": steps, "draft_tokens": stats.draft_tokens - before.draft_tokens,
-                            "accepted_draft_tokens": accepted, "acceptance_length": round(1 + accepted / steps, 3)}}
+                            "accepted_draft_tokens": accepted,
+                            "acceptance_length": round(1 + accepted / steps, 3) if steps else None,
+                            **(gated if any(gated.values()) else {})}}

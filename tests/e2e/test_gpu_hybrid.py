@@ -180,7 +180,7 @@ def test_mtp_drafts_on_the_gpu_change_no_token(tiny_hybrid_checkpoints, tmp_path
     params = SamplingParams(n=2, max_new_tokens=24, **GREEDY)
     runs = []
     for speculative in (None, "mtp"):
-        engine = _engine(model_dir, dtype="float32", speculative=speculative, speculative_gate=False,
+        engine = _engine(model_dir, dtype="float32", speculative=speculative, speculative_gate=not speculative,
                          num_draft_tokens=draft_tokens if speculative else None)
         runs.append(sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(prompts)], params),
                            key=lambda t: (t.prompt_index, t.sample_index)))

@@ -35,7 +35,8 @@ def mtp_checkpoints(tiny_hybrid_checkpoints, tmp_path_factory) -> dict[str, str]
 
 
 def _run(model: str, params: SamplingParams, **options):
-    options.setdefault("speculative_gate", False)  # every decode step drafts: the stats below count them
+    if options.get("speculative"):
+        options.setdefault("speculative_gate", False)  # every decode step drafts: the stats below count them
     engine = Engine(model, device="cpu", dtype="float32", max_model_len=128, kv_cache_tokens=2048, **options)
     results = sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], params),
                      key=lambda t: (t.prompt_index, t.sample_index))

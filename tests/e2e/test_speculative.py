@@ -27,7 +27,8 @@ PROMPTS = [[5, 17, 99, 3, 250, 31, 8, 9], [7, 7, 8, 100, 42, 11, 12, 200, 13], [
 
 
 def _run(model: str, params: SamplingParams, drafter=None, prompts=PROMPTS, **options):
-    options.setdefault("speculative_gate", False)  # every decode step drafts: tests count the drafts
+    if options.get("speculative"):
+        options.setdefault("speculative_gate", False)  # every decode step drafts: tests count the drafts
     engine = Engine(model, device="cpu", dtype="float32", max_model_len=256, kv_cache_tokens=4096, **options)
     if drafter is not None:
         engine.scheduler.enable_speculation(drafter, 5)
@@ -184,8 +185,8 @@ def test_the_speculation_gate_sees_every_decode_step_and_changes_no_token(exampl
     assert all(batch <= 2 and seconds > 0 for batch, _, _, seconds in reports)
     assert all(tokens <= batch for batch, drafted, tokens, _ in reports if not drafted)
     drafting = [(batch, tokens) for batch, drafted, tokens, _ in reports if drafted]
-    assert gate.drafting_steps == len(drafting) and gate.plain_steps == len(reports) - len(drafting)
-    stats = engine.scheduler.stats  # tokens reported by drafting steps: one per request plus the accepted drafts
+    stats = engine.scheduler.stats
+    assert stats.gate_drafting_steps == len(drafting) and stats.gate_plain_steps == len(reports) - len(drafting)  # tokens reported by drafting steps: one per request plus the accepted drafts
     assert sum(tokens - batch for batch, tokens in drafting) <= stats.accepted_draft_tokens
 
 
@@ -311,5 +312,6 @@ def test_rollout_run_with_speculation_writes_the_same_rows_and_reports_acceptanc
     assert [r["response_token_ids"] for r in tables[True]] == [r["response_token_ids"] for r in tables[False]]
     speculation = manifest["speculation"]
     assert speculation["acceptance_length"] > 1 and speculation["accepted_draft_tokens"] > 0
+    assert "gate_drafting_steps" not in speculation  # --speculative-always: no gate to report
     assert manifest["engine"]["speculative"] == {"method": "siblings", "num_draft_tokens": 3, "max_batch": 16,
                                                  "gate": False}

@@ -121,7 +121,7 @@ def test_mtp_drafts_on_the_triton_backend(tiny_hybrid_checkpoints, tmp_path):
     runs = {}
     for backend, speculative in (("torch", None), ("triton", "mtp")):
         engine = Engine(model, device="cpu", attention_backend=backend, max_model_len=64, speculative=speculative,
-                        num_draft_tokens=2 if speculative else None, speculative_gate=False)
+                        num_draft_tokens=2 if speculative else None, speculative_gate=not speculative)
         runs[backend] = sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(prompts)], params),
                                key=lambda t: (t.prompt_index, t.sample_index))
     assert engine.scheduler.stats.verify_steps > 0

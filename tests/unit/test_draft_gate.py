@@ -47,7 +47,6 @@ def test_the_loser_is_retried_less_often_while_it_keeps_losing():
     retries = [i for i, drafted in enumerate(choices) if drafted][2:]  # after the two measuring steps
     gaps = [b - a for a, b in zip(retries, retries[1:])]
     assert gaps[0] == 2 * FIRST_RETRY + 1 and gaps == sorted(gaps) and max(gaps) == LAST_RETRY + 1
-    assert gate.drafting_steps == len(retries) + 2 and gate.plain_steps == 4000 - gate.drafting_steps
 
 
 def test_a_retry_that_wins_turns_drafting_back_on():
@@ -67,4 +66,4 @@ def test_reports_without_time_or_batch_are_ignored():
     gate = DraftGate()
     gate.record(0, True, 0, 1.0)
     gate.record(8, True, 8, 0.0)
-    assert gate.drafting_steps == 0 and not gate.buckets.get(batch_bucket(8), None)
+    assert not gate.buckets

@@ -82,8 +82,6 @@ class DraftGate:
 
     def __init__(self):
         self.buckets: dict[int, BucketState] = {}
-        self.drafting_steps = 0  # decode steps reported, by kind: what `rollout bench` shows
-        self.plain_steps = 0
 
     def _bucket(self, batch: int) -> BucketState:
         return self.buckets.setdefault(batch_bucket(batch), BucketState())
@@ -105,10 +103,6 @@ class DraftGate:
         if batch < 1 or seconds <= 0:
             return
         state = self._bucket(batch)
-        if drafted:
-            self.drafting_steps += 1
-        else:
-            self.plain_steps += 1
         retrying = state.plain.measured and state.drafting.measured and state.steps_to_retry <= 0
         loser_before = not state.winner_drafts() if retrying else None
         (state.drafting if drafted else state.plain).add(seconds, tokens / batch, fresh=drafted == loser_before)

@@ -47,6 +47,9 @@ class SchedulerStats:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # with the speculation gate on (engine/scheduling/draft_gate.py): decode-only steps it let draft, and not
+    gate_drafting_steps: int = 0
+    gate_plain_steps: int = 0
 
     @property
     def acceptance_length(self) -> float | None:

@@ -54,6 +54,10 @@ class Speculation:
             return  # a prefill or scoring share: not a decode step's time
         live = sum(not e.ghost for e in out.entries)
         self.draft_gate.record(len(out.entries), out.drafting, live + accepted, seconds)
+        if out.drafting:
+            self.stats.gate_drafting_steps += 1
+        else:
+            self.stats.gate_plain_steps += 1
 
     def _schedule_decodes_with_drafts(self, out: ScheduleOutput) -> bool:
         """The steady state with speculation: every running request decodes its last token and the drafts
