@@ -17,7 +17,9 @@ the engine's rule, models/build.resolve_attention_backend):
   - triton (a GPU): the engine's batch-invariant kernels (matmul, attention, norms, the sampler's
     scoring kernel) give the values, bit for bit the engine's; Triton kernels have no backward, so
     a plain torch forward of the same sequence gives the gradient (straight through: values from
-    the kernels, d/dparams from torch). Gradients need not be bitwise anything.
+    the kernels, d/dparams from torch). Gradients need not be bitwise anything. A group's responses
+    run packed into one forward (up to PACKED_ROWS scored tokens): batch invariance is what lets
+    them share it and keep the bits each has alone.
 Dense and MoE models on both paths; hybrid (Gated DeltaNet) models on the Triton path (their
 torch path would need the engine's per-token recurrent states kept where autograd follows them).
 """
@@ -52,6 +54,12 @@ SIDE_FILES = ("config.json", "generation_config.json", *TOKENIZER_SIDE_FILES)
 SAFETENSORS_TO_TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
+# the most response tokens scored in one packed forward of a group: their logits [R, vocab] (float32 in the
+# gradient path, with its softmax) are the memory that grows with R (about 2.4 GB at 4,096 rows of a
+# 151,936-token vocabulary); a longer response runs alone, as every response did before packing
+PACKED_ROWS = 4096
+
+
 class SequenceKV:
     """The `attn` of a trainer's one-token forwards over one sequence: each layer keeps the k/v of the
     tokens so far (in the KV pool's dtype, as the engine stores them) and attends as the engine does."""
@@ -78,37 +86,59 @@ class SequenceKV:
         return other
 
 
+def _per_sequence(lengths: list[int] | None, fn, *tensors) -> torch.Tensor:
+    """fn over each sequence's rows of packed `tensors` (dim 0: the sequences' tokens one after another,
+    `lengths` of them; None: one sequence), the results concatenated in the same order."""
+    if lengths is None or len(lengths) == 1:
+        return fn(*tensors)
+    return torch.cat([fn(*parts) for parts in zip(*(t.split(lengths) for t in tensors))])
+
+
 class SequenceLinear:
-    """The `linear` of a hybrid model's differentiable forward over one whole sequence from position 0
+    """The `linear` of a hybrid model's differentiable forward over whole sequences from position 0
     (plain torch, zero initial states, nothing updated in place): the causal depthwise conv and the
-    chunked gated delta rule (the gradient path of the Triton kernels' forward)."""
+    chunked gated delta rule (the gradient path of the Triton kernels' forward). `lengths`: the token
+    counts of sequences packed one after another (None: one sequence)."""
+
+    def __init__(self, lengths: list[int] | None = None):
+        self.lengths = lengths
 
     def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor, bias, activation: str | None) -> torch.Tensor:
-        """x [T, C], weight [C, K] -> conv over the inputs, zeros before position 0, + activation [T, C]."""
+        """x [T, C], weight [C, K] -> conv over each sequence's inputs, zeros before its position 0,
+        + activation [T, C]."""
         width = weight.shape[1]
-        window = F.pad(x.t().to(weight.dtype)[None], (width - 1, 0))  # [1, C, K - 1 + T]
-        out = F.conv1d(window, weight[:, None, :], bias, groups=weight.shape[0])[0]  # [C, T]
-        return (F.silu(out) if activation else out).t().to(x.dtype)
+
+        def one(rows):
+            window = F.pad(rows.t().to(weight.dtype)[None], (width - 1, 0))  # [1, C, K - 1 + T]
+            out = F.conv1d(window, weight[:, None, :], bias, groups=weight.shape[0])[0]  # [C, T]
+            return (F.silu(out) if activation else out).t().to(x.dtype)
+
+        return _per_sequence(self.lengths, one, x)
 
     def delta_rule(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
-        """q/k [T, Hk, dk], v [T, Hv, dv], g/beta [T, Hv] -> o [T, Hv, dv], from a zero state."""
+        """q/k [T, Hk, dk], v [T, Hv, dv], g/beta [T, Hv] -> o [T, Hv, dv], each sequence from a zero state."""
         zero = torch.zeros(v.shape[1], q.shape[2], v.shape[2], dtype=torch.float32, device=q.device)
-        return chunk_gated_delta_rule_ref(q, k, v, g, beta, zero)[0]
+        return _per_sequence(self.lengths, lambda *x: chunk_gated_delta_rule_ref(*x, zero)[0], q, k, v, g, beta)
 
 
 class CausalSequenceAttention:
-    """The `attn` of a differentiable forward over one whole sequence in plain torch: T tokens attend
-    causally to their own keys (the gradient path of the Triton kernels' forward)."""
+    """The `attn` of a differentiable forward over whole sequences in plain torch: each sequence's tokens
+    attend causally to its own keys (the gradient path of the Triton kernels' forward). `lengths`: the
+    token counts of sequences packed one after another (None: one sequence)."""
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, lengths: list[int] | None = None):
         self.scale = scale
+        self.lengths = lengths
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]."""
-        attended = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
-            scale=self.scale, enable_gqa=True)  # [1, heads, T, d]
-        return attended[0].transpose(0, 1)
+        def one(q, k, v):
+            attended = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+                scale=self.scale, enable_gqa=True)  # [1, heads, T, d]
+            return attended[0].transpose(0, 1)
+
+        return _per_sequence(self.lengths, one, q, k, v)
 
 
 def _switch_kernels(model, on: bool) -> None:
@@ -186,7 +216,7 @@ class Policy:
         prompt = list(prompt_token_ids)
         settings = dict(temperature=temperature, raw=logprobs_mode == "raw", top_k=top_k, top_p=top_p, min_p=min_p)
         if self.kernels == "triton":
-            return [self._kernel_logprobs(prompt + list(response), len(prompt), settings) for response in responses]
+            return self._kernel_group_logprobs(prompt, [list(r) for r in responses], settings)
         prefix = SequenceKV(self.scale, self.dtype)
         for position, token in enumerate(prompt[:-1]):
             token_forward(self.model, token, position, prefix, self.device, logits=False)
@@ -212,51 +242,81 @@ class Policy:
                 full(settings["top_k"], torch.int64), full(settings["top_p"], torch.float32),
                 full(settings["min_p"], torch.float32))
 
-    def _kernel_logprobs(self, tokens: list[int], prompt_len: int, settings: dict) -> torch.Tensor:
-        """The response's logprobs [len(tokens) - prompt_len]: values from the engine's batch-invariant
-        kernels, gradient from a torch forward of the same sequence (straight through)."""
-        n = len(tokens) - 1  # the last token is only a target
-        ids = torch.tensor(tokens[:n], device=self.device)
-        positions = torch.arange(n, device=self.device)
-        rows = torch.arange(prompt_len - 1, n, device=self.device)  # the positions that predict the response
-        targets = torch.tensor(tokens[prompt_len:], device=self.device)
+    def _kernel_group_logprobs(self, prompt: list[int], responses: list[list[int]], settings: dict) -> list[torch.Tensor]:
+        """Each response's logprobs [len(response)], from packed forwards of the group's sequences (prompt +
+        response; the last token is only a target), at most PACKED_ROWS scored rows per pack (the logits'
+        memory): values from the engine's batch-invariant kernels (a row's bits do not depend on what is
+        packed beside it, so the same as one sequence at a time), gradient from a torch forward of the
+        same pack (straight through)."""
+        results: list[torch.Tensor | None] = [None] * len(responses)
+        pack: list[int] = []
+        for index in sorted(range(len(responses)), key=lambda i: len(responses[i])) + [None]:
+            full = index is None or (pack and sum(len(responses[i]) for i in pack) + len(responses[index]) > PACKED_ROWS)
+            if full and pack:
+                for i, values in zip(pack, self._packed_logprobs(prompt, [responses[i] for i in pack], settings)):
+                    results[i] = values
+                pack = []
+            if index is not None:
+                pack.append(index)
+        return results
+
+    def _packed_logprobs(self, prompt: list[int], responses: list[list[int]], settings: dict) -> list[torch.Tensor]:
+        sequences = [prompt + response for response in responses]
+        lengths = [len(s) - 1 for s in sequences]  # input tokens of each: its last token is only a target
+        offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+        device = self.device
+        ids = torch.tensor([t for s in sequences for t in s[:-1]], device=device)  # [T] packed
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+        # the packed rows that predict the responses [R], and their targets [R]
+        rows = torch.cat([start + torch.arange(len(prompt) - 1, n, device=device) for start, n in zip(offsets, lengths)])
+        targets = torch.tensor([t for s in sequences for t in s[len(prompt):]], device=device)
         row_settings = self._settings(len(targets), settings)  # temperature, raw, top_k, top_p, min_p
         with torch.no_grad():
-            exact = self._invariant_forward(ids, positions, rows)  # [R, V] logits, the engine's bits
+            exact = self._invariant_forward(ids, positions, rows, lengths)  # [R, V] logits, the engine's bits
             from rollout_kernels.sampling_score import score_tokens  # Triton: optional on the CPU
 
             temperature, raw, top_k, top_p, min_p = row_settings
             values = score_tokens(exact, targets, temperature, top_k, top_p, min_p, raw)
-        approx = self.torch_logprobs(ids, positions, rows, targets, row_settings)
+        approx = self.torch_logprobs(ids, positions, rows, targets, row_settings, lengths)
         # forward: the kernels' values (approx - approx.detach() is 0); backward: torch's gradient
-        return values + torch.where(approx.isfinite(), approx - approx.detach(), 0.0)
+        values = values + torch.where(approx.isfinite(), approx - approx.detach(), 0.0)
+        return list(values.split([len(response) for response in responses]))
 
-    def torch_logprobs(self, ids, positions, rows, targets, row_settings) -> torch.Tensor:
-        """The gradient path: a plain torch forward of the whole sequence (causal SDPA; hybrid models'
-        conv and chunked delta rule from zero states) -> the targets' logprobs [R], differentiable.
-        ids, positions [n]; rows [R] (the positions that predict `targets` [R]); row_settings as _settings."""
-        attn = CausalSequenceAttention(self.scale)
+    def torch_logprobs(self, ids, positions, rows, targets, row_settings, lengths: list[int] | None = None) -> torch.Tensor:
+        """The gradient path: a plain torch forward of whole sequences (causal SDPA; hybrid models' conv and
+        chunked delta rule from zero states) -> the targets' logprobs [R], differentiable. ids, positions
+        [n] (sequences of `lengths` tokens packed one after another; None: one); rows [R] (the positions
+        that predict `targets` [R]); row_settings as _settings."""
+        attn = CausalSequenceAttention(self.scale, lengths)
         if self.hybrid:
-            attn = HybridBatch(attn, SequenceLinear())
+            attn = HybridBatch(attn, SequenceLinear(lengths))
         hidden = self.model(ids, positions, attn)  # [n, hidden]
         logits = self.model.compute_logits(hidden[rows])  # [R, V] float32
         return token_logprobs_ref(logits, targets, *row_settings)
 
-    def _invariant_forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """One prefill of the sequence on the engine's batch-invariant kernels over a private KV pool
-        -> logits [len(rows), V] in the model dtype, as the engine hands them to its sampler."""
+    def _invariant_forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                           lengths: list[int]) -> torch.Tensor:
+        """One prefill of the packed sequences (`lengths` tokens each) on the engine's batch-invariant
+        kernels over a private KV pool -> logits [len(rows), V] in the model dtype, as the engine hands
+        them to its sampler."""
         from rollout_cli.engine.execution.triton_attention import InvariantAttentionBatch  # Triton: optional on the CPU
 
-        n = ids.shape[0]
+        total, device = ids.shape[0], self.device
         num_layers, num_kv_heads, head_dim = self.kv_shape
-        kv = KVCache(num_layers, n, num_kv_heads, head_dim, self.dtype, self.device)
-        req_to_token = torch.arange(n, dtype=torch.int32, device=self.device)[None]  # one row: slot = position
-        attn = InvariantAttentionBatch(kv, req_to_token, positions, self.scale, spans=[(0, 0, 0, n)])
-        if self.hybrid:  # a private state pool: slot 0 is the pool's padding slot, the sequence uses slot 1
-            pool = LinearStatePool(self.model.linear_state_shape, 2, self.device)
-            no_decodes = torch.zeros(0, dtype=torch.long, device=self.device)
-            attn = HybridBatch(attn, LinearBatch(pool, no_decodes, torch.ones(1, dtype=torch.long, device=self.device),
-                                                 [0, n], triton_kernels=True, invariant=True))
+        kv = KVCache(num_layers, total, num_kv_heads, head_dim, self.dtype, device)
+        offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+        # sequence i's position p sits in slot offsets[i] + p: one table row per sequence [S, longest]
+        req_to_token = torch.zeros(len(lengths), max(lengths), dtype=torch.int32, device=device)
+        for i, (start, n) in enumerate(zip(offsets, lengths)):
+            req_to_token[i, :n] = torch.arange(start, start + n, dtype=torch.int32, device=device)
+        spans = [(i, start, 0, n) for i, (start, n) in enumerate(zip(offsets, lengths))]
+        attn = InvariantAttentionBatch(kv, req_to_token, torch.arange(total, device=device), self.scale, spans=spans)
+        if self.hybrid:  # a private state pool: slot 0 is the pool's padding slot, sequence i uses slot i + 1
+            pool = LinearStatePool(self.model.linear_state_shape, len(lengths) + 1, device)
+            no_decodes = torch.zeros(0, dtype=torch.long, device=device)
+            slots = torch.arange(1, len(lengths) + 1, dtype=torch.long, device=device)
+            attn = HybridBatch(attn, LinearBatch(pool, no_decodes, slots, [*offsets, total], triton_kernels=True,
+                                                 invariant=True))
         _switch_kernels(self.model, True)
         try:
             hidden = self.model(ids, positions, attn)

@@ -63,9 +63,14 @@ def test_hybrid_trainer_logprobs_equal_the_triton_rollout(tiny_hybrid_checkpoint
     model_dir = tiny_hybrid_checkpoints["qwen3_next"]
     params = SamplingParams(n=2, max_new_tokens=5, temperature=1.0, seed=3)
     policy = Policy(model_dir, dtype="float32", kernels="triton")
-    for t in _rollout(model_dir, params):
+    trajectories = _rollout(model_dir, params)
+    for t in trajectories:
         got = policy.response_logprobs(t.prompt_token_ids, t.response_token_ids, params.temperature)
         assert got.tolist() == t.response_logprobs, (t.prompt_index, t.sample_index)
+    # a group's responses packed in one forward (each from its own state slot): the same bits
+    group = [t for t in trajectories if t.prompt_index == 1]
+    packed = policy.group_logprobs(PROMPTS[1], [t.response_token_ids for t in group], params.temperature)
+    assert [p.tolist() for p in packed] == [t.response_logprobs for t in group]
     # the gradient path's own values: the same model to float32 noise (a misaligned conv would not be)
     tokens = t.prompt_token_ids + t.response_token_ids
     n, start = len(tokens) - 1, len(t.prompt_token_ids) - 1
@@ -83,3 +88,19 @@ def test_hybrid_trainer_logprobs_equal_the_triton_rollout(tiny_hybrid_checkpoint
 def test_hybrid_models_need_the_triton_kernels(tiny_hybrid_checkpoints):
     with pytest.raises(RolloutError, match="hybrid"):
         Policy(tiny_hybrid_checkpoints["qwen3_next"], kernels="torch")
+
+
+def test_a_group_too_big_for_one_pack_is_split_and_keeps_its_bits(sampling_checkpoint, monkeypatch):
+    """Packs hold at most PACKED_ROWS scored rows (the logits' memory): a group split over several
+    packs (and a response longer than a pack, alone in its own) gives each response the same values, in
+    the order given, and a gradient to every one."""
+    import rollout_cli.training as training
+
+    policy = Policy(sampling_checkpoint, dtype="float32", kernels="triton")
+    responses = [[7, 8, 9, 10], [11], [12, 13, 14, 15, 16, 17, 18], [19, 20]]
+    whole = [v.tolist() for v in policy.group_logprobs(PROMPTS[0], responses)]
+    monkeypatch.setattr(training, "PACKED_ROWS", 5)
+    split = policy.group_logprobs(PROMPTS[0], responses)
+    assert [v.tolist() for v in split] == whole and [len(v) for v in split] == [4, 1, 7, 2]
+    torch.stack([v.sum() for v in split]).sum().backward()
+    assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in policy.model.parameters())
