@@ -15,10 +15,18 @@ any replica count.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
-from rollout_cli.errors import RolloutError
+from rollout_cli.errors import INTERRUPTED, RolloutError
+
+# Set by launch_replicas for the processes it starts: a replica's one-line error goes into this folder
+# (a file per rank, cli/errors.fail) and the launcher prints each distinct one once, instead of N
+# replicas printing the same bad row N times.
+REPLICA_ERRORS_ENV = "ROLLOUT_REPLICA_ERRORS"
 
 
 @dataclass(frozen=True)
@@ -115,17 +123,47 @@ def launch_replicas(count: int, run_args: list[str], what: str = "data-parallel 
     )
     # set after parsing: torchrun's parser would read `--n 4` of the run arguments as its own abbreviation
     args.training_script_args = [command, *run_args]
+    _quiet_launcher_logs()
+    errors = tempfile.mkdtemp(prefix="rollout-replica-errors-")
+    os.environ[REPLICA_ERRORS_ENV] = errors
     try:
         run(args)
     except SignalException as err:  # SIGINT / SIGTERM to the launcher: it passed the signal on to every process
+        if command == "run":
+            print(INTERRUPTED, file=sys.stderr)
         return 128 + int(err.sigval)
-    except Exception as err:  # torch's ChildFailedError: the failing replica printed its own error
+    except Exception as err:  # torch's ChildFailedError
         failures = getattr(err, "failures", None) or {}
-        codes = sorted({f.exitcode for f in failures.values()}) if failures else [1]
-        hint = " Finished rows are kept: fix the cause and run again with --resume" if command == "run" else ""
-        print(f"error: a {what} failed (exit {codes[0]}); its error is above.{hint}", file=sys.stderr)
-        return codes[0] if codes[0] > 0 else 1
+        # the failing replica's code, not a sibling's that the launcher stopped then (130, or -15: SIGTERM)
+        codes = sorted({f.exitcode for f in failures.values()})
+        codes = [c for c in codes if c > 0 and c != 130] or [c for c in codes if c > 0] or [1]
+        messages = replica_errors(errors)
+        for message in messages:  # the replicas' own one-line errors (a bad row: the same line from each)
+            print(f"error: {message}", file=sys.stderr)
+        if not messages:  # a crash: its traceback is above
+            hint = " Finished rows are kept: fix the cause and run again with --resume" if command == "run" else ""
+            print(f"error: a {what} failed (exit {codes[0]}); its error is above.{hint}", file=sys.stderr)
+        return codes[0]
+    finally:
+        os.environ.pop(REPLICA_ERRORS_ENV, None)
+        shutil.rmtree(errors, ignore_errors=True)
     return 0
+
+
+def replica_errors(folder: str) -> list[str]:
+    """The distinct one-line errors the replicas left in `folder`, in rank order."""
+    messages = [path.read_text() for path in sorted(Path(folder).glob("*.txt"), key=lambda p: int(p.stem))]
+    return list(dict.fromkeys(messages))
+
+
+def _quiet_launcher_logs() -> None:
+    """torchrun logs a failed replica's exit code as an ERROR line with a timestamp and a pid; the
+    launcher says it once in rollout's words instead (launch_replicas)."""
+    import logging
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def without_option(argv: list[str], name: str) -> list[str]:

@@ -15,6 +15,10 @@ class Conflict(RolloutError):
     """The request is valid but cannot run in the engine's current state (the daemon answers 409)."""
 
 
+# what an interrupted `rollout run` says (Ctrl-C, SIGTERM; once, from the launcher, under --dp / --tp)
+INTERRUPTED = "interrupted: finished trajectories are saved; re-run with --resume to complete the rest"
+
+
 class JobInterrupted(Exception):
     """Ends a job on request (the daemon's abort or shutdown) after its finished rows were written:
     the manifest says `interrupted`, and --resume completes the rest."""

@@ -72,6 +72,22 @@ def test_dp_needs_an_embedded_engine(tmp_path):
         "error: --dp starts embedded replicas: give --model (a daemon serves one engine)"]
 
 
+def test_a_bad_row_under_dp_is_one_line(tmp_path):
+    """Every replica finds the same bad row: the launcher prints it once (replicas hand their one-line
+    errors to it), with no launcher log line beside it, and exits 2 with nothing written."""
+    import pyarrow as pa
+
+    data = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"prompt": ["hello there", "", "hi"]}), data)
+    result = _run("--model", MODEL, "--data", data, "--out", tmp_path / "o", "--dp", "2", "--device", "cpu",
+                  "--max-new-tokens", "4", "--quiet")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: row 1 of {data}: empty prompt; fix or drop that row, or pass --skip-invalid to leave invalid "
+        "rows out"]
+    assert not (tmp_path / "o").exists()
+
+
 def test_deterministic_dp2_equals_dp1_bit_for_bit(tmp_path):
     """--deterministic: the union of two replicas' rows equals one replica's, logprobs included, bit for bit."""
     args = [*ARGS, "--deterministic", "--dtype", "bfloat16"]
