@@ -11,6 +11,10 @@ class RolloutError(Exception):
     """A user-facing error: `str(err)` is one line with the problem and the fix."""
 
 
+class EngineUnreachable(RolloutError):
+    """No daemon answers at the address (none started yet, or it went away): `rollout status --wait` waits on it."""
+
+
 class Conflict(RolloutError):
     """The request is valid but cannot run in the engine's current state (the daemon answers 409)."""
 

@@ -12,7 +12,7 @@ import typer
 
 from rollout_cli.cli import options as opt
 from rollout_cli.cli.errors import user_errors
-from rollout_cli.errors import RolloutError
+from rollout_cli.errors import EngineUnreachable, RolloutError
 from rollout_cli.models.hub import resolve_model
 from rollout_cli.server.address import is_tcp
 
@@ -171,9 +171,7 @@ def _wait_until_serving(engine, token_file, seconds: float) -> dict:
             if info.get("state") != "loading":
                 return info
             last = "it was still loading"
-        except RolloutError as err:
-            if not str(err).startswith("no engine at"):
-                raise  # a wrong token, another server at the address: waiting would not help
+        except EngineUnreachable as err:  # not a wrong token or another server there: waiting would not help those
             last = str(err)
         left = deadline - time.monotonic()
         if left <= 0:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import httpx
 
-from rollout_cli.errors import RolloutError
+from rollout_cli.errors import EngineUnreachable, RolloutError
 from rollout_cli.server.address import ENV_ENGINE, default_socket_path, is_tcp
 from rollout_cli.server.daemon import read_token
 
@@ -41,7 +41,7 @@ class EngineClient:
             if token_file is not None:
                 raise RolloutError("--token-file is for an http://HOST:PORT engine; a socket path needs none")
             if not os.path.exists(address):
-                raise RolloutError(f"no engine at {address}; {START_HINT}")
+                raise EngineUnreachable(f"no engine at {address}; {START_HINT}")
             # plain HTTP over the socket: verify=False skips loading a CA bundle no TLS uses (~35 ms)
             transport, base_url = httpx.HTTPTransport(uds=address, verify=False), "http://rollout"
         self._http = httpx.Client(transport=transport, base_url=base_url, headers=headers,
@@ -102,11 +102,11 @@ class EngineClient:
             try:
                 return self._http.send(request, stream=True)
             except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError) as err:
-                raise RolloutError(f"no engine at {self.address}; {START_HINT}") from err
+                raise EngineUnreachable(f"no engine at {self.address}; {START_HINT}") from err
             except _CLOSED_UNANSWERED as err:
                 if attempt == 1 and not opened:
                     continue
-                raise RolloutError(f"no engine at {self.address} (the connection closed before an answer: "
+                raise EngineUnreachable(f"no engine at {self.address} (the connection closed before an answer: "
                                    f"{type(err).__name__}); {START_HINT}") from err
         raise AssertionError("unreachable")
 
