@@ -26,6 +26,7 @@ torch path would need the engine's per-token recurrent states kept where autogra
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 
@@ -248,22 +249,23 @@ class Policy:
         memory): values from the engine's batch-invariant kernels (a row's bits do not depend on what is
         packed beside it, so the same as one sequence at a time), gradient from a torch forward of the
         same pack (straight through)."""
+        packs, rows = [[]], 0  # response indices, shortest first; `rows`: the last pack's scored tokens
+        for i in sorted(range(len(responses)), key=lambda i: len(responses[i])):
+            if packs[-1] and rows + len(responses[i]) > PACKED_ROWS:
+                packs.append([])
+                rows = 0
+            packs[-1].append(i)
+            rows += len(responses[i])
         results: list[torch.Tensor | None] = [None] * len(responses)
-        pack: list[int] = []
-        for index in sorted(range(len(responses)), key=lambda i: len(responses[i])) + [None]:
-            full = index is None or (pack and sum(len(responses[i]) for i in pack) + len(responses[index]) > PACKED_ROWS)
-            if full and pack:
-                for i, values in zip(pack, self._packed_logprobs(prompt, [responses[i] for i in pack], settings)):
-                    results[i] = values
-                pack = []
-            if index is not None:
-                pack.append(index)
+        for pack in packs:
+            for i, values in zip(pack, self._packed_logprobs(prompt, [responses[i] for i in pack], settings)):
+                results[i] = values
         return results
 
     def _packed_logprobs(self, prompt: list[int], responses: list[list[int]], settings: dict) -> list[torch.Tensor]:
         sequences = [prompt + response for response in responses]
         lengths = [len(s) - 1 for s in sequences]  # input tokens of each: its last token is only a target
-        offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+        offsets = [0, *itertools.accumulate(lengths)][:-1]  # where each sequence starts in the pack
         device = self.device
         ids = torch.tensor([t for s in sequences for t in s[:-1]], device=device)  # [T] packed
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
@@ -272,7 +274,7 @@ class Policy:
         targets = torch.tensor([t for s in sequences for t in s[len(prompt):]], device=device)
         row_settings = self._settings(len(targets), settings)  # temperature, raw, top_k, top_p, min_p
         with torch.no_grad():
-            exact = self._invariant_forward(ids, positions, rows, lengths)  # [R, V] logits, the engine's bits
+            exact = self._invariant_forward(ids, positions, rows, lengths, offsets)  # [R, V] logits, the engine's bits
             from rollout_kernels.sampling_score import score_tokens  # Triton: optional on the CPU
 
             temperature, raw, top_k, top_p, min_p = row_settings
@@ -295,16 +297,15 @@ class Policy:
         return token_logprobs_ref(logits, targets, *row_settings)
 
     def _invariant_forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                           lengths: list[int]) -> torch.Tensor:
-        """One prefill of the packed sequences (`lengths` tokens each) on the engine's batch-invariant
-        kernels over a private KV pool -> logits [len(rows), V] in the model dtype, as the engine hands
-        them to its sampler."""
+                           lengths: list[int], offsets: list[int]) -> torch.Tensor:
+        """One prefill of the packed sequences (`lengths` tokens each, starting at `offsets`) on the engine's
+        batch-invariant kernels over a private KV pool -> logits [len(rows), V] in the model dtype, as the
+        engine hands them to its sampler."""
         from rollout_cli.engine.execution.triton_attention import InvariantAttentionBatch  # Triton: optional on the CPU
 
         total, device = ids.shape[0], self.device
         num_layers, num_kv_heads, head_dim = self.kv_shape
         kv = KVCache(num_layers, total, num_kv_heads, head_dim, self.dtype, device)
-        offsets = [sum(lengths[:i]) for i in range(len(lengths))]
         # sequence i's position p sits in slot offsets[i] + p: one table row per sequence [S, longest]
         req_to_token = torch.zeros(len(lengths), max(lengths), dtype=torch.int32, device=device)
         for i, (start, n) in enumerate(zip(offsets, lengths)):
