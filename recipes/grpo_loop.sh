@@ -87,7 +87,8 @@ for iteration in $(seq 1 "$ITERATIONS"); do
     train_json=$($PYTHON "$HERE/train_grpo.py" --trajectories "$traj" --model "$checkpoint" \
         --out "$WORKDIR/ckpt_$iteration" --reward "$REWARD" --temperature "$TEMPERATURE" --lr "$LR" \
         --steps "$TRAIN_STEPS" --seed "$iteration" --device "$DEVICE" --dtype "$DTYPE" "${on_policy_args[@]}" \
-        2>/dev/null | tail -1)
+        2>"$WORKDIR/train_$iteration.log" | tail -1) \
+        || { echo "error: the trainer failed; see $WORKDIR/train_$iteration.log:" >&2; tail -5 "$WORKDIR/train_$iteration.log" >&2; exit 1; }
     t2=$(now)
     $ROLLOUT resume-memory --engine "$SOCKET" >/dev/null
     t_resumed=$(now)

@@ -150,7 +150,7 @@ for kv in (None, torch.float8_e4m3fn):
                && WORKDIR=/tmp/grpo06 MODEL=/tmp/q06_recipe DETERMINISTIC=1 ITERATIONS=2 GROUP_SIZE=8 LIMIT=16 \
                MAX_NEW_TOKENS=128 TRAIN_STEPS=2 ROLLOUT="python3 -m rollout_cli.cli.main" PYTHON=python3 \
                timeout 400 bash recipes/grpo_loop.sh 2>&1 | tee "$OUT/recipe06.log" | tail -4
-           grep -q "^error" "$OUT/recipe06.log" && tail -25 /tmp/grpo06/serve.log ;;
+           grep -q "^error: rollout serve" "$OUT/recipe06.log" && tail -25 /tmp/grpo06/serve.log ;;
     specmodels) S=/tmp/spec  # issue 22's targets: train the pair (2 min each), then bench on held-out code
                timeout 330 python3 scripts/train_speculation_models.py --out $S --minutes 2 2>&1 | tee "$OUT/train_spec.log" \
                | grep -E "step .*000 |wrote|tokens"
