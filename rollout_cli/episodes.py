@@ -33,6 +33,7 @@ from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduling.request_maker import token_id_problem
 from rollout_cli.engine.scheduling.sessions import Sessions
 from rollout_cli.engine.trajectory import NO_PROMPT_YET, PartialSample, PromptInput, Trajectory
+from rollout_cli.episode_room import EpisodeRoom
 from rollout_cli.errors import RolloutError
 
 # Episodes keep their pins for as long as they run; the retention time only matters to the daemon.
@@ -203,16 +204,16 @@ class EpisodeRunner:
         self.max_turns = max_turns
         self.sessions = Sessions(EPISODE_RETENTION_SECONDS)
         self.sessions.fit_pool(engine.num_kv_slots)
-        self.turns = 0
-        self.turn_prompt_tokens = 0
-        self.turn_cached_tokens = 0
+        # episodes start while their projected KV fits the pool
+        self.room = EpisodeRoom(engine.num_kv_slots, max_turns, engine.requests.max_model_len)
+        self.turns = self.turn_prompt_tokens = self.turn_cached_tokens = 0
 
     def summary(self) -> dict:
         """What the manifest records of the episodes' turns: how much each turn's prompt came from the cache."""
         return {"turns": self.turns, "turn_prompt_tokens": self.turn_prompt_tokens,
                 "turn_cached_tokens": self.turn_cached_tokens,
                 "prefix_hit_rate": round(self.turn_cached_tokens / self.turn_prompt_tokens, 4)
-                if self.turn_prompt_tokens else 0.0}
+                if self.turn_prompt_tokens else 0.0, **self.room.summary()}
 
     def stream(self, prompts: Iterable[PromptInput | PartialSample], params: SamplingParams,
                skip=frozenset(), on_step=None) -> Iterator[Trajectory]:
@@ -221,22 +222,23 @@ class EpisodeRunner:
         active: dict[tuple[int, int], Episode] = {}
         finished: deque[Trajectory] = deque()
         limit = 2 * self.engine.config.max_running  # episodes started ahead of the engine's room
-        exhausted = False
+        exhausted, pending = False, None  # pending: the next row, read but waiting for room
 
         def source():
-            nonlocal exhausted
+            nonlocal exhausted, pending
             while True:
                 if ready:
                     yield ready.popleft()
-                elif not exhausted and len(active) < limit:
-                    row = next(rows, None)
-                    if row is None:
-                        exhausted = True
-                    else:
-                        ready.extend(self._start(row, params, skip, active))
+                    continue
+                if pending is None and not exhausted and len(active) < limit:
+                    pending = next(rows, None)
+                    exhausted = pending is None
+                if pending is not None and len(active) < limit and self.room.fits_row(pending, params):
+                    ready.extend(self._start(pending, params, skip, active))
+                    pending = None
                 elif active:
                     yield NO_PROMPT_YET  # turns in flight: their episodes go on once they finish
-                else:
+                elif pending is None:
                     return
 
         try:
@@ -245,6 +247,7 @@ class EpisodeRunner:
                 follow_up = self._after_turn(episode, turn)
                 if follow_up is None:
                     del active[episode.key]
+                    self.room.closed(episode.key, len(episode.model_turns))
                     self.sessions.close(self.engine.scheduler, episode.session_id)
                     finished.append(self._trajectory(episode, turn))
                 else:
@@ -274,6 +277,7 @@ class EpisodeRunner:
             episode = Episode(row.prompt_index, sample, list(row.prompt_token_ids), env, row.passthrough, turn_params,
                               images=tuple(row.images))
             active[episode.key] = episode
+            self.room.opened(episode.key, len(row.prompt_token_ids) / params.n, params.max_new_tokens)  # shared
             started = True
         return [dataclasses.replace(row, params=params, conversation=0)] if started else []
 
@@ -306,6 +310,8 @@ class EpisodeRunner:
                                    "depend only on the model's turns (drop --continue-aborted to keep the row)")
             episode.reward += reward
         active[episode.key] = episode
+        self.room.opened(episode.key, len(episode.prompt_token_ids) + last, episode.params.max_new_tokens,
+                         len(turns) - 1)
         previous = len(row.prompt_token_ids) + turns[-2][0] if len(turns) > 1 else 0
         return PartialSample(row.prompt_index, row.sample_index, episode.prompt_token_ids + episode.response,
                              response[last:], list(row.response_logprobs[last:]), list(row.response_weight_versions[last:]),
@@ -354,6 +360,7 @@ class EpisodeRunner:
         episode.logprobs += [0.0] * len(observation)
         episode.loss_mask += [0] * len(observation)
         episode.versions += [turn.weight_version] * len(observation)
+        self.room.continued(episode.key, len(ids) + len(observation))
         return episode.next_turn(len(turn.prompt_token_ids))
 
     def _observation_ids(self, observation) -> list[int]:

@@ -103,6 +103,8 @@ def merge_summaries(summaries: list[dict]) -> dict:
                     for key in ("turns", "turn_prompt_tokens", "turn_cached_tokens")}
         tokens = episodes["turn_prompt_tokens"]
         episodes["prefix_hit_rate"] = round(episodes["turn_cached_tokens"] / tokens, 4) if tokens else 0.0
+        episodes["episode_rows_held_for_kv"] = sum(s["episodes"]["episode_rows_held_for_kv"] for s in summaries)
+        episodes["peak_open_episodes"] = max(s["episodes"]["peak_open_episodes"] for s in summaries)  # one replica's
         merged["episodes"] = episodes
     return merged
 

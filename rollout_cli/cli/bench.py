@@ -297,6 +297,8 @@ def _table(report: dict) -> Table:
         table.add_row("later turns: prefilled / new", f"{e['later_turn_prefill_tokens_mean']:.1f} / "
                       f"{e['later_turn_new_tokens_mean']:.1f} tokens per turn "
                       f"({e['later_turns_prefilling_only_new_tokens']:.0%} prefilled only new tokens)")
+        table.add_row("episodes open at once", f"{e['peak_open_episodes']:,} at most ({e['episode_rows_held_for_kv']:,} "
+                      "prompt rows waited for KV room)")
     if r["prefill_steps"]:
         table.add_row("prefill steps", f"{r['prefill_steps']} x {r['prefill_step_ms']:.1f} ms")
     if r["decode_gpu_idle_share"] is not None:

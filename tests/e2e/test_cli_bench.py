@@ -89,6 +89,25 @@ def test_turns_run_episodes_whose_later_turns_prefill_only_new_tokens(tmp_path):
     assert "later turns: prefilled / new" in result.stdout
 
 
+def test_episodes_start_only_while_their_kv_fits_so_later_turns_never_re_prefill(tmp_path):
+    """16 six-turn episodes of 64 + 6 x (16 + 8) tokens (3,328 in all) on a 2,000-token KV pool: started all
+    at once they outgrew the pool and later turns re-prefilled their conversations (a 32.8% hit rate, 87
+    tokens prefilled per later turn for 9 new); now rows wait for room and every turn reads its whole
+    conversation from the cache."""
+    report_path = tmp_path / "bench.json"
+    result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 16, "--input-len", 64, "--output-len", 16,
+                    "--turns", 6, "--observation-len", 8, "--kv-cache-tokens", 2000, "--max-model-len", 512,
+                    "--json", report_path)
+    assert result.returncode == 0, result.stderr
+    episodes = json.loads(report_path.read_text())["rollout"]["episodes"]
+    assert episodes["turns"] == 16 * 6
+    assert episodes["later_turns_prefilling_only_new_tokens"] == 1.0
+    # only each first prompt and each later turn's 8 observation tokens + the last response token are computed
+    assert episodes["turn_prompt_tokens"] - episodes["turn_cached_tokens"] == 16 * 64 + 16 * 5 * 9
+    assert episodes["peak_open_episodes"] < 16 and episodes["episode_rows_held_for_kv"] > 0
+    assert "episodes open at once" in result.stdout
+
+
 def test_carry_over_compares_waiting_with_carrying_the_tail(tmp_path):
     """--long-tail and --carry-over: rounds of a long-tailed workload, waited out, then carried over
     at 75%; waiting generates every token of every round, carrying no more than that."""

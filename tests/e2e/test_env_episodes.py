@@ -98,6 +98,7 @@ def test_episode_rows_hold_the_conversation_its_mask_and_its_turns(episodes):
     assert manifest["status"] == "complete" and stats["turns"] == turns
     assert stats["turn_cached_tokens"] == sum(sum(r["turn_cached_tokens"]) for r in rows)
     assert stats["prefix_hit_rate"] > 0.5
+    assert stats["peak_open_episodes"] == len(rows) and stats["episode_rows_held_for_kv"] == 0  # a roomy pool
     assert manifest["env"]["max_turns"] == MAX_TURNS
 
 
@@ -273,6 +274,7 @@ def test_parallel_engines_run_the_same_episodes(parallel, episodes, prompts, tmp
         assert a["response_logprobs"] == pytest.approx(b["response_logprobs"], abs=1e-5)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["episodes"]["turns"] == json.loads((episodes / "manifest.json").read_text())["episodes"]["turns"]
+    assert manifest["episodes"]["episode_rows_held_for_kv"] == 0
     assert (manifest["data_parallel"] if parallel[0] == "--dp" else manifest["engine"]["tensor_parallel"]) == 2
 
 
