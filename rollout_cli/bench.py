@@ -327,6 +327,7 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig, flops_per_s
         "prefix_hit_rate": (stats.cached_prompt_tokens - stats_before.cached_prompt_tokens) / max(prompt_tokens, 1),
         "preemptions": stats.preemptions - stats_before.preemptions,
         "recomputed_tokens": stats.recomputed_tokens - stats_before.recomputed_tokens,
+        "admission_held_steps": stats.admission_held_steps - stats_before.admission_held_steps,
         "peak_running": stats.peak_running,
         "last_10pct_seconds": seconds - ninety,
         "kv_cache_tokens": engine.kv.num_slots - 1,  # slot 0 is padding

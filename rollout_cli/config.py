@@ -62,6 +62,11 @@ class EngineConfig:
     overlap_schedule: bool = True
     """Schedule and launch the next decode step while the current one runs on the GPU (the host's
     per-step work hides behind the device's); off: schedule, run, post-process one step at a time."""
+    admission_pacing: bool = True
+    """While decode steps replay CUDA graphs: waiting requests join once the seats left empty have forgone
+    as much work as the eager step that admits them costs (engine/scheduling/admission_pacing.py), not one
+    eager step per freed seat. Off: admit at every step that has room. Which step a request starts at
+    changes, not its tokens in exact arithmetic (nor in bf16 in the on-policy mode)."""
     deterministic: bool = False
     """On-policy mode: a sample's tokens, logprobs and routing are bit for bit the same whatever runs
     beside it (batch, chunking, prefix-cache hits). Today on the torch path, one token per forward."""

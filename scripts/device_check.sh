@@ -22,7 +22,8 @@
 # --quantization fp8 on the b8 / moe30 workloads), tail06 / turns06 (issue 21's targets: the GRPO workload
 # long-tailed with carry-over, 256 ten-turn episodes), fp8kvtests (FP8 KV cache kernels' GPU tests, decode
 # attention over an e4m3 pool against bf16), reason8 / reason06 (issue 25's long-output workload: 1024 in,
-# U[1024, 16384] out; preemptions, recomputed tokens, peak batch, the last 10%'s time), controlfp8 (control, FP8 weights: reloads re-quantize), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
+# U[1024, 16384] out; preemptions, recomputed tokens, peak batch, the last 10%'s time), pace (admission pacing against
+# --no-admission-pacing, ABBA, on 1,024 mixed-length requests through 256 seats: finishes staggered), controlfp8 (control, FP8 weights: reloads re-quantize), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
 # modes, HF bf16 teacher forcing), fidelitymoe / fidelitynext (the same table on 4 layers of the 30B-A3B / Qwen3-Next
 # shapes, dummy weights, no HF; fidelitynext32: the Next slice in float32), recipe06 (recipes/grpo_loop.sh --deterministic on a random Qwen3-0.6B-shaped
 # checkpoint, engine and trainer on the GPU in bf16: logprob_mismatch must be 0.0), tunebi06 / tunebi8 (tune the batch-invariant matmul for the 0.6B / 8B
@@ -137,6 +138,11 @@ for kv in (None, torch.float8_e4m3fn):
            grep -E "preemptions|peak running|fraction of" "$OUT/${part}_long.log" ;;
     tail06) bench b06_grpo_tail 300 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024 \
                --long-tail 0.1 --carry-over 3 ;;
+    pace) for run in 1_paced 2_unpaced 3_unpaced 4_paced; do  # admission pacing, ABBA: 1,024 mixed requests, 256 seats
+              flag=; [ "${run#*_}" = unpaced ] && flag=--no-admission-pacing
+              bench b06_mixed1024_$run 200 --model $Q06 --num-prompts 1024 --input-len-range 100 1024 \
+                  --output-len-range 100 1024 --temperature 0.6 $flag
+          done ;;
     turns06) bench b06_turns 300 --model $Q06 --num-prompts 256 --input-len 512 --output-len 256 --turns 10 \
                --observation-len 32 ;;
     fidelity) timeout 500 python3 scripts/fidelity_check.py --model $Q06 --random-weights /tmp/q06_random \

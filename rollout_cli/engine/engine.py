@@ -128,7 +128,7 @@ class Engine:
         self.runner = runner_class(self.model, self.kv, cfg.max_running, self.max_model_len, self.device,
                                   self.attention_backend, self.linear_states, deterministic=cfg.deterministic)
         self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache,
-                                   linear_state_slots=state_slots)
+                                   linear_state_slots=state_slots, admission_pacing=cfg.admission_pacing)
         self.set_speculation(cfg.speculative is not None)
         self.cuda_graph_capture_seconds = None
         # MoE models too (the fused MoE kernels read no tensor on the host), and hybrid models (their

@@ -118,6 +118,7 @@ class StepLoop:
         wall = now - max(handle.launch_time, self.last_step_done)  # the step's share of wall time
         self.last_step_done = now
         scheduler.report_decode_step(handle.out, scheduler.stats.accepted_draft_tokens - accepted_before, wall)
+        scheduler.report_step(handle.out, handle.graph_step)
         traffic = engine.runner.traffic
         if handle.timing is not None:
             traffic.wall_seconds += wall

@@ -91,7 +91,8 @@ def check_accounting(s: Scheduler, in_flight=None) -> None:
         assert s.cache.evictable_size >= 0 and s.cache.protected_size >= 0
 
 
-def drive(s: Scheduler, runner: FakeRunner | None = None, max_steps: int = 10_000) -> list[Request]:
+def drive(s: Scheduler, runner: FakeRunner | None = None, max_steps: int = 10_000, on_step=None) -> list[Request]:
+    """Schedule, run, post-process until every request is done; on_step(out) after each post-process."""
     runner = runner or FakeRunner(s.max_running)
     finished = []
     for _ in range(max_steps):
@@ -104,6 +105,8 @@ def drive(s: Scheduler, runner: FakeRunner | None = None, max_steps: int = 10_00
         tokens, logprobs = runner.run(out)
         finished += s.postprocess(out, tokens, logprobs)
         check_accounting(s)
+        if on_step is not None:
+            on_step(out)
     else:
         raise AssertionError("scheduler did not finish")
     # nothing leaks once every request is done
@@ -115,10 +118,10 @@ def drive(s: Scheduler, runner: FakeRunner | None = None, max_steps: int = 10_00
     return finished
 
 
-def drive_overlapped(s: Scheduler, runner: FakeRunner | None = None, max_steps: int = 10_000):
+def drive_overlapped(s: Scheduler, runner: FakeRunner | None = None, max_steps: int = 10_000, on_step=None):
     """drive() as the engine runs with overlap: while a step is "in flight", the next one is scheduled
     ahead of its results (schedule_ahead), then the step is post-processed and the next committed.
-    Returns (finished requests, number of steps scheduled ahead)."""
+    Returns (finished requests, number of steps scheduled ahead); on_step(out) after each post-process."""
     runner = runner or FakeRunner(s.max_running)
     finished, ahead_steps = [], 0
     inflight = None  # (out, tokens, logprobs)
@@ -128,6 +131,8 @@ def drive_overlapped(s: Scheduler, runner: FakeRunner | None = None, max_steps: 
             ahead_steps += 1
             result = runner.run(ahead, prev_tokens=inflight[1])
             finished += s.postprocess(*inflight)
+            if on_step is not None:
+                on_step(inflight[0])
             s.commit_ahead(ahead)
             check_accounting(s, in_flight=ahead)
             inflight = (ahead, *result)
@@ -135,6 +140,8 @@ def drive_overlapped(s: Scheduler, runner: FakeRunner | None = None, max_steps: 
         if inflight is not None:
             finished += s.postprocess(*inflight)
             check_accounting(s)
+            if on_step is not None:
+                on_step(inflight[0])
             inflight = None
         if not s.has_work():
             break

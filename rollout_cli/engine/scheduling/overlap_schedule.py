@@ -40,7 +40,8 @@ class OverlapScheduling:
         continuing = [(row, r) for row, r in live if not r.finishes_by_length_after_next_token()]
         if not continuing or self.allocator.num_free < len(continuing):
             return None
-        if self.waiting and (len(continuing) < len(live) or len(self.running) < self.max_running):
+        if self.waiting and (len(continuing) < len(live) or len(self.running) < self.max_running) \
+                and not self.holds_admission(len(continuing), ahead=True):
             return None  # a finishing request frees room (or there is room): admit through schedule()
         slots = self.allocator.allocate(len(continuing))
         out = ScheduleOutput()

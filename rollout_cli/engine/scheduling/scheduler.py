@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from itertools import repeat
 
 from rollout_cli.engine.scheduling.kv_slots import SlotAllocator
+from rollout_cli.engine.scheduling.admission_pacing import AdmissionPacing
 from rollout_cli.engine.scheduling.overlap_schedule import OverlapScheduling
 from rollout_cli.engine.scheduling.prefix_reuse import PrefixReuse
 from rollout_cli.engine.scheduling.radix_cache import RadixCache
@@ -50,6 +51,8 @@ class SchedulerStats:
     # with the speculation gate on (engine/scheduling/draft_gate.py): decode-only steps it let draft, and not
     gate_drafting_steps: int = 0
     gate_plain_steps: int = 0
+    # decode steps that left waiting requests out though seats were free (engine/scheduling/admission_pacing.py)
+    admission_held_steps: int = 0
 
     @property
     def acceptance_length(self) -> float | None:
@@ -73,6 +76,7 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
         max_batch_tokens: int,
         enable_prefix_cache: bool = True,
         linear_state_slots: int | None = None,
+        admission_pacing: bool = True,
     ):
         """linear_state_slots: size of a hybrid model's state pool (slot 0 included); None otherwise."""
         self.allocator = SlotAllocator(num_kv_slots)
@@ -88,6 +92,7 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
         self._free_rows = list(range(max_running - 1, -1, -1))
         self.stats = SchedulerStats()
         self.cache_epoch = 0  # bumped by every flush: pins taken before it hold nothing
+        self.pacing = AdmissionPacing(admission_pacing)  # when waiting requests join graph-replayed decodes
 
     # ---- queue -------------------------------------------------------------
 
@@ -128,6 +133,8 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
         budget = self.max_batch_tokens
         if self._schedule_all_decodes(out):
             budget -= out.num_tokens  # drafts included
+            if self.holds_admission(len(self.running)):
+                return out  # graph-replayed decodes go on; the waiting join a few steps later, together
             self._admit(out, budget)
             return out
         scheduled: set[int] = set()
@@ -147,6 +154,22 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
         if self.stats.preemptions == preemptions_before:  # else the victim, now first in line, is re-admitted at once
             self._admit(out, budget)
         return out
+
+    def holds_admission(self, running: int, ahead: bool = False) -> bool:
+        """Whether the next decode-only step (of `running` requests) leaves the waiting requests out though a
+        seat is free: until the empty seats have cost as much as the eager step that admits them. `ahead`:
+        planned before the step in flight is reported (its empty seats counted as its report will)."""
+        empty = min(self.max_running - running, len(self.waiting)) if ahead and self.admit_new else 0
+        if not self.waiting or running >= self.max_running or self.pacing.due(running, empty):
+            return False
+        self.stats.admission_held_steps += 1
+        return True
+
+    def report_step(self, out: ScheduleOutput, graph_step: bool) -> None:
+        """The step loop's report of a post-processed step (whether it replayed a CUDA graph)."""
+        decode_only = all(e.start >= e.request.num_prompt_tokens for e in out.entries)
+        empty = min(self.max_running - len(self.running), len(self.waiting)) if self.admit_new else 0
+        self.pacing.step_done(decode_only, graph_step, len(self.running), empty)
 
     def _schedule_all_decodes(self, out: ScheduleOutput) -> bool:
         """Fast path of the steady state: every running request decodes one token and
@@ -221,6 +244,7 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
                     self.linear.fork(snapshot, request.state_slot)
             self.running.append(request)
             out.entries.append(self._entry(request, count, slots))
+            self.pacing.admitted()
             budget -= count
 
     def _entry(self, request: Request, count: int, new_slots: list[int]) -> BatchEntry:
