@@ -9,7 +9,7 @@ import pytest
 from rollout_cli.engine.scheduling.admission_pacing import EAGER_STEP_COST, MAX_WAIT_STEPS, AdmissionPacing
 from rollout_cli.engine.scheduling.scheduler import Scheduler
 
-from scheduler_oracle import drive, drive_overlapped, expected_output, make_request, random_workload
+from scheduler_oracle import FakeRunner, drive, drive_overlapped, expected_output, make_request, random_workload
 
 
 def test_nothing_is_held_while_decode_steps_run_eagerly():
@@ -121,3 +121,30 @@ def test_random_workloads_with_paced_admission(seed, overlap):
     assert len(finished) == len(requests)
     for r in requests:
         assert r.output_token_ids == expected_output(r, eos, max_model_len)
+
+
+def test_a_preempted_request_comes_back_while_admission_is_closed():
+    """Under the daemon's pause finish nothing new starts, but a preempted request still returns while the
+    others decode on replayed graphs: its empty seat counts, so it waits at most MAX_WAIT_STEPS steps."""
+    s = Scheduler(num_kv_slots=400, max_running=4, max_batch_tokens=64)
+    requests = [make_request(i, [1 + i, 2, 3], max_new_tokens=80) for i in range(3)]
+    for r in requests:
+        s.add(r)
+    runner = FakeRunner(4)
+
+    def step():
+        out = s.schedule()
+        s.postprocess(out, *runner.run(out))
+        s.report_step(out, graph_step=all(e.start >= e.request.num_prompt_tokens for e in out.entries))
+
+    step()
+    step()
+    s.admit_new = False
+    s.add(make_request(9, [7, 8], max_new_tokens=4))  # new: may not start
+    s.preempt(requests[2])
+    waited = 0
+    while requests[2] not in s.running:
+        step()
+        waited += 1
+    assert 1 < waited <= MAX_WAIT_STEPS + 1 and s.stats.admission_held_steps > 0
+    assert [r.request_id for r in s.waiting] == [9]

@@ -159,7 +159,7 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
         """Whether the next decode-only step (of `running` requests) leaves the waiting requests out though a
         seat is free: until the empty seats have cost as much as the eager step that admits them. `ahead`:
         planned before the step in flight is reported (its empty seats counted as its report will)."""
-        empty = min(self.max_running - running, len(self.waiting)) if ahead and self.admit_new else 0
+        empty = min(self.max_running - running, len(self.waiting)) if ahead else 0
         if not self.waiting or running >= self.max_running or self.pacing.due(running, empty):
             return False
         self.stats.admission_held_steps += 1
@@ -168,7 +168,7 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
     def report_step(self, out: ScheduleOutput, graph_step: bool) -> None:
         """The step loop's report of a post-processed step (whether it replayed a CUDA graph)."""
         decode_only = all(e.start >= e.request.num_prompt_tokens for e in out.entries)
-        empty = min(self.max_running - len(self.running), len(self.waiting)) if self.admit_new else 0
+        empty = min(self.max_running - len(self.running), len(self.waiting))
         self.pacing.step_done(decode_only, graph_step, len(self.running), empty)
 
     def _schedule_all_decodes(self, out: ScheduleOutput) -> bool:
