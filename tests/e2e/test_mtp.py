@@ -127,8 +127,8 @@ def test_every_draft_is_the_heads_prediction(arch, layout, mtp_checkpoints):
 
 def test_above_the_max_batch_the_head_keeps_its_kv_and_drafts_resume(mtp_checkpoints):
     """--speculative-max-batch 2: while more run, steps carry no drafts but the head's pass still stores its
-    KV at every position; once two or fewer run, its drafts (each checked against the one-pass reference)
-    resume. Tokens as plain decoding's."""
+    KV at every position (behind each step at launch, the next step planned ahead meanwhile); once two or
+    fewer run, its drafts (each checked against the one-pass reference) resume. Tokens as plain decoding's."""
     model = mtp_checkpoints["qwen3_next"]
     lengths = [6, 10, 16]  # 6 running, then 4, then 2
     prompts = [PromptInput(i, p, params=SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, n=2))
@@ -137,11 +137,15 @@ def test_above_the_max_batch_the_head_keeps_its_kv_and_drafts_resume(mtp_checkpo
     want = sorted(Engine(model, **options).stream(prompts, SamplingParams()),
                   key=lambda t: (t.prompt_index, t.sample_index))
     engine = Engine(model, speculative="mtp", speculative_max_batch=2, **options)
-    log = {}
+    log, ahead = {}, []
     engine.scheduler.enable_speculation(_LoggingDrafter(log), 1, 2)
+    plan_ahead = engine.scheduler.schedule_ahead
+    engine.scheduler.schedule_ahead = lambda prev: ahead.append(plan_ahead(prev)) or ahead[-1]
     got = sorted(engine.stream(prompts, SamplingParams()), key=lambda t: (t.prompt_index, t.sample_index))
     for a, b in zip(got, want, strict=True):
         assert a.response_token_ids == b.response_token_ids
+    # steps without drafts ran the head's pass behind them at launch, so the next was planned ahead
+    assert sum(out is not None for out in ahead) >= 5
     assert log and all(prompt == 2 for prompt, _, _ in log)  # proposed only while the 16-token pair ran alone
     for (prompt, sample, position), token in log.items():
         sequence = PROMPTS[prompt] + got[2 * prompt + sample].response_token_ids

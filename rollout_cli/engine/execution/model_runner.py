@@ -105,16 +105,15 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(model, device) if hasattr(model, "visual") else None
         # --speculative mtp: the head's pass after each step reads the step's hidden states [T, H]
         self.mtp_step = MTPStep(self) if hasattr(model, "mtp") else None
-        self.last_hidden = None
+        self.last_hidden = None  # the forward's final hidden states [T, H], for the head's pass
         self._set_mode(deterministic)
 
     def draft_after_step(self, out: ScheduleOutput, drafting: bool, propose: bool = True) -> None:
         """After `out` was post-processed: the MTP head's KV of its accepted positions (while `drafting`:
         the scheduler has an MTP drafter; `rollout bench` times steps without) and, if `propose` (the
-        next step may carry drafts), the next drafts."""
-        hidden, self.last_hidden = self.last_hidden, None
-        if self.mtp_step is not None and hidden is not None and drafting:
-            self.mtp_step.run(out.entries, hidden, propose)
+        next step may carry drafts), the next drafts. A plain decode step's pass ran behind it at launch."""
+        if self.mtp_step is not None:
+            self.mtp_step.after_step(out, drafting, propose)
 
     def _set_mode(self, deterministic: bool) -> None:
         """On-policy mode or not. In it no row's bits may depend on its batch: the Triton backend gets
@@ -244,6 +243,7 @@ class ModelRunner:
         if self.mtp_step is not None:  # --speculative mtp: draft positions 2..K, now that their slots exist
             self.mtp_step.extend_drafts(out.entries)
         logits, score_logits = self._forward_logits(out)
+        hidden, self.last_hidden = self.last_hidden, None  # --speculative mtp: for the head's pass
         scores, tops = [], None
         if score_logits is not None:
             # the Triton backend scores on the sampler's kernel (kernels/sampling_score.py): a scored
@@ -255,6 +255,7 @@ class ModelRunner:
                 tops = list(zip(top_ids.tolist(), top_logprobs.tolist()))
             scores = scored.tolist()
         if not sampled:
+            out.mtp_hidden = hidden  # None without --speculative mtp
             return [], [], scores, tops, None
         # each row draws the token at the position after its own: that position keys its random number (an
         # entry verifying drafts samples at its last 1 + num_draft rows, engine/scheduling/speculation.py)
@@ -263,6 +264,8 @@ class ModelRunner:
         sampling = SamplingRows(requests, positions)
         tokens, logprobs = sample_rows(logits, *sampling.to_device(self.device),
                                        use_triton=self.attention_backend == "triton", per_row=self.per_token)
+        if hidden is not None:
+            self.mtp_step.at_launch(out, hidden, lambda: tokens)
         # one device-to-host copy: float64 holds both the token ids and the float32 logprobs exactly
         token_values, logprob_values = torch.stack((tokens.double(), logprobs.double())).tolist()
         extras = sample_extras(logits, requests, tokens, per_row=self.per_token,
@@ -295,8 +298,6 @@ class ModelRunner:
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record()
         self.graphs.run(rows, tokens_on_device)
-        if self.mtp_step is not None:  # the MTP head's pass after the step reads them
-            self.last_hidden = self.graphs.last_hidden()
         if self.routing_pool is not None:  # the graph recorded this step's ids; eager steps record directly
             self.routing_pool.store(*self.graphs.routing_rows(len(rows)))
         if timing is not None:
@@ -305,6 +306,8 @@ class ModelRunner:
         host = self.graphs.results_to_host()
         ready = torch.cuda.Event()
         ready.record()
+        if self.mtp_step is not None:  # behind the results' copy: collecting them need not wait for it
+            self.mtp_step.at_launch(out, self.graphs.last_hidden(), lambda: self.graphs.last_tokens[:len(rows)])
         return StepHandle(out, host=host, ready=ready, timing=timing, graph_step=True, launch_time=started)
 
     def _forward_logits(self, out: ScheduleOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -1,5 +1,11 @@
 """The MTP head's pass after each step (`--speculative mtp`, models/mtp.py): its KV and the next draft.
 
+A plain decode step (one new token per request, no drafts) runs the pass right behind it on the device
+(store_kv_on_device: the token each row sampled is already there), so the host needs none of its results
+and the next step may be planned and launched ahead of them, as without speculation: with the speculation
+gate saying "plain" at large batches, most steps are these. Its drafts are read after post-processing
+(drafts_from). Other steps (prefill chunks, verify steps) run it after post-processing (run).
+
 After a step is post-processed the scheduler knows which of its positions hold accepted tokens (all of
 a prefill chunk's, the last token and the accepted drafts of a verify step) and the token that follows
 each of them (the next prompt token, or the token just sampled). For every such position q of an entry
@@ -34,6 +40,31 @@ class MTPStep:
     def __init__(self, runner):
         self.runner = runner
         self.model = runner.model
+        self.drafting = True  # the scheduler has an MTP drafter (after_step says; `rollout bench` times without)
+
+    def at_launch(self, out, hidden: torch.Tensor, tokens) -> None:
+        """A step just launched with its final hidden states [T, H]: a plain decode step (each entry one
+        sampled token past its prompt, no drafts) runs the pass behind it now, on the tokens it sampled
+        (`tokens()` [B] on the device); any other step keeps its hidden states for after_step."""
+        plain = all(e.num_new_tokens == 1 and e.sample and not e.num_draft and e.score_targets is None
+                    and e.start >= e.request.num_prompt_tokens for e in out.entries)
+        if plain and self.drafting:
+            out.mtp_head_out = self.store_kv_on_device(out.entries, hidden, tokens())
+        else:
+            out.mtp_hidden = hidden
+
+    def after_step(self, out, drafting: bool, propose: bool) -> None:
+        """After `out` was post-processed: the pass over its accepted positions, unless it ran at launch,
+        and, if `propose`, the next drafts; nothing while `drafting` is off."""
+        self.drafting = drafting
+        hidden, head_out, out.mtp_hidden, out.mtp_head_out = out.mtp_hidden, out.mtp_head_out, None, None
+        if not drafting:
+            return
+        if head_out is not None:
+            if propose:
+                self.drafts_from(out.entries, head_out)
+        elif hidden is not None:
+            self.run(out.entries, hidden, propose)
 
     def run(self, entries, hidden: torch.Tensor, propose: bool = True) -> None:
         """entries: the step's (in its row order); hidden [T, H]: the target's final hidden states of its
@@ -71,6 +102,25 @@ class MTPStep:
         for i, ((request, _), token) in enumerate(zip(newest, self._greedy(picked))):
             request.mtp_draft, request.mtp_hidden = (request.num_tokens, token), picked[i]
 
+    def store_kv_on_device(self, entries, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """A plain decode step's pass: each entry's one position with (its final hidden state, hidden [B, H]
+        in entry order; the token the step sampled there, tokens [B] on the device). Stores the head's KV at
+        the entries' slots -> the head's outputs [B, H] (drafts_from reads the drafts once post-processed).
+        Rows that turn out to be ghosts or finished write KV nobody reads."""
+        head_entries = [BatchEntry(e.request, e.table_row, e.start, [0], e.start + 1, [], False) for e in entries]
+        return self._head(head_entries, hidden, [e.new_slots[0] for e in entries], tokens)
+
+    def drafts_from(self, entries, head_out: torch.Tensor) -> None:
+        """After post-processing the plain decode step of `entries`: the next draft of each request still
+        running, from its row of store_kv_on_device's outputs [B, H]."""
+        live = [i for i, e in enumerate(entries) if not e.ghost and e.request.finish_reason is None]
+        if not live:
+            return
+        picked = head_out[torch.tensor(live, device=head_out.device)]  # [N, H]
+        for i, token, hidden in zip(live, self._greedy(picked), picked):
+            request = entries[i].request
+            request.mtp_draft, request.mtp_hidden = (request.num_tokens, token), hidden
+
     def extend_drafts(self, entries) -> None:
         """Fill in the DRAFT_LATER positions of a step's verify entries, before its forward (the step's
         slots are in the req_to_token table). Pass j runs the head at position start + j - 1 on (its
@@ -92,15 +142,17 @@ class MTPStep:
         for e in chains:
             e.request.mtp_hidden = None
 
-    def _head(self, head_entries, target_hidden: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    def _head(self, head_entries, target_hidden: torch.Tensor, slots: list[int],
+              tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The head over the M rows of `head_entries` (entry e: positions e.start.., its token_ids the
-        tokens after them): (target_hidden [M, H], those tokens), its KV stored at `slots` [M] -> its
-        normed output [M, H]."""
+        tokens after them, or `tokens` [M] on the device): (target_hidden [M, H], those tokens), its KV
+        stored at `slots` [M] -> its normed output [M, H]."""
         runner, device = self.runner, self.runner.device
         attn = runner._prepare(head_entries, runner.req_to_token, runner.kv, runner.scale,
                                torch.tensor(slots, dtype=torch.long, device=device))
-        tokens = [t for e in head_entries for t in e.token_ids]
-        embeds = self.model.model.embed_tokens(torch.tensor(tokens, device=device))  # [M, H]
+        if tokens is None:
+            tokens = torch.tensor([t for e in head_entries for t in e.token_ids], device=device)
+        embeds = self.model.model.embed_tokens(tokens)  # [M, H]
         if runner.encoder_cache is None:
             positions = [p for e in head_entries for p in range(e.start, e.start + e.num_new_tokens)]
             return self.model.mtp(embeds, target_hidden, torch.tensor(positions, device=device), attn)

@@ -10,9 +10,9 @@ from rollout_cli.engine.scheduling.schedule_output import DRAFT_LATER
 
 
 class MTPDrafter:
-    # the head's pass reads each step's hidden states (and writes its KV) before the next step runs: no
-    # step is scheduled ahead while it drafts (engine/scheduling/overlap_schedule.py)
-    reads_every_step = True
+    # a plain decode step's head pass runs on the device right behind it (engine/execution/mtp_step.py), so
+    # such a step may be followed by one scheduled ahead; steps with drafts never are (overlap_schedule.py)
+    reads_every_step = False
 
     def propose(self, request, max_tokens: int) -> list[int]:
         """The head's draft for the request's next position, if it was made for that position, and

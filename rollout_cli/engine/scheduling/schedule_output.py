@@ -63,6 +63,11 @@ class ScheduleOutput:
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     # --speculative: the decode path that proposes drafts built this step (the speculation gate times it)
     drafting: bool = False
+    # --speculative mtp (engine/execution/mtp_step.py): the step's final hidden states [T, H] for the head's
+    # pass after post-processing, or, for a plain decode step whose pass ran right behind it on the device,
+    # the head's outputs [B, H] that the next drafts are read from
+    mtp_hidden: object = None
+    mtp_head_out: object = None
 
     @property
     def num_tokens(self) -> int:
