@@ -21,8 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import repeat
 
-from rollout_cli.engine.scheduling.kv_slots import SlotAllocator
 from rollout_cli.engine.scheduling.admission_pacing import AdmissionPacing
+from rollout_cli.engine.scheduling.kv_slots import SlotAllocator
 from rollout_cli.engine.scheduling.overlap_schedule import OverlapScheduling
 from rollout_cli.engine.scheduling.prefix_reuse import PrefixReuse
 from rollout_cli.engine.scheduling.radix_cache import RadixCache
