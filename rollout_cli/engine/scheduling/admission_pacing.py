@@ -1,10 +1,11 @@
 """When waiting requests join a batch of graph-replayed decode steps: at once, or some steps later together.
 
 Only decode-only steps replay CUDA graphs; a step that carries a prefill runs eagerly, longer than a
-replayed one by about EAGER_STEP_COST decode steps (H100, Qwen3-0.6B shape, 256 rows: 28.1 ms against
-8.5 ms). Where requests finish at staggered steps (sibling drafts accepted unevenly, episode turns, eos),
-admitting each waiting request the step a seat frees makes nearly every step an eager one: session 28
-measured 940 such steps in a sibling-draft run and 1,081 in 256 ten-turn episodes.
+replayed one by about EAGER_STEP_COST decode steps (H100, Qwen3-0.6B shape, 256 rows: such steps averaged
+28.1 ms in a sibling-draft run, some verifying drafts, against 8.5 ms replayed). Where requests finish
+at staggered steps (sibling drafts accepted unevenly, episode turns, eos), admitting each waiting request
+the step a seat frees makes nearly every step an eager one: session 28 measured 940 such steps in a
+sibling-draft run and 1,081 in 256 ten-turn episodes.
 
 Holding waiting requests back costs the seats left empty instead: a decode step of `running` rows makes
 `running` tokens, so each empty seat forgoes 1 / running of a step's work. The rule is the ski-rental
