@@ -185,6 +185,7 @@ def test_main_run_output_layout_dtypes_and_counts(runs):
     assert (s["n"], s["max_new_tokens"], s["seed"], s["temperature"]) == (4, 32, 1, 1.0)
     assert m["prompt_key"] == "prompt" and m["limit"] is None
     assert m["engine"]["device"] == "cpu" and m["engine"]["dtype"] == "float32"
+    assert m["engine"]["admission_pacing"] is True  # the default; timing only (nothing held on the CPU)
     assert not [f for f in os.listdir(out / "trajectories") if f.endswith(".tmp")]
 
 
