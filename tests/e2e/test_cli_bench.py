@@ -99,8 +99,10 @@ def test_episodes_start_only_while_their_kv_fits_so_later_turns_never_re_prefill
                     "--turns", 6, "--observation-len", 8, "--kv-cache-tokens", 2000, "--max-model-len", 512,
                     "--json", report_path)
     assert result.returncode == 0, result.stderr
-    episodes = json.loads(report_path.read_text())["rollout"]["episodes"]
+    rollout = json.loads(report_path.read_text())["rollout"]
+    episodes = rollout["episodes"]
     assert episodes["turns"] == 16 * 6
+    assert rollout["admission_held_steps"] == 0  # admission pacing holds nothing while steps run eagerly (CPU)
     assert episodes["later_turns_prefilling_only_new_tokens"] == 1.0
     # only each first prompt and each later turn's 8 observation tokens + the last response token are computed
     assert episodes["turn_prompt_tokens"] - episodes["turn_cached_tokens"] == 16 * 64 + 16 * 5 * 9
