@@ -61,3 +61,28 @@ class AdmissionPacing:
         if empty_seats:
             self.forgone_steps += empty_seats / max(running, 1)
             self.waited_steps += 1
+
+
+class PacedAdmission:
+    """The Scheduler's side of admission pacing (a mixin, as OverlapScheduling: it reads the scheduler's
+    waiting and running requests, max_running, `pacing` (an AdmissionPacing) and stats)."""
+
+    def holds_admission(self, running: int, ahead: bool = False) -> bool:
+        """Whether the next decode-only step (of `running` requests) leaves the waiting requests out though a
+        seat is free: until the empty seats have cost as much as the eager step that admits them. `ahead`:
+        planned before the step in flight is reported (its empty seats counted as its report will)."""
+        empty = self._empty_seats(running) if ahead else 0
+        if not self.waiting or running >= self.max_running or self.pacing.due(running, empty):
+            return False
+        self.stats.admission_held_steps += 1
+        return True
+
+    def report_step(self, out, graph_step: bool) -> None:
+        """The step loop's report of a post-processed step `out` (whether it replayed a CUDA graph: such a
+        step only decodes, so its entries need no reading)."""
+        decode_only = graph_step or all(e.start >= e.request.num_prompt_tokens for e in out.entries)
+        self.pacing.step_done(decode_only, graph_step, len(self.running), self._empty_seats(len(self.running)))
+
+    def _empty_seats(self, running: int) -> int:
+        """Seats a step of `running` requests leaves free while requests wait for one."""
+        return min(self.max_running - running, len(self.waiting))

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import repeat
 
-from rollout_cli.engine.scheduling.admission_pacing import AdmissionPacing
+from rollout_cli.engine.scheduling.admission_pacing import AdmissionPacing, PacedAdmission
 from rollout_cli.engine.scheduling.kv_slots import SlotAllocator
 from rollout_cli.engine.scheduling.overlap_schedule import OverlapScheduling
 from rollout_cli.engine.scheduling.prefix_reuse import PrefixReuse
@@ -64,10 +64,11 @@ class SchedulerStats:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
+class Scheduler(PrefixReuse, OverlapScheduling, Speculation, PacedAdmission):
     """The steps of the engine loop; schedule_ahead / commit_ahead / cancel_ahead (planning the next
     decode step while one runs) are in engine/scheduling/overlap_schedule.py, the prefix cache's side (matching,
-    publishing, flushing, pinning) in engine/scheduling/prefix_reuse.py."""
+    publishing, flushing, pinning) in engine/scheduling/prefix_reuse.py, when waiting requests join decode
+    steps (holds_admission, report_step) in engine/scheduling/admission_pacing.py."""
 
     def __init__(
         self,
@@ -154,22 +155,6 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation):
         if self.stats.preemptions == preemptions_before:  # else the victim, now first in line, is re-admitted at once
             self._admit(out, budget)
         return out
-
-    def holds_admission(self, running: int, ahead: bool = False) -> bool:
-        """Whether the next decode-only step (of `running` requests) leaves the waiting requests out though a
-        seat is free: until the empty seats have cost as much as the eager step that admits them. `ahead`:
-        planned before the step in flight is reported (its empty seats counted as its report will)."""
-        empty = min(self.max_running - running, len(self.waiting)) if ahead else 0
-        if not self.waiting or running >= self.max_running or self.pacing.due(running, empty):
-            return False
-        self.stats.admission_held_steps += 1
-        return True
-
-    def report_step(self, out: ScheduleOutput, graph_step: bool) -> None:
-        """The step loop's report of a post-processed step (whether it replayed a CUDA graph)."""
-        decode_only = all(e.start >= e.request.num_prompt_tokens for e in out.entries)
-        empty = min(self.max_running - len(self.running), len(self.waiting))
-        self.pacing.step_done(decode_only, graph_step, len(self.running), empty)
 
     def _schedule_all_decodes(self, out: ScheduleOutput) -> bool:
         """Fast path of the steady state: every running request decodes one token and
