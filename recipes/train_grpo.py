@@ -47,13 +47,18 @@ SIDE_FILES = ("generation_config.json", *TOKENIZER_SIDE_FILES)
 CHUNK_TOKENS = 4096  # response tokens scored per backward pass (see scoring_chunks)
 
 
-def group_advantages(rows: list[dict], rewards: list[float]) -> list[float]:
-    """(r - mean) / (std + eps) within each prompt's group of samples."""
+def prompt_groups(rows: list[dict]) -> list[list[int]]:
+    """Row indices of each prompt's group of samples, in the order prompts first appear."""
     groups: dict[int, list[int]] = defaultdict(list)
     for i, row in enumerate(rows):
         groups[row["prompt_index"]].append(i)
+    return list(groups.values())
+
+
+def group_advantages(rows: list[dict], rewards: list[float]) -> list[float]:
+    """(r - mean) / (std + eps) within each prompt's group of samples."""
     advantages = [0.0] * len(rows)
-    for members in groups.values():
+    for members in prompt_groups(rows):
         values = torch.tensor([rewards[i] for i in members])
         std = values.std(unbiased=False) if len(members) > 1 else torch.tensor(0.0)
         for i, a in zip(members, ((values - values.mean()) / (std + 1e-6)).tolist()):
@@ -66,11 +71,8 @@ def scoring_chunks(rows: list[dict], max_tokens: int = CHUNK_TOKENS) -> list[lis
     (they share its forward), at most `max_tokens` response tokens together unless one sample alone has
     more. A chunk's graph holds a few [response tokens, vocab] float32 tensors, so a whole batch's at once
     (128 samples x 128 tokens of a 151,936-token vocabulary) ran an 80 GB GPU out of memory."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, row in enumerate(rows):
-        groups[row["prompt_index"]].append(i)
     chunks: list[list[int]] = []
-    for members in groups.values():
+    for members in prompt_groups(rows):
         chunks.append([])
         tokens = 0
         for i in members:

@@ -14,6 +14,7 @@ any replica count.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -159,8 +160,6 @@ def replica_errors(folder: str) -> list[str]:
 def _quiet_launcher_logs() -> None:
     """torchrun logs a failed replica's exit code as an ERROR line with a timestamp and a pid; the
     launcher says it once in rollout's words instead (launch_replicas)."""
-    import logging
-
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)

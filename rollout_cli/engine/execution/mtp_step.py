@@ -98,9 +98,7 @@ class MTPStep:
         out = self._head(head_entries, hidden[torch.tensor(rows, device=device)], slots)  # [M, H]
         if not newest or not propose:
             return
-        picked = out[torch.tensor([row for _, row in newest], device=device)]  # [N, H]
-        for i, ((request, _), token) in enumerate(zip(newest, self._greedy(picked))):
-            request.mtp_draft, request.mtp_hidden = (request.num_tokens, token), picked[i]
+        self._propose([request for request, _ in newest], out, [row for _, row in newest])
 
     def store_kv_on_device(self, entries, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """A plain decode step's pass: each entry's one position with (its final hidden state, hidden [B, H]
@@ -114,11 +112,14 @@ class MTPStep:
         """After post-processing the plain decode step of `entries`: the next draft of each request still
         running, from its row of store_kv_on_device's outputs [B, H]."""
         live = [i for i, e in enumerate(entries) if not e.ghost and e.request.finish_reason is None]
-        if not live:
-            return
-        picked = head_out[torch.tensor(live, device=head_out.device)]  # [N, H]
-        for i, token, hidden in zip(live, self._greedy(picked), picked):
-            request = entries[i].request
+        if live:
+            self._propose([entries[i].request for i in live], head_out, live)
+
+    def _propose(self, requests: list, head_out: torch.Tensor, rows: list[int]) -> None:
+        """Each request's draft for the position after its newest token, from its row of the head's outputs
+        head_out [M, H]: Request.mtp_draft = (that position, the greedy token), mtp_hidden = the row [H]."""
+        picked = head_out[torch.tensor(rows, device=head_out.device)]  # [N, H]
+        for request, token, hidden in zip(requests, self._greedy(picked), picked):
             request.mtp_draft, request.mtp_hidden = (request.num_tokens, token), hidden
 
     def extend_drafts(self, entries) -> None:
