@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from .launch_table import Table, config_for_rows, parse_table
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs" / "batch_invariant_matmul"
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 # untuned: one [64, 128] tile per program, K in chunks of 64, no split
@@ -45,47 +47,26 @@ def config_file_name(n: int, k: int, dtype: torch.dtype) -> str:
     return f"N={n},K={k},dtype={str(dtype).removeprefix('torch.')}.json"
 
 
-def parse_launch_config(config, where: str) -> dict:
-    """One launch config, checked (ValueError naming `where`)."""
-    if not isinstance(config, dict):
-        raise ValueError(f"{where}: no 'config' object")
-    missing = [key for key in KEYS if key not in config]
-    if missing:
-        raise ValueError(f"{where}: missing {missing}")
-    for key in KEYS:
-        value = config[key]
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{where}: {key}={value!r} must be a positive int")
-        if key.startswith("BLOCK") and (value < 16 or value & (value - 1)):
-            raise ValueError(f"{where}: {key}={value} (block sizes are powers of 2 >= 16)")
-    return {key: config[key] for key in KEYS}
-
-
 def split_chunk(k: int, config: dict) -> int:
     """C: the K length of each split (the last may be shorter), a multiple of BLOCK_K."""
     return -(-(-(-k // config["SPLIT_K"])) // config["BLOCK_K"]) * config["BLOCK_K"]
 
 
-def parse_config(data: dict, k: int, where: str) -> tuple[tuple[int | None, dict], ...]:
-    """A file's table for K = k, checked: ((max_m, config), ..., (None, reference)), max_m ascending."""
-    reference = parse_launch_config(data.get("config") if isinstance(data, dict) else None, where)
-    table, last = [], 0
-    for i, entry in enumerate(data.get("by_batch") or []):
-        at = f"{where}: by_batch[{i}]"
-        max_m = entry.get("max_m") if isinstance(entry, dict) else None
-        if not isinstance(max_m, int) or max_m <= last:
-            raise ValueError(f"{at}: max_m={max_m!r} must be an int above the previous entry's ({last})")
-        config = parse_launch_config(entry.get("config"), at)
+def parse_config(data: dict, k: int, where: str) -> Table:
+    """A file's table for K = k, checked: ((max_m, config), ..., (None, reference)), max_m ascending,
+    every config splitting K as the reference does."""
+    table = parse_table(data, KEYS, where)
+    reference = table[-1][1]
+    for i, (_, config) in enumerate(table[:-1]):
         if config["SPLIT_K"] != reference["SPLIT_K"] or split_chunk(k, config) != split_chunk(k, reference):
-            raise ValueError(f"{at}: SPLIT_K={config['SPLIT_K']}, BLOCK_K={config['BLOCK_K']} split K={k} "
-                             f"otherwise than the reference config (the K-sum order must be one per weight shape)")
-        table.append((max_m, config))
-        last = max_m
-    return (*table, (None, reference))
+            raise ValueError(f"{where}: by_batch[{i}]: SPLIT_K={config['SPLIT_K']}, BLOCK_K={config['BLOCK_K']} "
+                             f"split K={k} otherwise than the reference config (the K-sum order must be one per "
+                             f"weight shape)")
+    return table
 
 
 @functools.lru_cache(maxsize=None)
-def shape_table(n: int, k: int, dtype: torch.dtype, config_dir: str | None = None) -> tuple[tuple[int | None, dict], ...]:
+def shape_table(n: int, k: int, dtype: torch.dtype, config_dir: str | None = None) -> Table:
     """The launch configs of x [M, k] @ W[n, k]^T by M: the tuned file's table, else DEFAULT for all M.
     Cached: treat the returned dicts as read-only."""
     path = Path(config_dir or CONFIG_DIR) / config_file_name(n, k, dtype)
@@ -97,12 +78,3 @@ def shape_table(n: int, k: int, dtype: torch.dtype, config_dir: str | None = Non
 def get_config(n: int, k: int, dtype: torch.dtype, m: int | None = None, config_dir: str | None = None) -> dict:
     """The launch config for M rows (None: the reference, the config past the table's last max_m)."""
     return config_for_rows(shape_table(n, k, dtype, config_dir), m)
-
-
-def config_for_rows(table: tuple[tuple[int | None, dict], ...], m: int | None) -> dict:
-    """A parsed table's config for M rows: the first entry whose max_m holds M, else the reference."""
-    if m is not None:
-        for max_m, config in table:
-            if max_m is None or m <= max_m:
-                return config
-    return table[-1][1]

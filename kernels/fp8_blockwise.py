@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from rollout_kernels.e4m3 import emulate_e4m3, round_to_e4m3_grid
+from rollout_kernels.fp8_blockwise_config import get_config
 from rollout_kernels.fp8_blockwise_ref import (BLOCK, FP8_DTYPE, FP8_MAX, _MIN_AMAX, fp8_blockwise_matmul_ref,
                                                quantize_activation_ref)
 
@@ -32,20 +33,22 @@ from rollout_kernels.fp8_blockwise_ref import (BLOCK, FP8_DTYPE, FP8_MAX, _MIN_A
 
 @triton.jit
 def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
-                                GROUP: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX: tl.constexpr,
-                                EMULATE_E4M3: tl.constexpr):
-    """One program per (token, channel group): amax, scale, e4m3 values."""
+                                GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX_C: tl.constexpr,
+                                MIN_AMAX: tl.constexpr, EMULATE_E4M3: tl.constexpr):
+    """One program per token, all its channel groups at once ([GROUPS, GROUP], GROUPS a power of 2
+    covering K): amax per group, scale, e4m3 values. (A program per group was 8 us at [256, 4096] on
+    the H100: 8,192 one-warp programs of 128 values.)"""
     row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
-    cols = group * GROUP + tl.arange(0, GROUP)
+    groups = tl.arange(0, GROUPS)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]
     inside = cols < K
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=inside, other=0.0).to(tl.float32)  # [GROUP]
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX) / FP8_MAX_C
-    q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=inside, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / FP8_MAX_C  # [GROUPS]
+    q = tl.clamp(x / scale[:, None], -FP8_MAX_C, FP8_MAX_C)
     if EMULATE_E4M3:  # the interpreter's own e4m3 conversion is wrong (kernels/e4m3.py)
         q = round_to_e4m3_grid(q)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
-    tl.store(s_ptr + row * stride_sm + group, scale)
+    tl.store(s_ptr + row * stride_sm + groups, scale, mask=groups * GROUP < K)
 
 
 def quantize_activation(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,10 +58,11 @@ def quantize_activation(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tens
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((m, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
     if m and k:
-        _quantize_activation_kernel[(m, scale.shape[1])](
+        groups = triton.next_power_of_2(scale.shape[1])
+        _quantize_activation_kernel[(m,)](
             x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
-            GROUP=group, FP8_MAX_C=FP8_MAX, MIN_AMAX=_MIN_AMAX, EMULATE_E4M3=emulate_e4m3(),
-            num_warps=1 if group <= 128 else 4)
+            GROUP=group, GROUPS=groups, FP8_MAX_C=FP8_MAX, MIN_AMAX=_MIN_AMAX, EMULATE_E4M3=emulate_e4m3(),
+            num_warps=max(1, min(8, groups * group // 512)))
     return q, scale
 
 
@@ -66,13 +70,19 @@ def quantize_activation(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tens
 
 @triton.jit
 def _fp8_blockwise_matmul_kernel(
-    xq_ptr, xs_ptr, wq_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
+    x_ptr, xs_ptr, wq_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym,
-    HAS_BIAS: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, QUANTIZE_X: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, MIN_AMAX: tl.constexpr, EMULATE_E4M3: tl.constexpr,
 ):
     """One program per [BLOCK_M, BLOCK_N] output tile; K in steps of BLOCK_K (= the scale block, so
-    each step has one activation scale per row and one weight scale per SCALE_BLOCK_N rows)."""
+    each step has one activation scale per row and one weight scale per SCALE_BLOCK_N rows).
+
+    QUANTIZE_X: x is the layer's bf16 / float32 input and each step quantizes its [BLOCK_M, BLOCK_K]
+    tile in registers with quantize_activation's rule (same scale, same e4m3 values: the same bits
+    as quantizing first), so no e4m3 copy of x goes through memory and no second launch runs.
+    Otherwise x is already e4m3 with its scales at xs_ptr."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -82,11 +92,19 @@ def _fp8_blockwise_matmul_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + ks
-        a = tl.load(xq_ptr + rows[:, None] * stride_xm + k[None, :],
-                    mask=row_in[:, None] & (k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K] e4m3
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
+                    mask=row_in[:, None] & (k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
+        if QUANTIZE_X:
+            a = a.to(tl.float32)
+            x_scale = tl.maximum(tl.max(tl.abs(a), axis=1), MIN_AMAX) / FP8_MAX_C  # [BLOCK_M]
+            a = tl.clamp(a / x_scale[:, None], -FP8_MAX_C, FP8_MAX_C)
+            if EMULATE_E4M3:  # the interpreter's own e4m3 conversion is wrong (kernels/e4m3.py)
+                a = round_to_e4m3_grid(a)
+            a = a.to(wq_ptr.dtype.element_ty)  # e4m3
+        else:
+            x_scale = tl.load(xs_ptr + rows * stride_xsm + kb, mask=row_in, other=0.0)  # [BLOCK_M]
         b = tl.load(wq_ptr + cols[None, :] * stride_wn + k[:, None],
                     mask=col_in[None, :] & (k[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N] e4m3
-        x_scale = tl.load(xs_ptr + rows * stride_xsm + kb, mask=row_in, other=0.0)  # [BLOCK_M]
         w_scale = tl.load(ws_ptr + (cols // SCALE_BLOCK_N) * stride_wsn + kb, mask=col_in, other=0.0)  # [BLOCK_N]
         acc += tl.dot(a, b, out_dtype=tl.float32) * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
@@ -95,31 +113,53 @@ def _fp8_blockwise_matmul_kernel(
              mask=row_in[:, None] & col_in[None, :])
 
 
-def fp8_blockwise_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                         out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                         block: tuple[int, int] = (BLOCK, BLOCK), block_m: int = 64, block_n: int = 128,
-                         num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """x_q [M, K] e4m3 with x_scale [M, KB], w_q [N, K] e4m3 with w_scale [NB, KB] (blocks `block`)
-    (+ bias [N]) -> y [M, N] in out_dtype. The K step is the scale block's K; an output tile spans at
-    most one weight scale row (block_n divides block[0])."""
-    m, k = x_q.shape
+def _launch_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, w_q: torch.Tensor, w_scale: torch.Tensor,
+                   out_dtype: torch.dtype, bias: torch.Tensor | None, block: tuple[int, int],
+                   config: dict | None) -> torch.Tensor:
+    """Checks and launches _fp8_blockwise_matmul_kernel; x_scale None: x is quantized in the kernel.
+    config: {BLOCK_M, BLOCK_N, num_warps, num_stages}; None: the tuned table's for this shape and M."""
+    m, k = x.shape
     n = w_q.shape[0]
     scale_n, scale_k = block
-    assert w_q.shape[1] == k and x_q.dtype == w_q.dtype == FP8_DTYPE, "x_q and w_q must be e4m3 with one K"
-    assert x_scale.shape == (m, triton.cdiv(k, scale_k)) and w_scale.shape == (triton.cdiv(n, scale_n), x_scale.shape[1]), \
-        f"scales must be [M, KB] and [NB, KB], got {tuple(x_scale.shape)} and {tuple(w_scale.shape)}"
-    assert x_q.stride(1) == 1 and w_q.stride(1) == 1, "x_q and w_q need contiguous rows"
-    block_n = min(block_n, scale_n)
+    assert w_q.shape[1] == k and w_q.dtype == FP8_DTYPE, "w_q must be e4m3 [N, K] with x's K"
+    assert w_scale.shape == (triton.cdiv(n, scale_n), triton.cdiv(k, scale_k)), \
+        f"w_scale must be [NB, KB], got {tuple(w_scale.shape)}"
+    if x_scale is not None:
+        assert x.dtype == FP8_DTYPE and x_scale.shape == (m, w_scale.shape[1]), \
+            f"x_q must be e4m3 with x_scale [M, KB], got {x.dtype} and {tuple(x_scale.shape)}"
+    assert x.stride(1) == 1 and w_q.stride(1) == 1, "x and w_q need contiguous rows"
+    config = config or get_config(m, n, k)
+    block_m, block_n = config["BLOCK_M"], min(config["BLOCK_N"], scale_n)
     assert scale_n % block_n == 0, f"block_n {block_n} must divide the weight scale block {scale_n}"
-    y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return y
+    scales = x_scale if x_scale is not None else w_scale  # unread when the kernel quantizes x
     _fp8_blockwise_matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        x_q, x_scale, w_q, w_scale, bias if bias is not None else x_scale, y, m, n, k,
-        x_q.stride(0), x_scale.stride(0), w_q.stride(0), w_scale.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, SCALE_BLOCK_N=scale_n,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=scale_k, num_warps=num_warps, num_stages=num_stages)
+        x, scales, w_q, w_scale, bias if bias is not None else w_scale, y, m, n, k,
+        x.stride(0), scales.stride(0), w_q.stride(0), w_scale.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, QUANTIZE_X=x_scale is None, SCALE_BLOCK_N=scale_n,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=scale_k,
+        FP8_MAX_C=FP8_MAX, MIN_AMAX=_MIN_AMAX, EMULATE_E4M3=emulate_e4m3(),
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
     return y
+
+
+def fp8_blockwise_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                         out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                         block: tuple[int, int] = (BLOCK, BLOCK), config: dict | None = None) -> torch.Tensor:
+    """x_q [M, K] e4m3 with x_scale [M, KB], w_q [N, K] e4m3 with w_scale [NB, KB] (blocks `block`)
+    (+ bias [N]) -> y [M, N] in out_dtype. The K step is the scale block's K; an output tile spans at
+    most one weight scale row (BLOCK_N is cut to block[0], which it must divide)."""
+    return _launch_matmul(x_q, x_scale, w_q, w_scale, out_dtype, bias, block, config)
+
+
+def fp8_quantizing_matmul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                          bias: torch.Tensor | None = None, block: tuple[int, int] = (BLOCK, BLOCK),
+                          config: dict | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 / float32, contiguous rows) -> y [M, N] in x's dtype: quantize_activation and
+    fp8_blockwise_matmul in one launch, with the same bits (each tile quantized in registers)."""
+    return _launch_matmul(x, None, w_q, w_scale, x.dtype, bias, block, config)
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -132,8 +172,7 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
         x2 = x2.contiguous()
     triton_path = x.is_cuda if use_triton is None else use_triton
     if triton_path:
-        x_q, x_scale = quantize_activation(x2, block[1])
-        y = fp8_blockwise_matmul(x_q, x_scale, w_q, w_scale, x.dtype, bias, block)
+        y = fp8_quantizing_matmul(x2, w_q, w_scale, bias, block)
     else:
         x_q, x_scale = quantize_activation_ref(x2, block[1])
         y = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, x.dtype, bias, block)

@@ -1,14 +1,16 @@
-"""The blockwise FP8 GEMM on the GPU (issue 20's target: >= 70% of the FP8 tensor-core peak at 8B shapes).
+"""The blockwise FP8 GEMM on the GPU: time it, tune its launch tables (issue 20's target: >= 70% of
+the FP8 tensor-core peak at 8B shapes).
 
-    python scripts/bench_fp8_gemm.py [--json OUT.json]
+    python scripts/bench_fp8_gemm.py [--json OUT.json] [--write]
 
-For each Qwen3-8B linear shape (N, K) and M in {256 (decode batch), 8192 (a prefill)}: checks the
-kernel against its torch reference on random data, then times, with triton.testing.do_bench
-(median), the quantization of the activations, every launch config in CONFIGS, cuBLAS bf16
-(torch.matmul) and torch._scaled_mm in e4m3 with per-tensor scales (the FP8 ceiling measured in
-the same run: the tensor cores' FP8 rate as the vendor library reaches it). Prints one row per
-(shape, M): the best config, its TFLOP/s, the fraction of _scaled_mm's rate and the speedup over
-bf16, then the table.
+For each linear shape (N, K) of Qwen3-8B and of Qwen3-30B-A3B's attention, and each M in BATCHES
+(decode batches and an 8,192-token prefill): checks both kernels against the torch reference on
+random data, then times with triton.testing.do_bench (median) every launch config in CONFIGS for
+the quantizing GEMM (x in bf16, quantized tile by tile inside: what the engine runs) and for the
+GEMM on x already in e4m3 (plus the separate quantize launch it needs), cuBLAS bf16 (torch.matmul)
+and torch._scaled_mm in e4m3 with per-tensor scales (the FP8 ceiling the vendor library reaches in
+the same run). Prints one row per (shape, M), then the table. `--write` saves each shape's fastest
+quantizing configs by M to kernels/configs/fp8_blockwise/ (the engine's launch tables).
 """
 
 from __future__ import annotations
@@ -24,29 +26,65 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]  # qkv, o, gate_up, down of Qwen3-8B
-BATCHES = [256, 8192]
-CONFIGS = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
-           for bm, bn, (w, s) in itertools.product((64, 128), (64, 128), ((4, 3), (8, 3), (8, 4)))]
+SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288),  # qkv, o, gate_up, down of Qwen3-8B
+          (5120, 2048), (2048, 4096)]  # qkv, o of Qwen3-30B-A3B (its experts run the fused MoE kernel)
+BATCHES = [64, 256, 1024, 8192]  # the last one's best config is the table's reference (all larger M)
+CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+           for bm, bn, (w, s) in itertools.product((32, 64, 128), (64, 128),
+                                                   ((4, 3), (4, 4), (4, 5), (8, 3), (8, 4)))]
 
 
 def _tflops(m: int, n: int, k: int, seconds: float) -> float:
     return 2 * m * n * k / seconds / 1e12
 
 
+def _fastest(bench, run, want, configs, where: str, records: list) -> tuple[dict | None, float]:
+    """(config, seconds) of the fastest config whose output matches `want`; every timing recorded."""
+    best, best_s = None, float("inf")
+    for config in configs:
+        try:
+            got = run(config)
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+            seconds = bench(lambda: run(config), return_mode="median", rep=40) * 1e-3
+        except (torch.OutOfMemoryError, torch.AcceleratorError):  # a fault poisons the context: stop
+            raise
+        except Exception as error:  # noqa: BLE001 - a config the GPU cannot hold: said, skipped
+            print(f"  {where} {config}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+            continue
+        records.append({"where": where, **config, "seconds": seconds})
+        if seconds < best_s:
+            best, best_s = config, seconds
+    return best, best_s
+
+
+def _write_tables(best_by_shape: dict, command: str) -> None:
+    import triton
+
+    from rollout_kernels.fp8_blockwise_config import CONFIG_DIR, config_file_name
+    CONFIG_DIR.mkdir(parents=True, exist_ok=True)
+    for (n, k), by_m in best_by_shape.items():
+        ms = sorted(by_m)
+        table = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "command": command,
+                 "config": by_m[ms[-1]], "by_batch": [{"max_m": m, "config": by_m[m]} for m in ms[:-1]]}
+        path = CONFIG_DIR / config_file_name(n, k)
+        path.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {path.relative_to(REPO)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every timing here")
+    parser.add_argument("--write", action="store_true", help="save the fastest configs as the engine's tables")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this script times GPU kernels: run it on the device")
     import triton
 
-    from rollout_kernels.fp8_blockwise import fp8_blockwise_matmul, quantize_activation
-    from rollout_kernels.fp8_blockwise_ref import FP8_DTYPE, fp8_blockwise_matmul_ref, quantize_weight_blockwise
+    from rollout_kernels.fp8_blockwise import fp8_blockwise_matmul, fp8_quantizing_matmul, quantize_activation
+    from rollout_kernels.fp8_blockwise_ref import fp8_blockwise_matmul_ref, quantize_weight_blockwise
 
     bench = triton.testing.do_bench
-    rows, records = [], []
+    rows, records, best_by_shape = [], [], {}
     for (n, k), m in itertools.product(SHAPES, BATCHES):
         gen = torch.Generator(device="cuda").manual_seed(n + m)
         x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
@@ -60,36 +98,28 @@ def main() -> None:
         w_t = w_q.t()  # _scaled_mm wants the second operand column-major
         scaled_s = bench(lambda: torch._scaled_mm(x_q, w_t, one, one, out_dtype=torch.bfloat16),
                          return_mode="median") * 1e-3
-        best = None
-        for config in CONFIGS:
-            try:
-                got = fp8_blockwise_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, **config)
-                torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-                seconds = bench(lambda: fp8_blockwise_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, **config),
-                                return_mode="median") * 1e-3
-            except (torch.OutOfMemoryError, torch.AcceleratorError):  # a fault poisons the context: stop
-                raise
-            except Exception as error:  # noqa: BLE001 - a config the GPU cannot hold: said, skipped
-                print(f"  N={n} K={k} M={m} {config}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
-                continue
-            records.append({"n": n, "k": k, "m": m, **config, "seconds": seconds})
-            if best is None or seconds < best[1]:
-                best = (config, seconds)
-        assert x_q.dtype == FP8_DTYPE
-        if best is None:
-            rows.append(f"{n:>6} {k:>6} {m:>5}  no config ran")
-            continue
-        config, seconds = best
-        records.append({"n": n, "k": k, "m": m, "bf16_seconds": bf16_s, "scaled_mm_seconds": scaled_s,
+        configs = [c for c in CONFIGS if c["BLOCK_M"] <= max(m, 32)]
+        where = f"N={n} K={k} M={m}"
+        fused, fused_s = _fastest(bench, lambda c: fp8_quantizing_matmul(x, w_q, w_s, config=c), want, configs,
+                                  where + " quantizing", records)
+        split, split_s = _fastest(bench, lambda c: fp8_blockwise_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, config=c),
+                                  want, configs, where + " e4m3 x", records)
+        records.append({"where": where, "bf16_seconds": bf16_s, "scaled_mm_seconds": scaled_s,
                         "quantize_seconds": quant_s})
-        shown = f"{config['block_m']},{config['block_n']},{config['num_warps']},{config['num_stages']}"
-        rows.append(f"{n:>6} {k:>6} {m:>5}  {shown:<12} {_tflops(m, n, k, seconds):>8.0f} "
-                    f"{_tflops(m, n, k, scaled_s):>10.0f} {scaled_s / seconds:>9.1%} "
-                    f"{bf16_s / seconds:>8.2f}x {bf16_s / (seconds + quant_s):>10.2f}x")
+        if fused is None or split is None:
+            rows.append(f"{n:>6} {k:>6} {m:>5}  a kernel ran no config")
+            continue
+        best_by_shape.setdefault((n, k), {})[m] = fused
+        shown = f"{fused['BLOCK_M']},{fused['BLOCK_N']},{fused['num_warps']},{fused['num_stages']}"
+        rows.append(f"{n:>6} {k:>6} {m:>5}  {shown:<12} {fused_s * 1e6:>8.1f} {(split_s + quant_s) * 1e6:>9.1f} "
+                    f"{bf16_s * 1e6:>8.1f} {_tflops(m, n, k, fused_s):>8.0f} {_tflops(m, n, k, scaled_s):>10.0f} "
+                    f"{scaled_s / fused_s:>7.1%} {bf16_s / fused_s:>8.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
-    print(f"{'N':>6} {'K':>6} {'M':>5}  {'config':<12} {'TFLOP/s':>8} {'scaled_mm':>10} {'of it':>9} "
-          f"{'vs bf16':>9} {'+quantize':>10}")
+    if args.write:
+        _write_tables(best_by_shape, "python scripts/bench_fp8_gemm.py --write")
+    print(f"{'N':>6} {'K':>6} {'M':>5}  {'config':<12} {'fused us':>8} {'2 launch':>9} {'bf16 us':>8} "
+          f"{'TFLOP/s':>8} {'scaled_mm':>10} {'of it':>7} {'vs bf16':>9}")
     print("\n".join(rows))
 
 

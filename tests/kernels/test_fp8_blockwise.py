@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_kernels.fp8_blockwise import fp8_blockwise_matmul, fp8_linear, quantize_activation
+from rollout_kernels.fp8_blockwise import (fp8_blockwise_matmul, fp8_linear, fp8_quantizing_matmul,
+                                           quantize_activation)
 from rollout_kernels.fp8_blockwise_ref import (FP8_DTYPE, FP8_MAX, dequantize_weight_blockwise, fp8_blockwise_matmul_ref,
                                                quantize_activation_ref, quantize_weight_blockwise)
 
@@ -62,11 +63,31 @@ def test_blockwise_matmul_matches_the_reference(m, n, k, bias, out_dtype):
     x_q, x_scale = quantize_activation_ref(_randn(m, k, seed=1), block[1])
     w_q, w_scale = quantize_weight_blockwise(_randn(n, k, seed=2, scale=0.05), block)
     b = _randn(n, seed=3) if bias else None
-    got = fp8_blockwise_matmul(x_q, x_scale, w_q, w_scale, out_dtype, b, block, block_n=min(64, block[0]))
+    config = {"BLOCK_M": 64, "BLOCK_N": min(64, block[0]), "num_warps": 4, "num_stages": 3}
+    got = fp8_blockwise_matmul(x_q, x_scale, w_q, w_scale, out_dtype, b, block, config)
     want = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, out_dtype, b, block)
     assert got.dtype == out_dtype and got.shape == (m, n) and not got.isnan().any()
     tol = 1e-5 if out_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 128, 128), (7, 130, 200), (65, 256, 384)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantizing_matmul_equals_quantize_then_matmul_bit_for_bit(m, n, k, bias):
+    """The kernel that quantizes x tile by tile computes the two-launch path's bits: the same scales,
+    the same e4m3 values, the same sum (zero rows and a tail K block included)."""
+    x = _randn(m, k, seed=m + n, scale=2.0)
+    x[0, :9] = 0.0
+    if m > 2:
+        x[2] = 0.0
+    w_q, w_scale = quantize_weight_blockwise(_randn(n, k, seed=7, scale=0.05))
+    b = _randn(n, seed=8) if bias else None
+    for dtype in [torch.float32] + ([torch.bfloat16] if CUDA else []):
+        xd = x.to(dtype)
+        x_q, x_scale = quantize_activation(xd)
+        two_launches = fp8_blockwise_matmul(x_q, x_scale, w_q, w_scale, dtype, None if b is None else b.to(dtype))
+        one_launch = fp8_quantizing_matmul(xd, w_q, w_scale, None if b is None else b.to(dtype))
+        assert one_launch.dtype == dtype and torch.equal(one_launch, two_launches)
 
 
 def test_fp8_linear_stays_near_the_unquantized_layer():
