@@ -66,6 +66,18 @@ def quantize_activation(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tens
     return q, scale
 
 
+@triton.jit
+def quantize_tile(a, FP8_MAX_C: tl.constexpr, MIN_AMAX: tl.constexpr, EMULATE_E4M3: tl.constexpr):
+    """a [ROWS, GROUP] (one channel group per row, any float type) -> (e4m3 values, float32 scale [ROWS]):
+    quantize_activation's rule in registers, for GEMMs that quantize their input tile by tile."""
+    a = a.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(a), axis=1), MIN_AMAX) / FP8_MAX_C
+    a = tl.clamp(a / scale[:, None], -FP8_MAX_C, FP8_MAX_C)
+    if EMULATE_E4M3:  # the interpreter's own e4m3 conversion is wrong (kernels/e4m3.py)
+        a = round_to_e4m3_grid(a)
+    return a.to(tl.float8e4nv), scale
+
+
 # ---- the GEMM ---------------------------------------------------------------------------------
 
 @triton.jit
@@ -95,12 +107,7 @@ def _fp8_blockwise_matmul_kernel(
         a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
                     mask=row_in[:, None] & (k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
         if QUANTIZE_X:
-            a = a.to(tl.float32)
-            x_scale = tl.maximum(tl.max(tl.abs(a), axis=1), MIN_AMAX) / FP8_MAX_C  # [BLOCK_M]
-            a = tl.clamp(a / x_scale[:, None], -FP8_MAX_C, FP8_MAX_C)
-            if EMULATE_E4M3:  # the interpreter's own e4m3 conversion is wrong (kernels/e4m3.py)
-                a = round_to_e4m3_grid(a)
-            a = a.to(wq_ptr.dtype.element_ty)  # e4m3
+            a, x_scale = quantize_tile(a, FP8_MAX_C, MIN_AMAX, EMULATE_E4M3)  # e4m3, [BLOCK_M]
         else:
             x_scale = tl.load(xs_ptr + rows * stride_xsm + kb, mask=row_in, other=0.0)  # [BLOCK_M]
         b = tl.load(wq_ptr + cols[None, :] * stride_wn + k[:, None],

@@ -6,9 +6,9 @@ Weights e4m3 with one float32 scale per block: w13 [E, 2I, H] with w13_scale [E,
 and w2 [E, H, I] with w2_scale [E, H / BN, ceil(I / 128)], where BN (a power of two up to 128) divides
 I and H, so a block never spans the gate and the up rows (the layout of the hub's FP8 MoE checkpoints
 when BN = 128). Activations are quantized per row and 128-channel group, as kernels/fp8_blockwise.py
-does: the hidden state before gate/up, the SiLU-and-mul product before down. Each K step of 128 sums
-its e4m3 products in float32 and scales them by the row's and the weight block's scales; the steps
-add in K order. Slot layout, the gated epilogue, the weighted down rows and the fixed-order sum over
+does, inside each GEMM tile by tile: the hidden state before gate/up, the SiLU-and-mul product before
+down. Each K step of 128 sums its e4m3 products in float32 and scales them by the row's and the
+weight block's scales; the steps add in K order. Slot layout, the gated epilogue, the weighted down rows and the fixed-order sum over
 the k choices are fused_moe.py's (moe_align_block_size, moe_sum).
 """
 
@@ -18,8 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout_kernels.fp8_blockwise import quantize_activation
-from rollout_kernels.fp8_blockwise_ref import BLOCK, FP8_DTYPE, fp8_blockwise_matmul_ref, quantize_activation_ref
+from rollout_kernels.e4m3 import emulate_e4m3
+from rollout_kernels.fp8_blockwise import quantize_tile
+from rollout_kernels.fp8_blockwise_ref import (_MIN_AMAX, BLOCK, FP8_DTYPE, FP8_MAX, fp8_blockwise_matmul_ref,
+                                               quantize_activation_ref)
 from rollout_kernels.fused_moe import block_slots, expert_tile, moe_sum, moe_sum_ref, store_tile, tile_columns
 from rollout_kernels.moe_align import moe_align_block_size
 
@@ -28,15 +30,18 @@ DEFAULT_CONFIG = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, GROUP_SIZE_M=8, num_war
 
 @triton.jit(do_not_specialize=["numel", "num_blocks_m"])
 def _moe_gemm_fp8_kernel(
-    A, AScale, B, BScale, C, TopkWeights, SortedIds, ExpertIds, NumPostPadded,
+    A, B, BScale, C, TopkWeights, SortedIds, ExpertIds, NumPostPadded,
     N, K, numel, num_blocks_m,
-    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+    stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
     SLOTS_PER_ROW: tl.constexpr,  # A row of slot s is s // SLOTS_PER_ROW: top_k for gate/up, 1 for down
     GATED: tl.constexpr,  # B holds 2N rows (gate, up); write silu(gate) * up
     MUL_WEIGHT: tl.constexpr,  # scale row s by TopkWeights[s]
     SCALE_BLOCK_N: tl.constexpr,  # BN: weight rows per scale row
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, MIN_AMAX: tl.constexpr, EMULATE_E4M3: tl.constexpr,
 ):
+    """A holds the activations in bf16 / fp16 / fp32; each K step quantizes its [BLOCK_M, BLOCK_K] tile in
+    registers (quantize_tile: quantize_activation's values and scales, without an e4m3 copy in memory)."""
     pid_m, pid_n = expert_tile(tl.program_id(0), N, num_blocks_m, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(NumPostPadded):
         return  # past the last expert's blocks (the grid is sized for the worst case)
@@ -56,7 +61,7 @@ def _moe_gemm_fp8_kernel(
         k = kb * BLOCK_K + offs_k
         mask_k = k < K
         a = tl.load(A + rows[:, None] * stride_am + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        a_scale = tl.load(AScale + rows * stride_asm + kb, mask=mask_m, other=0.0)  # [BLOCK_M]
+        a, a_scale = quantize_tile(a, FP8_MAX_C, MIN_AMAX, EMULATE_E4M3)  # e4m3, [BLOCK_M]
         b_ptrs = b_base + offs_bn[None, :] * stride_bn + k[:, None]  # [BLOCK_K, BLOCK_N]
         b = tl.load(b_ptrs, mask=mask_k[:, None], other=0.0)
         b_scale = tl.load(s_base + scale_rows * stride_bsn + kb)  # [BLOCK_N]
@@ -68,19 +73,20 @@ def _moe_gemm_fp8_kernel(
     store_tile(C, acc, acc_up, TopkWeights, slots, mask_m, offs_n, N, stride_cm, GATED, MUL_WEIGHT)
 
 
-def _launch(a_q, a_scale, b_q, b_scale, c, weights, layout, numel: int, n: int, k: int, slots_per_row: int,
+def _launch(a, b_q, b_scale, c, weights, layout, numel: int, n: int, k: int, slots_per_row: int,
             gated: bool, block_rows: int, config: dict) -> None:
     sorted_ids, expert_ids, num_post_padded = layout
     block_n = min(config["BLOCK_SIZE_N"], block_rows)
     num_blocks_m = expert_ids.numel()
     grid = (num_blocks_m * triton.cdiv(n, block_n),)
     _moe_gemm_fp8_kernel[grid](
-        a_q, a_scale, b_q, b_scale, c, weights if weights is not None else a_scale, sorted_ids, expert_ids,
+        a, b_q, b_scale, c, weights if weights is not None else b_scale, sorted_ids, expert_ids,
         num_post_padded, n, k, numel, num_blocks_m,
-        a_q.stride(0), a_scale.stride(0), b_q.stride(0), b_q.stride(1), b_scale.stride(0), b_scale.stride(1),
+        a.stride(0), b_q.stride(0), b_q.stride(1), b_scale.stride(0), b_scale.stride(1),
         c.stride(0),
         SLOTS_PER_ROW=slots_per_row, GATED=gated, MUL_WEIGHT=weights is not None, SCALE_BLOCK_N=block_rows,
         BLOCK_M=config["BLOCK_SIZE_M"], BLOCK_N=block_n, BLOCK_K=BLOCK, GROUP_M=config["GROUP_SIZE_M"],
+        FP8_MAX_C=FP8_MAX, MIN_AMAX=_MIN_AMAX, EMULATE_E4M3=emulate_e4m3(),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
@@ -111,12 +117,10 @@ def fused_experts_fp8(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.
     if numel == 0:
         return out.view(num_tokens, top_k, hidden_size).sum(1)
     layout = moe_align_block_size(topk_ids, num_experts, config["BLOCK_SIZE_M"])
-    h_q, h_scale = quantize_activation(hidden)  # [T, H] e4m3, [T, HB]
     mid = torch.empty((numel, inter), dtype=hidden.dtype, device=hidden.device)
-    _launch(h_q, h_scale, w13, w13_scale, mid, None, layout, numel, inter, hidden_size, top_k, True,
+    _launch(hidden, w13, w13_scale, mid, None, layout, numel, inter, hidden_size, top_k, True,
             block_rows, config)
-    mid_q, mid_scale = quantize_activation(mid)  # [T * k, I] e4m3, [T * k, IB]
-    _launch(mid_q, mid_scale, w2, w2_scale, out, topk_weights.reshape(-1).contiguous(), layout, numel, hidden_size,
+    _launch(mid, w2, w2_scale, out, topk_weights.reshape(-1).contiguous(), layout, numel, hidden_size,
             inter, 1, False, block_rows, config)
     return moe_sum(out.view(num_tokens, top_k, hidden_size))
 
