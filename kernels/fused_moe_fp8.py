@@ -23,9 +23,8 @@ from rollout_kernels.fp8_blockwise import quantize_tile
 from rollout_kernels.fp8_blockwise_ref import (_MIN_AMAX, BLOCK, FP8_DTYPE, FP8_MAX, fp8_blockwise_matmul_ref,
                                                quantize_activation_ref)
 from rollout_kernels.fused_moe import block_slots, expert_tile, moe_sum, moe_sum_ref, store_tile, tile_columns
+from rollout_kernels.fused_moe_config import get_config
 from rollout_kernels.moe_align import moe_align_block_size
-
-DEFAULT_CONFIG = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, GROUP_SIZE_M=8, num_warps=4, num_stages=3)
 
 
 @triton.jit(do_not_specialize=["numel", "num_blocks_m"])
@@ -107,21 +106,25 @@ def _check(hidden, w13, w13_scale, w2, w2_scale, topk_ids, block_rows: int) -> t
 
 def fused_experts_fp8(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                       w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, block_rows: int,
-                      config: dict | None = None) -> torch.Tensor:
+                      configs: tuple[dict, dict] | None = None) -> torch.Tensor:
     """hidden [T, H] (bf16 / fp16 / fp32), e4m3 experts with their block scales (module docstring),
-    topk_weights [T, k] float32, topk_ids [T, k] int32 -> [T, H] in hidden's dtype."""
+    topk_weights [T, k] float32, topk_ids [T, k] int32 -> [T, H] in hidden's dtype. `configs`: (gate/up,
+    down) launch configs sharing BLOCK_SIZE_M (BLOCK_SIZE_K is always the scale block's 128); default:
+    fused_moe_config's for T tokens in float8_e4m3fn (a tuned file, else the untuned rule by rows per
+    expert: decode batches get small M tiles)."""
     num_experts, hidden_size, inter, top_k = _check(hidden, w13, w13_scale, w2, w2_scale, topk_ids, block_rows)
-    config = config or DEFAULT_CONFIG
+    w13_config, w2_config = configs or get_config(hidden.shape[0], num_experts, top_k, inter, hidden_size, FP8_DTYPE)
+    assert w13_config["BLOCK_SIZE_M"] == w2_config["BLOCK_SIZE_M"], "both GEMMs walk one expert-sorted layout"
     num_tokens, numel = hidden.shape[0], hidden.shape[0] * top_k
     out = torch.empty((numel, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if numel == 0:
         return out.view(num_tokens, top_k, hidden_size).sum(1)
-    layout = moe_align_block_size(topk_ids, num_experts, config["BLOCK_SIZE_M"])
+    layout = moe_align_block_size(topk_ids, num_experts, w13_config["BLOCK_SIZE_M"])
     mid = torch.empty((numel, inter), dtype=hidden.dtype, device=hidden.device)
     _launch(hidden, w13, w13_scale, mid, None, layout, numel, inter, hidden_size, top_k, True,
-            block_rows, config)
+            block_rows, w13_config)
     _launch(mid, w2, w2_scale, out, topk_weights.reshape(-1).contiguous(), layout, numel, hidden_size,
-            inter, 1, False, block_rows, config)
+            inter, 1, False, block_rows, w2_config)
     return moe_sum(out.view(num_tokens, top_k, hidden_size))
 
 

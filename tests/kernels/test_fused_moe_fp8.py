@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_kernels.fp8_blockwise_ref import quantize_weight_blockwise
+from rollout_kernels.fp8_blockwise_ref import FP8_DTYPE, quantize_weight_blockwise
 from rollout_kernels.fused_moe import fused_experts_ref
+from rollout_kernels.fused_moe_config import get_config
 from rollout_kernels.fused_moe_fp8 import fused_experts_fp8, fused_experts_fp8_ref
 from rollout_kernels.moe_routing import topk_softmax
 
@@ -41,7 +42,7 @@ def test_w8a8_experts_match_the_reference(t, e, k, hidden, inter, block_rows):
     h, w13, w2, weights, ids = _problem(t, e, k, hidden, inter, dtype, seed=t + e)
     w13_q, w13_s = quantize_experts(w13, block_rows)
     w2_q, w2_s = quantize_experts(w2, block_rows)
-    got = fused_experts_fp8(h, w13_q, w13_s, w2_q, w2_s, weights, ids, block_rows, SMALL)
+    got = fused_experts_fp8(h, w13_q, w13_s, w2_q, w2_s, weights, ids, block_rows, (SMALL, SMALL))
     want = fused_experts_fp8_ref(h, w13_q, w13_s, w2_q, w2_s, weights, ids, block_rows)
     assert got.shape == (t, hidden) and got.dtype == dtype and not got.isnan().any()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -56,4 +57,16 @@ def test_blocks_must_not_span_gate_and_up():
     w13_q, w13_s = quantize_experts(w13, 16)
     w2_q, w2_s = quantize_experts(w2, 16)
     with pytest.raises(AssertionError, match="must divide I 48"):
-        fused_experts_fp8(h, w13_q, w13_s, w2_q, w2_s, weights, ids, 32, SMALL)
+        fused_experts_fp8(h, w13_q, w13_s, w2_q, w2_s, weights, ids, 32, (SMALL, SMALL))
+
+
+def test_default_launch_follows_the_rows_per_expert():
+    """Without configs the W8A8 experts take fused_moe_config's choice for T tokens in e4m3: small M
+    tiles for decode batches, and the same answer as explicit configs."""
+    h, w13, w2, weights, ids = _problem(5, 8, 2, 96, 64, torch.float32, seed=2)
+    w13_q, w13_s = quantize_experts(w13, 32)
+    w2_q, w2_s = quantize_experts(w2, 32)
+    chosen = get_config(5, 8, 2, 64, 96, FP8_DTYPE)
+    assert chosen[0]["BLOCK_SIZE_M"] == 16  # 5 x 2 / 8 rows per expert
+    assert torch.equal(fused_experts_fp8(h, w13_q, w13_s, w2_q, w2_s, weights, ids, 32),
+                       fused_experts_fp8(h, w13_q, w13_s, w2_q, w2_s, weights, ids, 32, chosen))
