@@ -120,12 +120,31 @@ def fused_experts_fp8(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.
     if numel == 0:
         return out.view(num_tokens, top_k, hidden_size).sum(1)
     layout = moe_align_block_size(topk_ids, num_experts, w13_config["BLOCK_SIZE_M"])
-    mid = torch.empty((numel, inter), dtype=hidden.dtype, device=hidden.device)
-    _launch(hidden, w13, w13_scale, mid, None, layout, numel, inter, hidden_size, top_k, True,
-            block_rows, w13_config)
-    _launch(mid, w2, w2_scale, out, topk_weights.reshape(-1).contiguous(), layout, numel, hidden_size,
-            inter, 1, False, block_rows, w2_config)
+    mid = moe_gate_up_fp8(hidden, w13, w13_scale, top_k, layout, w13_config, block_rows)
+    moe_down_fp8(mid, w2, w2_scale, topk_weights, layout, w2_config, block_rows, out)
     return moe_sum(out.view(num_tokens, top_k, hidden_size))
+
+
+def moe_gate_up_fp8(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, top_k: int, layout,
+                    config: dict, block_rows: int) -> torch.Tensor:
+    """fused_moe.moe_gate_up on e4m3 experts: hidden [T, H] -> [T * top_k, I] in hidden's dtype
+    (layout = moe_align_block_size(topk_ids, E, BLOCK_SIZE_M); the tuner times this half alone)."""
+    numel, inter, hidden_size = hidden.shape[0] * top_k, w13.shape[1] // 2, w13.shape[2]
+    mid = torch.empty((numel, inter), dtype=hidden.dtype, device=hidden.device)
+    _launch(hidden, w13, w13_scale, mid, None, layout, numel, inter, hidden_size, top_k, True, block_rows, config)
+    return mid
+
+
+def moe_down_fp8(mid: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor, layout,
+                 config: dict, block_rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fused_moe.moe_down on e4m3 experts: mid [T * k, I], topk_weights [T, k] float32 -> [T * k, H],
+    row s weighted by topk_weights.flat[s]."""
+    numel, (hidden_size, inter) = mid.shape[0], w2.shape[1:]
+    if out is None:
+        out = torch.empty((numel, hidden_size), dtype=mid.dtype, device=mid.device)
+    _launch(mid, w2, w2_scale, out, topk_weights.reshape(-1).contiguous(), layout, numel, hidden_size, inter, 1,
+            False, block_rows, config)
+    return out
 
 
 def fused_experts_fp8_ref(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,

@@ -10,6 +10,8 @@ several random routings (kernels/fused_moe_bench.py). Candidates are compiled fi
 worker processes that fill Triton's on-disk cache (one compile serves every bucket: batch-size
 ints are not specialised). With --time-budget-s the remaining time is split over the remaining
 buckets, each trying its candidates most-promising first; a bucket that runs out keeps its best.
+`--dtype float8_e4m3fn` tunes the W8A8 kernels (kernels/fused_moe_fp8.py) that `--quantization fp8`
+runs: e4m3 experts, bf16 activations quantized inside, BLOCK_SIZE_K the scale block's 128.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -26,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "float8_e4m3fn": torch.float8_e4m3fn}  # W8A8: e4m3 experts, bf16 activations quantized in the kernel
 SMEM_LIMIT = 200 * 1024  # bytes of pipelined tiles we allow (H100/H200: 227 KiB per block)
 
 
@@ -41,8 +45,9 @@ def block_ms(num_tokens: int, num_experts: int, top_k: int) -> list[int]:
     return [64, 128]
 
 
-def candidates(block_m: int, n: int, k: int, elt: int, gated: bool) -> list[dict]:
-    """Launch configs for one GEMM (N = n output columns, K = k), most promising first."""
+def candidates(block_m: int, n: int, k: int, elt: int, gated: bool, fp8: bool = False) -> list[dict]:
+    """Launch configs for one GEMM (N = n output columns, K = k), most promising first. fp8: e4m3
+    weights (elt 1), activations read in bf16, BLOCK_SIZE_K the scale block's 128."""
     if block_m <= 32:  # few rows per expert: the GEMM streams weights; many programs, deep pipelines
         space = itertools.product([32, 64, 16, 128], [128, 64, 256], [1], [4], [4, 3, 5])
     else:
@@ -50,8 +55,10 @@ def candidates(block_m: int, n: int, k: int, elt: int, gated: bool) -> list[dict
     out = []
     for bn, bk, group, warps, stages in space:
         bn, bk = min(bn, max(16, triton_next_pow2(n))), min(bk, max(16, triton_next_pow2(k)))  # small shapes
-        tiles = (gated + 1) * bk * bn + block_m * bk
-        if stages * tiles * elt > SMEM_LIMIT:
+        if fp8:
+            bk = 128
+        tile_bytes = (gated + 1) * bk * bn * elt + block_m * bk * (2 if fp8 else elt)
+        if stages * tile_bytes > SMEM_LIMIT:
             continue
         if (gated + 1) * block_m * bn > 128 * 32 * warps:  # fp32 accumulators: <= 128 registers per thread
             continue
@@ -70,17 +77,43 @@ def job_key(kind: str, cfg: dict) -> str:
     return f"{kind} {json.dumps(cfg, sort_keys=True)}"
 
 
+def moe_problem(shape, dtype: torch.dtype, num_tokens: int, routings: int = 1, init_weights: bool = True):
+    """(problem, gate_up(hidden, layout, cfg), down(mid, topk_weights, layout, cfg)) for `dtype`: the bf16 /
+    fp16 / fp32 kernels, or for float8_e4m3fn the W8A8 ones on the problem's experts quantized in blocks
+    of (the largest power of two up to 128 dividing I and H) x 128 rows, as the engine quantizes them."""
+    from rollout_kernels.fused_moe import moe_down, moe_gate_up
+    from rollout_kernels.fused_moe_bench import make_problem
+
+    num_experts, top_k, hidden, inter = shape
+    fp8 = dtype == torch.float8_e4m3fn
+    p = make_problem(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16 if fp8 else dtype, routings,
+                     init_weights=init_weights)
+    if not fp8:
+        return (p, lambda h, lay, cfg: moe_gate_up(h, p.w13, top_k, lay, cfg),
+                lambda m, w, lay, cfg: moe_down(m, p.w2, w, lay, cfg))
+    from rollout_kernels.fp8_blockwise_ref import quantize_weight_blockwise
+    from rollout_kernels.fused_moe_fp8 import moe_down_fp8, moe_gate_up_fp8
+
+    rows = math.gcd(128, inter, hidden)
+
+    def quantized(w):  # [E, N, K] -> e4m3 [E, N, K], scales [E, N / rows, K / 128]
+        pairs = [quantize_weight_blockwise(w[e], (rows, 128)) for e in range(w.shape[0])]
+        return torch.stack([q for q, _ in pairs]), torch.stack([sc for _, sc in pairs])
+
+    (w13, s13), (w2, s2) = quantized(p.w13), quantized(p.w2)
+    return (p, lambda h, lay, cfg: moe_gate_up_fp8(h, w13, s13, top_k, lay, cfg, rows),
+            lambda m, w, lay, cfg: moe_down_fp8(m, w2, s2, w, lay, cfg, rows))
+
+
 def _compile_worker(job) -> list[str]:
     """In a fresh process: launch each (kind, config) once on a one-token problem; returns the keys that failed."""
     shape, dtype_name, jobs = job
     import torch
 
-    from rollout_kernels.fused_moe import moe_down, moe_gate_up
-    from rollout_kernels.fused_moe_bench import make_problem
     from rollout_kernels.moe_align import moe_align_block_size
 
     num_experts, top_k, hidden, inter = shape
-    p = make_problem(1, num_experts, top_k, hidden, inter, DTYPES[dtype_name], init_weights=False)
+    p, gate_up, down = moe_problem(shape, DTYPES[dtype_name], 1, init_weights=False)
     weights, ids = p.routings[0]
     failed = []
     mid = torch.zeros((top_k, inter), dtype=p.w13.dtype, device=p.w13.device)
@@ -88,9 +121,9 @@ def _compile_worker(job) -> list[str]:
         try:
             layout = moe_align_block_size(ids, num_experts, cfg["BLOCK_SIZE_M"])
             if kind == "w13":
-                moe_gate_up(p.hidden[0], p.w13, top_k, layout, cfg)
+                gate_up(p.hidden[0], layout, cfg)
             else:
-                moe_down(mid, p.w2, weights, layout, cfg)
+                down(mid, weights, layout, cfg)
             if mid.is_cuda:
                 torch.cuda.synchronize()
         except Exception:  # out of shared memory / registers: the tuner skips it
@@ -114,22 +147,22 @@ def compile_all(shape, dtype_name: str, jobs: list, workers: int) -> set[str]:
 
 
 def tune_bucket(num_tokens: int, shape, dtype: torch.dtype, deadline: float, rep_ms: int, failed: set, log) -> dict:
-    from rollout_kernels.fused_moe import moe_down, moe_gate_up
-    from rollout_kernels.fused_moe_bench import default_num_routings, make_problem, time_in_graph
+    from rollout_kernels.fused_moe_bench import default_num_routings, time_in_graph
     from rollout_kernels.fused_moe_config import W2_KEYS, default_config, fit_to_shape
     from rollout_kernels.moe_align import moe_align_block_size
 
     num_experts, top_k, hidden, inter = shape
     routings = default_num_routings(num_tokens)
-    p = make_problem(num_tokens, num_experts, top_k, hidden, inter, dtype, routings)
-    elt = p.w13.element_size()
+    p, gate_up, down = moe_problem(shape, dtype, num_tokens, routings)
+    fp8 = dtype == torch.float8_e4m3fn
+    elt = torch.empty((), dtype=dtype).element_size()
 
     def time_w13(cfg, layouts):
-        return time_in_graph(lambda: [moe_gate_up(h, p.w13, top_k, lay, cfg) for h, lay in zip(p.hidden, layouts)],
+        return time_in_graph(lambda: [gate_up(h, lay, cfg) for h, lay in zip(p.hidden, layouts)],
                              rep_ms) / routings
 
     def time_w2(cfg, layouts, mids):
-        return time_in_graph(lambda: [moe_down(m, p.w2, w, lay, cfg)
+        return time_in_graph(lambda: [down(m, w, lay, cfg)
                                       for m, (w, _), lay in zip(mids, p.routings, layouts)], rep_ms) / routings
 
     def best_of(kind, configs, timer, until):
@@ -153,10 +186,10 @@ def tune_bucket(num_tokens: int, shape, dtype: torch.dtype, deadline: float, rep
         # each BLOCK_SIZE_M gets its share of what is left (half each GEMM); the last one takes the rest
         now = time.monotonic()
         share = now + (deadline - now) / (len(bms) - i)
-        t13, cfg13 = best_of("w13", candidates(bm, inter, hidden, elt, True), lambda c: time_w13(c, layouts),
+        t13, cfg13 = best_of("w13", candidates(bm, inter, hidden, elt, True, fp8), lambda c: time_w13(c, layouts),
                              now + (share - now) / 2)
-        mids = [moe_gate_up(h, p.w13, top_k, lay, cfg13) for h, lay in zip(p.hidden, layouts)]
-        t2, cfg2 = best_of("w2", candidates(bm, hidden, inter, elt, False), lambda c: time_w2(c, layouts, mids),
+        mids = [gate_up(h, lay, cfg13) for h, lay in zip(p.hidden, layouts)]
+        t2, cfg2 = best_of("w2", candidates(bm, hidden, inter, elt, False, fp8), lambda c: time_w2(c, layouts, mids),
                            share)
         results.append((t13 + t2, cfg13, cfg2, t13, t2))
         deadline_reached = time.monotonic() > share
@@ -166,10 +199,12 @@ def tune_bucket(num_tokens: int, shape, dtype: torch.dtype, deadline: float, rep
     # the untuned default, for the record
     d13, d2 = fit_to_shape(default, inter, hidden), fit_to_shape(default, hidden, inter)
     dlayouts = [moe_align_block_size(ids, num_experts, d13["BLOCK_SIZE_M"]) for _, ids in p.routings]
-    dmids = [moe_gate_up(h, p.w13, top_k, lay, d13) for h, lay in zip(p.hidden, dlayouts)]
+    dmids = [gate_up(h, lay, d13) for h, lay in zip(p.hidden, dlayouts)]
     default_us = (time_w13(d13, dlayouts) + time_w2(d2, dlayouts, dmids)) * 1e6
     entry = {**cfg13, "w2": {k: cfg2[k] for k in W2_KEYS}}
-    bytes_ = p.bytes_per_call()
+    _, inter_size, hidden_size = p.shape
+    # the weights move at the experts' element size (e4m3: 1 byte), activations in the problem's dtype
+    bytes_ = p.bytes_per_call() - (0 if not fp8 else p.experts_touched() * 3 * inter_size * hidden_size)
     return {"entry": entry, "us": total * 1e6, "w13_us": t13 * 1e6, "w2_us": t2 * 1e6, "default_us": default_us,
             "gb_per_s": bytes_ / total / 1e9}
 
@@ -218,7 +253,7 @@ def main() -> int:
     for t in buckets:
         for bm in block_ms(t, num_experts, top_k):
             for kind, n, k in (("w13", inter, hidden), ("w2", hidden, inter)):
-                for c in candidates(bm, n, k, elt, kind == "w13"):
+                for c in candidates(bm, n, k, elt, kind == "w13", dtype == torch.float8_e4m3fn):
                     jobs[job_key(kind, c)] = (kind, c)
     log(f"E={num_experts} top_k={top_k} H={hidden} I={inter} {args.dtype}: compiling {len(jobs)} kernels "
         f"in {args.compile_workers} workers")
