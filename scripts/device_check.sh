@@ -29,7 +29,9 @@
 # checkpoint, engine and trainer on the GPU in bf16: logprob_mismatch must be 0.0), tunebi06 / tunebi8 (tune the batch-invariant matmul for the 0.6B / 8B
 # shapes, write kernels/configs/batch_invariant_matmul/ and tar it to $OUT/tunebi*.tar to commit; run before det06 /
 # det8 in the same call), bitests (the batch-invariant matmul's GPU tests: every shipped table keeps each row's bits), bitiles
-# (scripts/check_batch_invariant_tiles.py: does any tile / BLOCK_K / stages / load path change a bit), fp8 (issue 20's FP8 kernels: their GPU tests, then scripts/bench_fp8_gemm.py), vlmtests
+# (scripts/check_batch_invariant_tiles.py: does any tile / BLOCK_K / stages / load path change a bit), fp8 (issue 20's FP8 kernels: their GPU tests, then scripts/bench_fp8_gemm.py --write: the GEMM's tables, used by
+# later parts of the call, tarred to $OUT/fp8_tables.tar), tunefp8moe (the W8A8 fused MoE's configs on the 30B-A3B
+# shape, to $OUT), vlmtests
 # (issue 23: the VLM GPU tests, graphs vs eager, float32 vs HF), vlm8 (issue 23's target: the Qwen3-VL-8B shape, one
 # 448 x 448 image per prompt, HF stopped after 300 s), vtower (the vision tower alone: TFLOP/s, top kernels), spec06
 # (issue 22: the GRPO shape greedy, without and with --speculative siblings: eager verify steps against graphs),
@@ -113,9 +115,15 @@ for part in $PARTS; do
                timeout 500 python3 scripts/tune_batch_invariant_matmul.py --model $model --write 2>&1 \
                | tee "$OUT/$part.log" | tail -12  # a tar: the JSON names hold "=" and ",", which $OUT does not return
                tar -C kernels/configs -cf "$OUT/$part.tar" batch_invariant_matmul ;;
-    fp8) timeout 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_blockwise.py tests/kernels/test_fused_moe_fp8.py 2>&1 \
+    fp8) timeout 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_blockwise.py \
+               tests/kernels/test_fp8_blockwise_config.py tests/kernels/test_fused_moe_fp8.py 2>&1 \
                | tee "$OUT/gpu_fp8_tests.log" | grep -E "^FAILED|passed|failed" | tail -8
-           timeout 400 python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.log" | tail -12 ;;
+           timeout 330 python3 scripts/bench_fp8_gemm.py --write --json "$OUT/fp8_gemm.json" 2>"$OUT/fp8_gemm.err" \
+               | tee "$OUT/fp8_gemm.log" | tail -26  # the tables the later parts of this call run; a tar to commit
+           tar -C kernels/configs -cf "$OUT/fp8_tables.tar" fp8_blockwise ;;
+    tunefp8moe) timeout 300 python3 scripts/tune_fused_moe.py --model-config $Q30/config.json --dtype float8_e4m3fn \
+               --buckets 1,8,32,64,128,256,512,1024,4096 --time-budget-s 200 2>&1 | tee "$OUT/tune_fp8moe.log" | grep -E "T=[0-9]+:|wrote"
+           cp kernels/configs/fused_moe/*float8* "$OUT/" 2>/dev/null ;;
     fp8b8) bench b8_bf16 200 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512
            bench b8_fp8 200 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512 --quantization fp8 --profile ;;
     fp8moe30) bench b30_bf16 200 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512
