@@ -58,8 +58,9 @@ def _architectures(raw: dict, path: str) -> list[str]:
 
 # sizes the layers are allocated with: a non-positive one fails deep in torch (negative dimension) or
 # builds empty layers that only fail when the weights do not fit
+# (max_position_embeddings: 0 ran with a made-up 4096, a negative one failed in torch.arange)
 _SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-              "intermediate_size", "head_dim")
+              "intermediate_size", "head_dim", "max_position_embeddings")
 
 
 def _check_sizes(config, path: str) -> None:

@@ -85,6 +85,9 @@ def _cases(root: Path) -> dict[str, tuple[list[str], Path, tuple[str, ...]]]:
     config = json.loads((bad_arch / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (bad_arch / "config.json").write_text(json.dumps(config))
+    no_positions = _model_copy(root, "no_positions")  # ran with a made-up 4096 positions
+    (no_positions / "config.json").write_text(json.dumps(dict(config, architectures=["Qwen3ForCausalLM"],
+                                                              max_position_embeddings=0)))
 
     def case(name, data_file=PROMPTS, model=MODEL, extra=(), words=(), out=None):
         out = out or root / "out" / name
@@ -134,6 +137,8 @@ def _cases(root: Path) -> dict[str, tuple[list[str], Path, tuple[str, ...]]]:
                                  words=("row 0", "exceeds the limit of 2047", "--skip-invalid")),
         "out_uncreatable": case("out_uncreatable", out=Path("/proc/rollout-bad-input/out"),
                                 words=("cannot create --out /proc/rollout-bad-input/out", "choose another --out")),
+        "max_position_embeddings_zero": case("max_position_embeddings_zero", model=no_positions,
+                                             words=("max_position_embeddings is 0", "positive integer")),
         "max_model_len_past_positions": case("max_model_len_past_positions", extra=("--max-model-len", "100000"),
                                              words=("--max-model-len 100000", "2048 positions",
                                                     "max_position_embeddings", "rope_scaling")),
@@ -198,6 +203,7 @@ BAD_CASES = [
     "unknown_dtype", "unknown_device", "bogus_logprobs_mode", "negative_n", "shard_rows_zero",
     "flush_seconds_negative", "prompt_not_utf8", "int_prompt", "long_chat_prompt", "out_uncreatable",
     "max_model_len_past_positions", "max_turns_without_env", "draft_tokens_without_speculative",
+    "max_position_embeddings_zero",
 ]
 
 

@@ -47,6 +47,7 @@ def test_config_that_is_no_json_object_is_one_line(model, text):
 @pytest.mark.parametrize("key,value", [
     ("hidden_size", -64), ("num_hidden_layers", 0), ("num_attention_heads", 0), ("vocab_size", -1),
     ("intermediate_size", 0), ("num_key_value_heads", -2), ("head_dim", 0),
+    ("max_position_embeddings", 0), ("max_position_embeddings", -4096),  # 0 ran with a made-up 4096
 ])
 def test_non_positive_sizes_are_refused_naming_the_key(model, key, value):
     _edit_config(model, **{key: value})
