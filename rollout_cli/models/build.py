@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import math
 import os
 
 import torch
@@ -38,13 +41,40 @@ def load_model_config(model_dir: str):
                            "restore the checkpoint's config.json")
     architectures = _architectures(raw, path)
     model_class_for(type("RawConfig", (), {"architectures": architectures}))  # fail early, one line
-    try:
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except Exception as err:  # transformers raises many types for bad configs
-        raise RolloutError(f"cannot load {path}: {str(err).splitlines()[0]}") from err
-    config = _language_model_config(config, architectures)
-    _check_sizes(config, path)
+    with _warnings_unless_refused():
+        try:
+            config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        except Exception as err:  # transformers raises many types for bad configs
+            raise RolloutError(f"cannot load {path}: {str(err).splitlines()[0]}") from err
+        config = _language_model_config(config, architectures)
+        _check_sizes(config, path)
+        _check_rope(config, _rope_field(raw), path)
     return config
+
+
+class _Held(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _warnings_unless_refused():
+    """Hold transformers' log lines while it reads config.json and print them only when the checks pass: a
+    config refused here is one line, not transformers' warning about the same key and then ours."""
+    logger = logging.getLogger("transformers")
+    held = _Held()
+    handlers, propagate = logger.handlers, logger.propagate
+    logger.handlers, logger.propagate = [held], False
+    try:
+        yield
+    finally:
+        logger.handlers, logger.propagate = handlers, propagate
+    for record in held.records:  # reached only when nothing was refused
+        logger.handle(record)
 
 
 def _architectures(raw: dict, path: str) -> list[str]:
@@ -71,6 +101,36 @@ def _check_sizes(config, path: str) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise RolloutError(f"{path}: {key} is {value!r}, it must be a positive integer; fix config.json")
+
+
+def _rope_field(raw: dict) -> str:
+    """The name config.json gives rope scaling (transformers 5 reads `rope_scaling` into `rope_parameters`),
+    for errors that name the key the user wrote."""
+    for section in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}):
+        if section.get("rope_scaling") is not None:
+            return "rope_scaling"
+    return "rope_parameters"
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_rope(config, field: str, path: str) -> None:
+    """Refuse a rope scaling factor below 1 or a rope_theta that is not positive: transformers only warns,
+    and the rotary tables (and the positions --max-model-len allows) would be garbage."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    factor = params.get("factor")
+    if rope_type != "default" and "factor" in params and not (_is_number(factor) and factor >= 1):
+        raise RolloutError(f"{path}: {field} factor is {factor!r} (rope_type {rope_type}), it must be a number >= 1 "
+                           "(how many times the original context is stretched); fix config.json")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is not None and not (_is_number(theta) and theta > 0):
+        raise RolloutError(f"{path}: rope_theta is {theta!r}, it must be a positive number (the rotary base, "
+                           "e.g. 10000 or 1000000); fix config.json")
 
 
 def _language_model_config(config, architectures: list[str]):

@@ -88,6 +88,10 @@ def _cases(root: Path) -> dict[str, tuple[list[str], Path, tuple[str, ...]]]:
     no_positions = _model_copy(root, "no_positions")  # ran with a made-up 4096 positions
     (no_positions / "config.json").write_text(json.dumps(dict(config, architectures=["Qwen3ForCausalLM"],
                                                               max_position_embeddings=0)))
+    rope_shrinks = _model_copy(root, "rope_shrinks")  # transformers only warned
+    shrinks = dict(config, architectures=["Qwen3ForCausalLM"], rope_scaling={"rope_type": "linear", "factor": -2})
+    shrinks.pop("rope_parameters")
+    (rope_shrinks / "config.json").write_text(json.dumps(shrinks))
 
     def case(name, data_file=PROMPTS, model=MODEL, extra=(), words=(), out=None):
         out = out or root / "out" / name
@@ -139,6 +143,8 @@ def _cases(root: Path) -> dict[str, tuple[list[str], Path, tuple[str, ...]]]:
                                 words=("cannot create --out /proc/rollout-bad-input/out", "choose another --out")),
         "max_position_embeddings_zero": case("max_position_embeddings_zero", model=no_positions,
                                              words=("max_position_embeddings is 0", "positive integer")),
+        "rope_factor_negative": case("rope_factor_negative", model=rope_shrinks,
+                                     words=("rope_scaling factor is -2", ">= 1", "config.json")),
         "max_model_len_past_positions": case("max_model_len_past_positions", extra=("--max-model-len", "100000"),
                                              words=("--max-model-len 100000", "2048 positions",
                                                     "max_position_embeddings", "rope_scaling")),
@@ -203,7 +209,7 @@ BAD_CASES = [
     "unknown_dtype", "unknown_device", "bogus_logprobs_mode", "negative_n", "shard_rows_zero",
     "flush_seconds_negative", "prompt_not_utf8", "int_prompt", "long_chat_prompt", "out_uncreatable",
     "max_model_len_past_positions", "max_turns_without_env", "draft_tokens_without_speculative",
-    "max_position_embeddings_zero",
+    "max_position_embeddings_zero", "rope_factor_negative",
 ]
 
 

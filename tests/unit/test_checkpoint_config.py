@@ -56,6 +56,32 @@ def test_non_positive_sizes_are_refused_naming_the_key(model, key, value):
     _one_line_error(lambda: load_model_config(str(model)), "config.json", key, "positive integer")
 
 
+@pytest.mark.parametrize("spelling", ["rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("factor", [-2, 0, 0.5, "4"])
+def test_rope_factor_below_one_is_refused_naming_the_field(model, caplog, spelling, factor):
+    """transformers 5 reads the older rope_scaling into rope_parameters and only warns about the factor: the
+    line names the key config.json holds, and transformers' warning is not printed before it."""
+    config = json.loads((model / "config.json").read_text())
+    config.pop("rope_parameters")
+    config[spelling] = {"rope_type": "linear", "factor": factor, "rope_theta": 10000.0}
+    (model / "config.json").write_text(json.dumps(config))
+    _one_line_error(lambda: load_model_config(str(model)), "config.json", f"{spelling} factor is {factor!r}",
+                    "rope_type linear", ">= 1")
+    assert not [r for r in caplog.records if r.name.startswith("transformers")], caplog.text
+
+
+@pytest.mark.parametrize("theta", [0, -10000.0])
+def test_rope_theta_not_positive_is_refused(model, theta):
+    _edit_config(model, rope_parameters={"rope_type": "default", "rope_theta": theta})
+    _one_line_error(lambda: load_model_config(str(model)), "config.json", f"rope_theta is {theta!r}", "positive")
+
+
+def test_transformers_warnings_still_print_for_a_config_that_loads(model, caplog):
+    _edit_config(model, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0, "bogus": 1})
+    assert load_model_config(str(model)).rope_parameters["factor"] == 2.0
+    assert "bogus" in caplog.text
+
+
 def test_architectures_as_a_string_is_refused_as_not_a_list(model):
     _edit_config(model, architectures="Qwen3ForCausalLM")
     line = _one_line_error(lambda: load_model_config(str(model)), "architectures", "must be a list")
