@@ -14,7 +14,7 @@ from rollout_cli.errors import RolloutError
 from rollout_cli.models.architectures import MULTIMODAL_ARCHITECTURES
 from rollout_cli.models.finite import describe, nonfinite_names
 from rollout_cli.models.fp8 import quantize_model
-from rollout_cli.models.loader import init_dummy_weights, load_checkpoint, safetensors_files
+from rollout_cli.models.loader import load_checkpoint, safetensors_files
 from rollout_cli.models.mtp import attach_mtp, check_mtp_checkpoint
 from rollout_cli.models.registry import model_class_for
 
@@ -234,6 +234,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPE_BY_NAME[name]
+
+
+def init_dummy_weights(model, seed: int = 0) -> None:
+    """Random weights from config.json alone (benchmarks): norms at 1, the rest N(0, 0.02)."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if getattr(param, "dummy_fill", None) is not None:  # zero-centred norms: (1 + w) with w = 0
+                param.fill_(param.dummy_fill)
+                continue
+            if "norm" in name.rsplit(".", 2)[-2]:
+                param.fill_(1.0)
+                continue
+            if param.device not in generators:  # generate on the parameter's device: fast on GPU
+                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            param.normal_(0.0, 0.02, generator=generators[param.device])
 
 
 def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dtype, max_positions: int,

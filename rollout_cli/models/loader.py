@@ -23,6 +23,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # An FP8 checkpoint's per-block weight scales, beside each e4m3 weight (models/fp8.py)
 SCALE_SUFFIX = "_scale_inv"
 FP8_CHECKPOINT_DTYPE = "F8_E4M3"
+INTEGER_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")  # safetensors header names
 FP8_BLOCK = 128
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 # Shard id of a stacked tensor stored with dims 1 and 2 swapped ([E, K, N] for a parameter [E, N, K]: the
@@ -280,13 +281,18 @@ def _fp8_problems(params: dict, targets: list[TensorTarget]) -> list[str]:
 
 
 def plan_checkpoint(model, model_dir: str) -> list[TensorTarget]:
-    """Check names and shapes of every tensor in the checkpoint; touch no weights."""
+    """Check names, shapes and integer dtypes of every tensor in the checkpoint; touch no weights. An
+    integer tensor would be cast into its float weight (run) or refused as a dtype change (reload)."""
     targets, problems, _ = plan_tensors(model, checkpoint_headers(model_dir))
     if problems:
         raise RolloutError(
             f"checkpoint {model_dir} does not match the model ({'; '.join(problems)}); "
             "check that config.json belongs to these weights"
         )
+    integer = [f"{t.checkpoint_name} {t.dtype}" for t in targets if t.dtype in INTEGER_DTYPES]
+    if integer:
+        raise RolloutError(f"checkpoint {model_dir} holds integer tensors for float weights ({_short_list(integer)}): "
+                           "a broken export; save the checkpoint again in bfloat16, float16 or float32")
     return targets
 
 
@@ -376,22 +382,6 @@ def load_checkpoint(model, model_dir: str) -> None:
     params = dict(model.named_parameters())
     for target, tensor in read_checkpoint_tensors(targets):
         copy_into_parameters(params, target, tensor)
-
-
-def init_dummy_weights(model, seed: int = 0) -> None:
-    """Random weights from config.json alone (benchmarks): norms at 1, the rest N(0, 0.02)."""
-    generators: dict[torch.device, torch.Generator] = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if getattr(param, "dummy_fill", None) is not None:  # zero-centred norms: (1 + w) with w = 0
-                param.fill_(param.dummy_fill)
-                continue
-            if "norm" in name.rsplit(".", 2)[-2]:
-                param.fill_(1.0)
-                continue
-            if param.device not in generators:  # generate on the parameter's device: fast on GPU
-                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0.0, 0.02, generator=generators[param.device])
 
 
 def _short_list(items: list[str], limit: int = 8) -> str:

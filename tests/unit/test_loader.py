@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -74,3 +75,23 @@ def test_wrong_shape_is_named_and_nothing_is_copied(tiny_checkpoints, tmp_path):
 
         load_checkpoint(model, broken)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_integer_weight_is_refused_at_start_and_on_reload_alike(tiny_checkpoints, tmp_path):
+    """An int32 tensor in a float layer was cast in silently at start while a reload refused it as a dtype
+    change (and a reload of the start checkpoint accepted it): now both refuse, naming the tensor."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def to_int(tensors):
+        tensors[name] = tensors[name].round().to(torch.int32)
+
+    broken = _copy_with_tensors(tiny_checkpoints["qwen2"], tmp_path / "m", to_int)
+    reason = f"holds integer tensors for float weights ({name} I32)"
+    with pytest.raises(RolloutError, match=rf"^checkpoint {broken} {re.escape(reason)}: a broken export"):
+        Engine(broken, device="cpu", max_model_len=64)
+    engine = Engine(tiny_checkpoints["qwen2"], device="cpu", max_model_len=64)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    with pytest.raises(RolloutError, match=rf"^refused {broken}: checkpoint {broken} {re.escape(reason)}"):
+        engine.reload_weights(broken)
+    assert engine.weight_version == "0"
+    assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
