@@ -13,6 +13,7 @@ counts the matmuls' FLOPs where they, not the weight reads, bound a step (`roofl
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 import torch
 
@@ -46,45 +47,75 @@ def measure_hbm_bandwidth(device: torch.device, gib: float = 2.0) -> float | Non
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float | None:
-    """FLOP/s of a large square matmul in `dtype` (cuBLAS), median of 10 after 2 warm-ups; None on the CPU."""
+    """FLOP/s of a large square matmul in `dtype` (cuBLAS; float8_e4m3fn: torch._scaled_mm with unit
+    scales, bf16 out), median of 10 after 2 warm-ups; None on the CPU."""
     if device.type != "cuda":
         return None
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    seconds = _median_cuda_seconds(lambda: torch.mm(a, b))
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    if dtype == torch.float8_e4m3fn:
+        one = torch.ones((), device=device)
+        seconds = _median_cuda_seconds(lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16))
+    else:
+        seconds = _median_cuda_seconds(lambda: torch.mm(a, b))
     del a, b
     torch.cuda.empty_cache()
     return 2 * n ** 3 / seconds
 
 
-def active_matmul_params(model) -> int:
+@dataclass(frozen=True)
+class MatmulRates:
+    """Measured matmul FLOP/s: in the model's dtype, and in e4m3 when --quantization fp8 stores weights so."""
+    flops_per_s: float | None
+    fp8_flops_per_s: float | None = None
+
+
+def measure_matmul_rates(device: torch.device, dtype: torch.dtype, fp8_weights: bool) -> MatmulRates:
+    fp8 = measure_matmul_flops(device, torch.float8_e4m3fn) if fp8_weights else None
+    return MatmulRates(measure_matmul_flops(device, dtype), fp8)
+
+
+def active_matmul_params(model, dtype: torch.dtype | None = None) -> int:
     """Weights one decode token is multiplied through (its matmul FLOPs are 2 x this): every 2-D weight
     but the input embedding (counted as the head when tied), and of each stacked-experts module
-    (w13, w2 [E, ...]) the top_k / E share a token is routed through. Under --tp: this rank's shards."""
+    (w13, w2 [E, ...]) the top_k / E share a token is routed through. Under --tp: this rank's shards.
+    `dtype`: only the weights stored in it (float8_e4m3fn: the layers --quantization fp8 turned e4m3)."""
+    def counted(p) -> bool:
+        return dtype is None or p.dtype == dtype
+
     embed = model.model.embed_tokens.weight
     experts = [m for m in model.modules() if hasattr(m, "w13") and hasattr(m, "w2")]
     stacked = {id(p) for m in experts for p in (m.w13, m.w2)}
-    total = sum(p.numel() for p in model.parameters() if p.dim() == 2 and p is not embed and id(p) not in stacked)
-    if getattr(model, "tie_word_embeddings", False):
+    total = sum(p.numel() for name, p in model.named_parameters()  # FP8 block scales are not matmul weights
+                if p.dim() == 2 and p is not embed and id(p) not in stacked and counted(p)
+                and not name.endswith("_scale_inv"))
+    if getattr(model, "tie_word_embeddings", False) and counted(embed):
         total += embed.numel()
     top_k = getattr(model, "top_k", 0)
     for m in experts:
-        total += (m.w13.numel() + m.w2.numel()) * top_k // m.num_experts
+        total += sum(w.numel() for w in (m.w13, m.w2) if counted(w)) * top_k // m.num_experts
     return total
 
 
 def roofline_seconds(steps: int, tokens: int, weight_bytes: int, matmul_params: int, other_bytes: int,
-                     hbm_bytes_per_s: float, flops_per_s: float) -> float:
+                     hbm_bytes_per_s: float, flops_per_s: float, fp8_params: int = 0,
+                     fp8_flops_per_s: float | None = None) -> float:
     """The least time the decode steps can take, kernel class by kernel class: each step's matmuls take
     the longer of reading the weights and doing their FLOPs (2 x matmul params x the step's tokens, the
-    mean batch here), and the attention's KV (plus linear states) reads are bandwidth alone."""
+    mean batch here), and the attention's KV (plus linear states) reads are bandwidth alone. FP8 weights
+    (fp8_params of the matmul_params) run at fp8_flops_per_s, the rest at flops_per_s."""
     per_step_tokens = tokens / steps
-    matmuls = max(weight_bytes / hbm_bytes_per_s, 2 * matmul_params * per_step_tokens / flops_per_s)
+    flop_seconds = 2 * per_step_tokens * (matmul_params - fp8_params) / flops_per_s
+    if fp8_params:
+        flop_seconds += 2 * per_step_tokens * fp8_params / fp8_flops_per_s
+    matmuls = max(weight_bytes / hbm_bytes_per_s, flop_seconds)
     return steps * matmuls + other_bytes / hbm_bytes_per_s
 
 
 def bandwidth_limit(engine: Engine, measured_tok_s: float, hbm_bytes_per_s: float | None,
-                    flops_per_s: float | None = None) -> dict:
+                    flops_per_s: float | None = None, fp8_flops_per_s: float | None = None) -> dict:
+    """The run against its bandwidth limit and roofline (module docstring); fp8_flops_per_s: the e4m3
+    matmul rate for the weights --quantization fp8 stores in e4m3 (None: every matmul at flops_per_s)."""
     traffic = engine.runner.traffic
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     kv_bytes_per_token = engine.kv.bytes_per_token_of_pool
@@ -121,13 +152,18 @@ def bandwidth_limit(engine: Engine, measured_tok_s: float, hbm_bytes_per_s: floa
     if hbm_bytes_per_s and flops_per_s and traffic.steps:
         # at large batches the matmuls run out of FLOP/s before bandwidth (the 8B shape at 256 rows)
         params = active_matmul_params(engine.model)
+        fp8_params = active_matmul_params(engine.model, torch.float8_e4m3fn) if fp8_flops_per_s else 0
         seconds = roofline_seconds(traffic.steps, traffic.tokens, weight_bytes, params,
-                                   decode_bytes - traffic.steps * weight_bytes, hbm_bytes_per_s, flops_per_s)
+                                   decode_bytes - traffic.steps * weight_bytes, hbm_bytes_per_s, flops_per_s,
+                                   fp8_params, fp8_flops_per_s)
         report.update({
             "roofline_formula": "roofline tok/s = decode tokens / (steps x max(weight bytes / HBM B/s, 2 x active "
-                                "matmul params x tokens per step / matmul FLOP/s) + other decode bytes / HBM B/s)",
+                                "matmul params x tokens per step / matmul FLOP/s) + other decode bytes / HBM B/s)"
+                                + ("; e4m3 weights' params at the e4m3 FLOP/s" if fp8_params else ""),
             "active_matmul_params": params,
+            "active_fp8_matmul_params": fp8_params,
             "matmul_flops_per_s": flops_per_s,
+            "fp8_matmul_flops_per_s": fp8_flops_per_s,
             "roofline_output_tokens_per_s": traffic.tokens / seconds,
             "fraction_of_roofline": measured_tok_s * seconds / traffic.tokens,
         })

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -15,6 +15,9 @@ from rollout_cli.cli.errors import user_errors
 from rollout_cli.cli.tensor_parallel_run import follow_leader, is_rank, launch_ranks, leading, rank_config
 from rollout_cli.errors import RolloutError
 from rollout_cli.process_gc import freeze_long_lived_objects
+
+if TYPE_CHECKING:  # the CLI starts without torch: bench_limits imports it
+    from rollout_cli.bench_limits import MatmulRates
 
 WORKLOAD = "Workload"
 
@@ -60,7 +63,7 @@ def bench_command(
     """
     # heavy: torch and the model code
     from rollout_cli.bench import BenchConfig, make_workload, run_hf_baseline
-    from rollout_cli.bench_limits import measure_hbm_bandwidth, measure_matmul_flops
+    from rollout_cli.bench_limits import measure_hbm_bandwidth, measure_matmul_rates
     from rollout_cli.engine.engine import Engine
     from rollout_cli.models.build import load_model_config, resolve_device, resolve_dtype
 
@@ -84,7 +87,8 @@ def bench_command(
         data_prompts = _read_prompts(data, prompt_key, engine_config.model) if data else None
         workload = make_workload(cfg, hf_config.vocab_size, data_prompts, hf_config)
         hbm = measure_hbm_bandwidth(torch_device)
-        flops = measure_matmul_flops(torch_device, resolve_dtype(engine_config.dtype, torch_device))
+        rates = measure_matmul_rates(torch_device, resolve_dtype(engine_config.dtype, torch_device),
+                                     fp8_weights=engine_config.quantization == "fp8")
         report: dict = {"workload": {**cfg.__dict__, "prompts": len(workload.prompts)}}
         if baseline == "hf":
             with console.status("HF transformers baseline"):
@@ -94,7 +98,7 @@ def bench_command(
             engine = Engine(engine_config)
         freeze_long_lived_objects()
         with leading(engine):
-            _bench_engine(engine, workload, cfg, hbm, report, json_path, profile, console, flops)
+            _bench_engine(engine, workload, cfg, hbm, report, json_path, profile, console, rates)
 
 
 def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg):
@@ -117,7 +121,7 @@ def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg):
 
 
 def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: bool, console,
-                  flops: float | None = None) -> None:
+                  rates: MatmulRates | None = None) -> None:
     """The timed runs on a loaded engine, then the report (rank 0 of --tp N: the followers run the same steps)."""
     from rollout_cli.bench import profile_decode, run_engine  # heavy: torch
     from rollout_cli.bench_limits import bandwidth_limit
@@ -143,11 +147,12 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
         report.update(_compare_speculation(engine, workload, cfg, console))
     else:
         with console.status("engine"):
-            report["rollout"] = run_engine(engine, workload, cfg, flops)
+            report["rollout"] = run_engine(engine, workload, cfg, rates and rates.flops_per_s)
     if cfg.carry_over:
         with console.status(f"long tail: {cfg.carry_over} rounds waiting, then carrying over"):
             report["long_tail"] = compare_carry_over(engine, workload, cfg, cfg.carry_over, cfg.carry_at)
-    report["bandwidth"] = bandwidth_limit(engine, report["rollout"]["output_tokens_per_s"], hbm, flops)
+    report["bandwidth"] = bandwidth_limit(engine, report["rollout"]["output_tokens_per_s"], hbm,
+                                          rates and rates.flops_per_s, rates and rates.fp8_flops_per_s)
     if "hf" in report:
         report["speedup_vs_hf"] = report["rollout"]["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"]
     report["versions"] = _versions(engine.device)
@@ -334,7 +339,9 @@ def _table(report: dict) -> Table:
                           "(every sample reading its shared prefix)")
     if bw.get("roofline_output_tokens_per_s"):
         table.add_row("roofline limit", f"{bw['roofline_output_tokens_per_s']:,.0f} tok/s "
-                      f"(matmul {bw['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s)")
+                      f"(matmul {bw['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
+                      + (f", e4m3 {bw['fp8_matmul_flops_per_s'] / 1e12:.0f}" if bw.get("fp8_matmul_flops_per_s") else "")
+                      + ")")
         table.add_row("fraction of roofline", f"{bw['fraction_of_roofline']:.1%}")
     if "hf" in report:
         hf = report["hf"]

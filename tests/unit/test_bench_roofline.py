@@ -39,6 +39,23 @@ def test_roofline_takes_the_slower_bound_of_each_steps_matmuls():
     assert roofline_seconds(steps=10, tokens=10_000, **common) == pytest.approx(10 * 2e-3 + 1e-3)
 
 
+def test_fp8_weights_run_their_matmuls_at_the_e4m3_rate(tiny_checkpoints):
+    """--quantization fp8: the e4m3 layers' share of the params is counted apart (the LM head / tied
+    embedding stays in --dtype) and its FLOPs take the e4m3 rate."""
+    import torch
+    engine = Engine(tiny_checkpoints["qwen3"], device="cpu", max_model_len=64, kv_cache_tokens=256, quantization="fp8")
+    c = engine.hf_config
+    total = active_matmul_params(engine.model)
+    fp8 = active_matmul_params(engine.model, torch.float8_e4m3fn)
+    assert total - fp8 == c.vocab_size * c.hidden_size  # the tied head, in --dtype
+    assert fp8 == c.num_hidden_layers * (_attention_params(c) + 3 * c.hidden_size * c.intermediate_size)
+    common = dict(weight_bytes=10**6, matmul_params=3 * 10**8, other_bytes=0, hbm_bytes_per_s=1e12, flops_per_s=1e14)
+    # 1,000 tokens a step, 10 steps: 1e8 params at 1e14 and 2e8 e4m3 params at 2e14 -> 2 ms + 2 ms a step
+    assert roofline_seconds(steps=10, tokens=10_000, fp8_params=2 * 10**8, fp8_flops_per_s=2e14,
+                            **common) == pytest.approx(10 * 4e-3)
+    assert roofline_seconds(steps=10, tokens=10_000, **common) == pytest.approx(10 * 6e-3)
+
+
 def test_a_prefix_shared_through_the_cache_counts_once_per_step():
     """distinct_context_tokens: the owner of a cached prompt and two samples reading 10 of its slots from
     the cache, a third sample that cached only 6 (the rule takes the shortest), and a stranger."""
