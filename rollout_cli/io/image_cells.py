@@ -15,6 +15,7 @@ Relative paths are read from the Parquet file's folder, so a data set moves with
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from rollout_cli.errors import one_line
+from rollout_cli.errors import RolloutError, one_line
 from rollout_cli.io.prompt_encoding import InvalidPrompt
 
 # One image of a cell before decoding: encoded bytes, a file path, or an already decoded PIL image
@@ -61,6 +62,27 @@ def _source(item: Any, number: int) -> Source:
         return item
     raise InvalidPrompt(f"image {number} of the row is {type(item).__name__}; expected encoded bytes, a path, "
                         "or a {bytes, path} struct")
+
+
+def refuse_text_cells(cells: list[Any], first_row: int, path: Path, column: str) -> None:
+    """A column of text named as the image column (--image-key data_source) is wrong for the whole run: refuse
+    it in one line that says so, instead of each row's "no file" (or, on a text-only model, "holds an image").
+    A string is text when it is neither a file nor named like an image file (a missing one.png is one row's)."""
+    for offset, cell in enumerate(cells):
+        items = list(cell) if isinstance(cell, (list, tuple, np.ndarray)) else [cell]
+        text = next((item for item in items if isinstance(item, str) and _is_text(item, path.parent)), None)
+        if text is not None:
+            raise RolloutError(
+                f"column {column!r} of {path} holds strings, not images (row {first_row + offset}: {_clip(text, 60)!r} "
+                "is no image file); the image column must hold {bytes, path} structs (HF datasets' Image), lists of "
+                "them (verl's images), encoded image bytes, or image file paths: pass --image-key with that column")
+
+
+def _is_text(item: str, base_dir: Path) -> bool:
+    if "://" in item:  # a URL: load_image says only local files are read
+        return False
+    suffix = os.path.splitext(item)[1].lower()
+    return suffix not in Image.registered_extensions() and not (base_dir / item).is_file()
 
 
 def _is_pil(value: Any) -> bool:

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from rollout_cli.engine.scheduling.request_maker import token_id_problem
 from rollout_cli.engine.trajectory import PromptInput
 from rollout_cli.errors import RolloutError, one_line
-from rollout_cli.io.image_cells import holds_images
+from rollout_cli.io.image_cells import holds_images, refuse_text_cells
 from rollout_cli.io.image_prompts import ImageCountMismatch, VisionPromptEncoder
 from rollout_cli.io.prompt_encoding import InvalidPrompt, encode_batch
 from rollout_cli.io.prompt_token_cache import TokenIdCache
@@ -210,6 +210,8 @@ class PromptSource:
         skipped = []
         values = _cells(batch.column(0))
         images = _cells(batch.column(1), "image path") if self.image_column is not None else None
+        if images is not None:
+            refuse_text_cells(images, start, self.path, self.image_column)
         if self.vision is not None:
             counts = (self._token_counts(images, pool) if images is not None else [[] for _ in values])
             encoded = self.vision.ids_batch(values, counts)
@@ -255,11 +257,9 @@ class PromptSource:
         """A text-only model cannot take the rows' images: wrong for the whole run, so no --skip-invalid."""
         for offset, cell in enumerate(cells):
             if holds_images(cell):
-                raise RolloutError(
-                    f"row {start + offset} of {self.path} holds an image in column {self.image_column!r}, but the "
-                    "model is text-only and takes no images; drop that column from the file (or run a "
-                    "vision-language checkpoint)"
-                )
+                raise RolloutError(f"row {start + offset} of {self.path} holds an image in column "
+                                   f"{self.image_column!r}, but the model is text-only and takes no images; drop that "
+                                   "column from the file (or run a vision-language checkpoint)")
 
     def _problem(self, result: list[int] | InvalidPrompt) -> tuple[str, str] | None:
         """(reason, fix) when a row cannot be used, else None."""

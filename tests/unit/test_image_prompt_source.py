@@ -174,6 +174,28 @@ def test_text_only_model_refuses_an_image_column(encoder, tmp_path):
         assert "drop that column" in message and "\n" not in message
 
 
+@pytest.mark.parametrize("vision", [True, False], ids=["vision", "text_only"])
+def test_a_text_column_named_as_the_image_column_says_it_holds_strings(encoder, tmp_path, vision):
+    """--image-key naming a column of text: each row said "no file" (fix or skip the row), or on a text-only
+    model "holds an image"; the column is wrong for the whole run, so no skipping either."""
+    path = _write(tmp_path / "p.parquet", {"prompt": ["a", "b"], "source": ["gsm8k", "math"]})
+    for skip_invalid in (False, True):
+        with pytest.raises(RolloutError) as err:
+            PromptSource(path, encoder.tokenizer, image_key="source", vision=encoder if vision else None,
+                         skip_invalid=skip_invalid).validate()
+        message = str(err.value)
+        assert message.startswith(f"column 'source' of {path} holds strings, not images (row 0: 'gsm8k' is no "
+                                  "image file); the image column must hold {bytes, path} structs"), message
+        assert "image file paths: pass --image-key" in message and "\n" not in message
+
+
+def test_a_missing_image_file_in_a_path_column_is_still_one_rows_problem(encoder, tmp_path):
+    PICTURES[0].save(tmp_path / "0.png")
+    path = _write(tmp_path / "p.parquet", {"prompt": ["<image> a", "<image> b"], "pics": ["gone.png", "0.png"]})
+    source = PromptSource(path, encoder.tokenizer, image_key="pics", vision=encoder, skip_invalid=True)
+    assert [(s.prompt_index, "no file" in s.reason) for s in source.validate()] == [(0, True)]
+
+
 def test_text_only_model_keeps_an_empty_image_column(encoder, tmp_path):
     path = _verl(tmp_path / "p.parquet", [("plain", []), ("other", [])])
     source = PromptSource(path, encoder.tokenizer)
