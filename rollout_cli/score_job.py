@@ -42,6 +42,7 @@ from rollout_cli.io.output_dir import (
     write_manifest,
 )
 from rollout_cli.io.trajectories import ShardWriter
+from rollout_cli.job_manifest import final_state, write_final_manifest
 
 SCORES_SUBDIR = "scores"
 SCORE_SCHEMA = pa.schema([
@@ -245,7 +246,7 @@ def _run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig, 
     write_manifest(job.out, {"status": "running", "settings": settings})
     progress = ScoreProgress(samples_total=dataset.count_rows() - len(done))
     run_logprobs: dict = {}
-    status = "interrupted"
+    failure: BaseException | None = None
     try:
         schema = pa.schema(list(SCORE_SCHEMA) + (list(TOP_FIELDS) if job.top_logprobs else []))
         with ShardWriter(job.out, schema, job.shard_rows, job.flush_seconds, subdir=SCORES_SUBDIR) as writer:
@@ -265,11 +266,16 @@ def _run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig, 
                 progress.tokens += len(score.response_logprobs)
                 if on_progress is not None:
                     on_progress(progress)
-        status = "complete"
-    finally:
-        manifest = {"status": status, "settings": settings, "wall_seconds": round(time.monotonic() - started, 3),
-                    "scored_this_run": progress.samples_done, **compare_with_run(dataset, job.out)}
-        write_manifest(job.out, manifest)
+    except BaseException as err:  # noqa: BLE001 - re-raised below, once the manifest has its final state
+        failure = err
+    # as run's: interrupted (--resume completes it) only for Ctrl-C, SIGTERM, the daemon's abort or a full disk
+    status, error = final_state(failure, None)
+    manifest = {"status": status, **({"error": error} if error else {}), "settings": settings,
+                "wall_seconds": round(time.monotonic() - started, 3), "scored_this_run": progress.samples_done,
+                **compare_with_run(dataset, job.out)}
+    write_final_manifest(job.out, manifest, failure)
+    if failure is not None:
+        raise failure
     return manifest
 
 

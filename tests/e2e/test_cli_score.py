@@ -14,6 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file, save_file
 
+from rollout_cli import Engine, SamplingParams
+from rollout_cli.errors import RolloutError
+from rollout_cli.score_job import ScoreJobConfig, run_score_job
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "recipes" / "example_model"
 PROMPTS = REPO / "recipes" / "prompts.parquet"
@@ -181,3 +185,38 @@ def test_resume_finds_the_weights_and_the_run_by_content(run_dir, tmp_path):
     manifest["sampling"]["seed"] += 1  # as if the run had been made again at its path with another seed
     (data / "manifest.json").write_text(json.dumps(manifest))
     _one_line(_cli("score", *common, "--resume"), "identity.run.sampling.seed")
+
+
+def _score_in_process(data: Path, out: Path, on_progress=None) -> dict:
+    """Score `data` in this process and return the manifest it left, whatever the job raised (re-raised)."""
+    engine = Engine(str(MODEL), device="cpu", dtype="bfloat16")
+    try:
+        run_score_job(engine, SamplingParams(), ScoreJobConfig(data=str(data), out=str(out), shard_rows=1),
+                      on_progress=on_progress)
+    finally:
+        manifest = json.loads((out / "manifest.json").read_text())
+    return manifest
+
+
+def test_a_failure_mid_score_leaves_a_failed_manifest_as_run_does(run_dir, tmp_path):
+    """An error after OUT exists is `failed` with its line in `error` (score wrote `interrupted`, which tells
+    the user --resume completes it); Ctrl-C / SIGTERM stay `interrupted`."""
+    data = tmp_path / "traj"
+    shutil.copytree(run_dir, data)
+    shard = sorted((data / "trajectories").glob("*.parquet"))[-1]
+    rows = pq.read_table(shard).to_pylist()
+    rows[-1]["response_token_ids"] = [99999] * len(rows[-1]["response_token_ids"])
+    pq.write_table(pa.Table.from_pylist(rows, schema=pq.read_schema(shard)), shard)
+    with pytest.raises(RolloutError, match="outside") as err:
+        _score_in_process(data, tmp_path / "failed")
+    manifest = json.loads((tmp_path / "failed" / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["error"] == str(err.value)
+
+    def ctrl_c(progress):
+        if progress.samples_done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _score_in_process(run_dir, tmp_path / "interrupted", ctrl_c)
+    manifest = json.loads((tmp_path / "interrupted" / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted" and "error" not in manifest and manifest["scored_this_run"] == 2
