@@ -64,13 +64,14 @@ class EpisodeRoom:
         return fits
 
     def fits_row(self, row, params) -> bool:
-        """fits() for a prompt row (PromptInput: its n episodes) or an aborted episode to continue
+        """fits() for a prompt row (PromptInput: its n episodes, or its slice's) or an aborted episode to continue
         (PartialSample: one, its finished turns already run); `params`: the job's, where the row has none."""
         params = row.params or params
         if isinstance(row, PartialSample):
             turns = len(row.episode["model_turns"]) - 1 if row.episode else 0
             return self.fits(len(row.prompt_token_ids) + len(row.response_token_ids), 1, params.max_new_tokens, turns)
-        return self.fits(len(row.prompt_token_ids), params.n, params.max_new_tokens)
+        return self.fits(len(row.prompt_token_ids), params.n if row.samples is None else len(row.samples),
+                         params.max_new_tokens)
 
     def opened(self, key: tuple[int, int], tokens: float, max_new_tokens: int, turns: int = 0) -> None:
         self._open[key] = _Open(tokens, turns, max_new_tokens)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.engine.scheduling.request_maker import token_id_problem
+from rollout_cli.engine.scheduling.request_maker import sample_slices, token_id_problem
 from rollout_cli.engine.scheduling.sessions import Sessions
 from rollout_cli.engine.trajectory import NO_PROMPT_YET, PartialSample, PromptInput, Trajectory
 from rollout_cli.episode_room import EpisodeRoom
@@ -217,11 +217,11 @@ class EpisodeRunner:
 
     def stream(self, prompts: Iterable[PromptInput | PartialSample], params: SamplingParams,
                skip=frozenset(), on_step=None) -> Iterator[Trajectory]:
-        rows = iter(prompts)
+        limit = 2 * self.engine.config.max_running  # episodes started ahead of the engine's room
+        rows = iter(sample_slices(prompts, params, limit))  # a row of many samples: its episodes a slice at a time
         ready: deque[PromptInput | PartialSample] = deque()  # turns to queue: a row's first ones, or an episode's next
         active: dict[tuple[int, int], Episode] = {}
         finished: deque[Trajectory] = deque()
-        limit = 2 * self.engine.config.max_running  # episodes started ahead of the engine's room
         exhausted, pending = False, None  # pending: the next row, read but waiting for room
 
         def source():
@@ -263,10 +263,10 @@ class EpisodeRunner:
         one group (the first computes the prompt, the others read it from the cache)."""
         if isinstance(row, PartialSample):
             return [self._resume(row, params, active)]
-        started = False
-        params = row.params or params
+        params, opened = row.params or params, len(active)
         turn_params = dataclasses.replace(params, n=1)  # each later turn is one request of its episode
-        for sample in range(params.n):
+        samples = range(params.n) if row.samples is None else row.samples  # the row's, or its slice's
+        for sample in samples:
             if (row.prompt_index, sample) in skip:
                 continue
             env = _user_call(f"make_env(row) on row {row.prompt_index}", self.make_env,
@@ -277,9 +277,8 @@ class EpisodeRunner:
             episode = Episode(row.prompt_index, sample, list(row.prompt_token_ids), env, row.passthrough, turn_params,
                               images=tuple(row.images))
             active[episode.key] = episode
-            self.room.opened(episode.key, len(row.prompt_token_ids) / params.n, params.max_new_tokens)  # shared
-            started = True
-        return [dataclasses.replace(row, params=params, conversation=0)] if started else []
+            self.room.opened(episode.key, len(row.prompt_token_ids) / len(samples), params.max_new_tokens)  # shared
+        return [dataclasses.replace(row, params=params, conversation=0)] if len(active) > opened else []
 
     def _resume(self, row: PartialSample, params: SamplingParams, active) -> PartialSample:
         """An aborted episode (--continue-aborted): a fresh environment replays the episode's finished model

@@ -25,7 +25,7 @@ from rollout_cli.engine.multimodal import model_cache_key, prompt_layout
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduling.mtp_drafts import MTPDrafter
 from rollout_cli.engine.scheduling.request import Request
-from rollout_cli.engine.scheduling.request_maker import RequestMaker
+from rollout_cli.engine.scheduling.request_maker import RequestMaker, sample_slices
 from rollout_cli.engine.scheduling.scheduler import Scheduler
 from rollout_cli.engine.scheduling.sibling_drafts import SiblingDrafter
 from rollout_cli.engine.step_loop import StepLoop
@@ -82,8 +82,7 @@ class Engine:
             if cfg.deterministic:
                 enable_batch_invariant_kernels(self.model)
         self.weight_version = cfg.weight_version
-        # a pause that may change the weights (daemon's pause keep): the loop ends its step in flight first
-        self.hold_requested = False
+        self.hold_requested = False  # a pause that may change the weights (pause keep): the step in flight ends first
         self.step_in_flight = False  # True while on_step runs with a launched step not yet post-processed
         self._build_cache()
         eos = checkpoint_eos_token_ids(cfg.model, self.hf_config, self.tokenizer)
@@ -281,7 +280,8 @@ class Engine:
         nothing now: the stream asks again at its next step, and ends once it has no work left."""
         self.memory.check_can_generate()
         try:
-            yield from self._stream(prompts, lambda prompt: self._add_prompt(prompt, params, skip), on_step)
+            sliced = sample_slices(prompts, params, 2 * self.config.max_running)  # as many as the loop queues
+            yield from self._stream(sliced, lambda prompt: self._add_prompt(prompt, params, skip), on_step)
         finally:
             # A job that failed or was abandoned mid-way must not leak its requests into the next one.
             self.scheduler.abort_all()

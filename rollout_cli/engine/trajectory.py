@@ -83,6 +83,8 @@ class PromptInput:
     images: tuple = ()
     """Vision-language models: the prompt's images (engine.multimodal.ImageInput), in the order of their
     placeholder runs in `prompt_token_ids`."""
+    samples: range | None = None
+    """The sample indices to make (a slice of a prompt of many samples: request_maker.sample_slices); None: 0 .. n-1."""
 
 
 # Yielded by a live prompt source (Engine.stream) that has no prompt now but may have one at a later

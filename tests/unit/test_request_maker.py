@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_cli.engine.scheduling.request_maker import RequestMaker
+from rollout_cli.engine.scheduling.request_maker import RequestMaker, sample_slices
 from rollout_cli.engine.sampling_params import SamplingParams
-from rollout_cli.engine.trajectory import PromptInput, ScoreInput
+from rollout_cli.engine.trajectory import NO_PROMPT_YET, PromptInput, ScoreInput
 from rollout_cli.errors import RolloutError
 
 
@@ -17,6 +17,19 @@ def test_samples_follow_their_leader_and_skip_what_is_done():
     assert [r.sample_index for r in requests] == [0, 2]
     assert requests[0].group_leader is None and requests[1].group_leader is requests[0]
     assert len({r.request_id for r in requests}) == 2
+
+
+def test_a_prompt_of_many_samples_comes_in_slices_each_a_group_of_its_own():
+    params = SamplingParams(n=5)
+    rows = [PromptInput(0, [5, 6]), NO_PROMPT_YET, PromptInput(1, [7], params=SamplingParams(n=2))]
+    sliced = list(sample_slices(rows, params, most=2))
+    assert sliced[3] is NO_PROMPT_YET and sliced[4] is rows[2]  # live sources' marker; a prompt that fits
+    assert [p.samples for p in sliced[:3]] == [range(0, 2), range(2, 4), range(4, 5)]
+    maker = RequestMaker(vocab_size=100, eos_token_ids=frozenset(), max_model_len=16)
+    requests = maker.samples(sliced[1], params, skip={(0, 3)})
+    assert [r.sample_index for r in requests] == [2] and requests[0].group_leader is None
+    # lazy: a slice is made when the step loop asks for it, whatever n is
+    assert next(sample_slices([PromptInput(0, [5])], SamplingParams(n=10**12), most=512)).samples == range(512)
 
 
 def test_scoring_request_scores_the_response():

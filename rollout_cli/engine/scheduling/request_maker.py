@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduling.request import Request
@@ -35,6 +36,20 @@ def token_id_problem(ids: Sequence[int], vocab_size: int | None = None,
     return None
 
 
+def sample_slices(prompts: Iterable, params: SamplingParams, most: int) -> Iterator:
+    """`prompts`, each PromptInput of more than `most` samples cut into slices of `most` (PromptInput.samples):
+    the step loop then makes a prompt's requests as its queue has room, not all n at once (`--n 10000000`
+    built ten million requests before the first step). Each slice is a group of its own: its first sample
+    computes the prompt, the others read it from the prefix cache and draft from each other's responses."""
+    for prompt in prompts:
+        n = (getattr(prompt, "params", None) or params).n
+        if not isinstance(prompt, PromptInput) or prompt.samples is not None or n <= most:
+            yield prompt
+            continue
+        for start in range(0, n, most):
+            yield dataclasses.replace(prompt, samples=range(start, min(start + most, n)))
+
+
 class RequestMaker:
     """Numbers requests and refuses token ids the model cannot run: an empty prompt never gets admitted
     (it would stall the queue), an id past the vocabulary crashes the embedding (on CUDA a device
@@ -54,12 +69,13 @@ class RequestMaker:
         return self.max_model_len - 1
 
     def samples(self, prompt: PromptInput, params: SamplingParams, skip) -> list[Request]:
-        """The n samples of a prompt (its own params if it carries them), but those in `skip`; the first
-        one computes the prompt, the others wait for it and read its KV from the prefix cache."""
+        """The n samples of a prompt (its own params if it carries them; its slice of them if it is one), but
+        those in `skip`; the first one computes the prompt, the others wait for it and read its KV from the
+        prefix cache."""
         self._check(prompt.prompt_index, prompt.prompt_token_ids)
         params = getattr(prompt, "params", None) or params
         requests, leader = [], None
-        for sample_index in range(params.n):
+        for sample_index in range(params.n) if prompt.samples is None else prompt.samples:
             if (prompt.prompt_index, sample_index) in skip:
                 continue
             request = Request(request_id=next(self._ids), prompt_index=prompt.prompt_index, sample_index=sample_index,
