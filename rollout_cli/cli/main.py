@@ -7,8 +7,14 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+try:  # typer >= 0.20 carries its own copy of click; older typers raise click's exceptions
+    from typer._click import exceptions as click_errors
+except ImportError:
+    from click import exceptions as click_errors
+
 from rollout_cli.cli import control
 from rollout_cli.cli.bench import bench_command
+from rollout_cli.cli.errors import fail
 from rollout_cli.cli.run import run_command
 from rollout_cli.cli.score import score_command
 from rollout_cli.cli.serve import serve_command
@@ -27,10 +33,42 @@ class _Command(TyperCommand):
     def get_params(self, ctx):
         return _flags_take_no_value(super().get_params(ctx))
 
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click_errors.ClickException as err:  # the parser's errors may carry no context to name us by
+            _one_line(err, f"{parent.command_path} {info_name}" if parent is not None else str(info_name))
+
+
+def _one_line(err: Exception, command: str) -> None:
+    """A usage error (unknown option or command, missing argument, bad value) as the CLI's own errors read:
+    one `error:` line and the --help to read, exit 2; typer drew a box of several lines under the usage."""
+    if isinstance(err, getattr(click_errors, "NoArgsIsHelpError", ())):  # bare `rollout`: the help is the answer
+        raise err
+    message = " ".join(err.format_message().split()).rstrip(".")
+    if message[:2].istitle():  # "No such option" -> "no such option"; "URL ..." stays
+        message = message[0].lower() + message[1:]
+    if isinstance(err, click_errors.UsageError):
+        message += f"; see '{command} --help'"
+    fail(message, err.exit_code)
+
 
 class _Group(TyperGroup):
     def get_params(self, ctx):
         return _flags_take_no_value(super().get_params(ctx))
+
+    # the group's own usage errors (`rollout --bogus`, an unknown command); a subcommand's are _Command's
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click_errors.ClickException as err:
+            _one_line(err, str(info_name or "rollout"))
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click_errors.ClickException as err:
+            _one_line(err, ctx.command_path)
 
 
 app = typer.Typer(
