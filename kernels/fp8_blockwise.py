@@ -66,35 +66,20 @@ def quantize_activation(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tens
     return q, scale
 
 
-@triton.jit
-def quantize_tile(a, FP8_MAX_C: tl.constexpr, MIN_AMAX: tl.constexpr, EMULATE_E4M3: tl.constexpr):
-    """a [ROWS, GROUP] (one channel group per row, any float type) -> (e4m3 values, float32 scale [ROWS]):
-    quantize_activation's rule in registers, for GEMMs that quantize their input tile by tile."""
-    a = a.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(a), axis=1), MIN_AMAX) / FP8_MAX_C
-    a = tl.clamp(a / scale[:, None], -FP8_MAX_C, FP8_MAX_C)
-    if EMULATE_E4M3:  # the interpreter's own e4m3 conversion is wrong (kernels/e4m3.py)
-        a = round_to_e4m3_grid(a)
-    return a.to(tl.float8e4nv), scale
-
-
 # ---- the GEMM ---------------------------------------------------------------------------------
+# Measured on the H100 (docs/benchmarks.md, session 29): quantizing x inside this GEMM, tile by tile,
+# took 1.6-2x the time of quantize_activation plus this kernel at every 8B shape and batch size, so
+# activations are quantized by their own launch.
 
 @triton.jit
 def _fp8_blockwise_matmul_kernel(
-    x_ptr, xs_ptr, wq_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
+    xq_ptr, xs_ptr, wq_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym,
-    HAS_BIAS: tl.constexpr, QUANTIZE_X: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8_MAX_C: tl.constexpr, MIN_AMAX: tl.constexpr, EMULATE_E4M3: tl.constexpr,
 ):
     """One program per [BLOCK_M, BLOCK_N] output tile; K in steps of BLOCK_K (= the scale block, so
-    each step has one activation scale per row and one weight scale per SCALE_BLOCK_N rows).
-
-    QUANTIZE_X: x is the layer's bf16 / float32 input and each step quantizes its [BLOCK_M, BLOCK_K]
-    tile in registers with quantize_activation's rule (same scale, same e4m3 values: the same bits
-    as quantizing first), so no e4m3 copy of x goes through memory and no second launch runs.
-    Otherwise x is already e4m3 with its scales at xs_ptr."""
+    each step has one activation scale per row and one weight scale per SCALE_BLOCK_N rows)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -104,14 +89,11 @@ def _fp8_blockwise_matmul_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + ks
-        a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
-                    mask=row_in[:, None] & (k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
-        if QUANTIZE_X:
-            a, x_scale = quantize_tile(a, FP8_MAX_C, MIN_AMAX, EMULATE_E4M3)  # e4m3, [BLOCK_M]
-        else:
-            x_scale = tl.load(xs_ptr + rows * stride_xsm + kb, mask=row_in, other=0.0)  # [BLOCK_M]
+        a = tl.load(xq_ptr + rows[:, None] * stride_xm + k[None, :],
+                    mask=row_in[:, None] & (k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K] e4m3
         b = tl.load(wq_ptr + cols[None, :] * stride_wn + k[:, None],
                     mask=col_in[None, :] & (k[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N] e4m3
+        x_scale = tl.load(xs_ptr + rows * stride_xsm + kb, mask=row_in, other=0.0)  # [BLOCK_M]
         w_scale = tl.load(ws_ptr + (cols // SCALE_BLOCK_N) * stride_wsn + kb, mask=col_in, other=0.0)  # [BLOCK_N]
         acc += tl.dot(a, b, out_dtype=tl.float32) * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
@@ -120,53 +102,44 @@ def _fp8_blockwise_matmul_kernel(
              mask=row_in[:, None] & col_in[None, :])
 
 
-def _launch_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, w_q: torch.Tensor, w_scale: torch.Tensor,
-                   out_dtype: torch.dtype, bias: torch.Tensor | None, block: tuple[int, int],
-                   config: dict | None) -> torch.Tensor:
-    """Checks and launches _fp8_blockwise_matmul_kernel; x_scale None: x is quantized in the kernel.
-    config: {BLOCK_M, BLOCK_N, num_warps, num_stages}; None: the tuned table's for this shape and M."""
-    m, k = x.shape
-    n = w_q.shape[0]
-    scale_n, scale_k = block
-    assert w_q.shape[1] == k and w_q.dtype == FP8_DTYPE, "w_q must be e4m3 [N, K] with x's K"
-    assert w_scale.shape == (triton.cdiv(n, scale_n), triton.cdiv(k, scale_k)), \
-        f"w_scale must be [NB, KB], got {tuple(w_scale.shape)}"
-    if x_scale is not None:
-        assert x.dtype == FP8_DTYPE and x_scale.shape == (m, w_scale.shape[1]), \
-            f"x_q must be e4m3 with x_scale [M, KB], got {x.dtype} and {tuple(x_scale.shape)}"
-    assert x.stride(1) == 1 and w_q.stride(1) == 1, "x and w_q need contiguous rows"
-    config = config or get_config(m, n, k)
-    block_m, block_n = config["BLOCK_M"], min(config["BLOCK_N"], scale_n)
-    assert scale_n % block_n == 0, f"block_n {block_n} must divide the weight scale block {scale_n}"
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    if m == 0 or n == 0:
-        return y
-    scales = x_scale if x_scale is not None else w_scale  # unread when the kernel quantizes x
-    _fp8_blockwise_matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        x, scales, w_q, w_scale, bias if bias is not None else w_scale, y, m, n, k,
-        x.stride(0), scales.stride(0), w_q.stride(0), w_scale.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, QUANTIZE_X=x_scale is None, SCALE_BLOCK_N=scale_n,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=scale_k,
-        FP8_MAX_C=FP8_MAX, MIN_AMAX=_MIN_AMAX, EMULATE_E4M3=emulate_e4m3(),
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
-    return y
-
-
 def fp8_blockwise_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                          out_dtype: torch.dtype, bias: torch.Tensor | None = None,
                          block: tuple[int, int] = (BLOCK, BLOCK), config: dict | None = None) -> torch.Tensor:
     """x_q [M, K] e4m3 with x_scale [M, KB], w_q [N, K] e4m3 with w_scale [NB, KB] (blocks `block`)
     (+ bias [N]) -> y [M, N] in out_dtype. The K step is the scale block's K; an output tile spans at
-    most one weight scale row (BLOCK_N is cut to block[0], which it must divide)."""
-    return _launch_matmul(x_q, x_scale, w_q, w_scale, out_dtype, bias, block, config)
+    most one weight scale row (BLOCK_N is cut to block[0], which it must divide). config: {BLOCK_M,
+    BLOCK_N, num_warps, num_stages}; None: the tuned table's for this shape and M
+    (kernels/fp8_blockwise_config.py)."""
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    scale_n, scale_k = block
+    assert w_q.shape[1] == k and x_q.dtype == w_q.dtype == FP8_DTYPE, "x_q and w_q must be e4m3 with one K"
+    assert x_scale.shape == (m, triton.cdiv(k, scale_k)) and w_scale.shape == (triton.cdiv(n, scale_n), x_scale.shape[1]), \
+        f"scales must be [M, KB] and [NB, KB], got {tuple(x_scale.shape)} and {tuple(w_scale.shape)}"
+    assert x_q.stride(1) == 1 and w_q.stride(1) == 1, "x_q and w_q need contiguous rows"
+    config = config or get_config(m, n, k)
+    block_m, block_n = config["BLOCK_M"], min(config["BLOCK_N"], scale_n)
+    assert scale_n % block_n == 0, f"block_n {block_n} must divide the weight scale block {scale_n}"
+    y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    if m == 0 or n == 0:
+        return y
+    _fp8_blockwise_matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        x_q, x_scale, w_q, w_scale, bias if bias is not None else x_scale, y, m, n, k,
+        x_q.stride(0), x_scale.stride(0), w_q.stride(0), w_scale.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, SCALE_BLOCK_N=scale_n,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=scale_k,
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return y
 
 
-def fp8_quantizing_matmul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                          bias: torch.Tensor | None = None, block: tuple[int, int] = (BLOCK, BLOCK),
-                          config: dict | None = None) -> torch.Tensor:
-    """x [M, K] (bf16 / float32, contiguous rows) -> y [M, N] in x's dtype: quantize_activation and
-    fp8_blockwise_matmul in one launch, with the same bits (each tile quantized in registers)."""
-    return _launch_matmul(x, None, w_q, w_scale, x.dtype, bias, block, config)
+def cublas_blockwise_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                            out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_blockwise_matmul's product through cuBLASLt's blockwise-scaled FP8 GEMM (torch._scaled_mm with
+    1x128 activation and 128x128 weight scales; Hopper, CUDA >= 12.9): the vendor kernel, timed against
+    ours by scripts/bench_fp8_gemm.py. cuBLAS reads the activation scales outer-dim-major ([M, KB] with
+    stride (1, M)) and the weight scales as [KB, NB]."""
+    x_scale_outer = x_scale.t().contiguous().t()
+    return torch._scaled_mm(x_q, w_q.t(), x_scale_outer, w_scale.t(), out_dtype=out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -179,7 +152,8 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
         x2 = x2.contiguous()
     triton_path = x.is_cuda if use_triton is None else use_triton
     if triton_path:
-        y = fp8_quantizing_matmul(x2, w_q, w_scale, bias, block)
+        x_q, x_scale = quantize_activation(x2, block[1])
+        y = fp8_blockwise_matmul(x_q, x_scale, w_q, w_scale, x.dtype, bias, block)
     else:
         x_q, x_scale = quantize_activation_ref(x2, block[1])
         y = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, x.dtype, bias, block)

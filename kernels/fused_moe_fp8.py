@@ -5,11 +5,12 @@
 Weights e4m3 with one float32 scale per block: w13 [E, 2I, H] with w13_scale [E, 2I / BN, ceil(H / 128)]
 and w2 [E, H, I] with w2_scale [E, H / BN, ceil(I / 128)], where BN (a power of two up to 128) divides
 I and H, so a block never spans the gate and the up rows (the layout of the hub's FP8 MoE checkpoints
-when BN = 128). Activations are quantized per row and 128-channel group, as kernels/fp8_blockwise.py
-does, inside each GEMM tile by tile: the hidden state before gate/up, the SiLU-and-mul product before
-down. Each K step of 128 sums its e4m3 products in float32 and scales them by the row's and the
-weight block's scales; the steps add in K order. Slot layout, the gated epilogue, the weighted down rows and the fixed-order sum over
-the k choices are fused_moe.py's (moe_align_block_size, moe_sum).
+when BN = 128). Activations are quantized per row and 128-channel group by kernels/fp8_blockwise.py's
+quantize_activation (a launch of its own: quantizing inside the GEMM measured slower): the hidden state
+before gate/up, the SiLU-and-mul product before down. Each K step of 128 sums its e4m3 products in
+float32 and scales them by the row's and the weight block's scales; the steps add in K order. Slot
+layout, the gated epilogue, the weighted down rows and the fixed-order sum over the k choices are
+fused_moe.py's (moe_align_block_size, moe_sum).
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout_kernels.e4m3 import emulate_e4m3
-from rollout_kernels.fp8_blockwise import quantize_tile
-from rollout_kernels.fp8_blockwise_ref import (_MIN_AMAX, BLOCK, FP8_DTYPE, FP8_MAX, fp8_blockwise_matmul_ref,
-                                               quantize_activation_ref)
+from rollout_kernels.fp8_blockwise import quantize_activation
+from rollout_kernels.fp8_blockwise_ref import BLOCK, FP8_DTYPE, fp8_blockwise_matmul_ref, quantize_activation_ref
 from rollout_kernels.fused_moe import block_slots, expert_tile, moe_sum, moe_sum_ref, store_tile, tile_columns
 from rollout_kernels.fused_moe_config import get_config
 from rollout_kernels.moe_align import moe_align_block_size
@@ -29,18 +28,15 @@ from rollout_kernels.moe_align import moe_align_block_size
 
 @triton.jit(do_not_specialize=["numel", "num_blocks_m"])
 def _moe_gemm_fp8_kernel(
-    A, B, BScale, C, TopkWeights, SortedIds, ExpertIds, NumPostPadded,
+    A, AScale, B, BScale, C, TopkWeights, SortedIds, ExpertIds, NumPostPadded,
     N, K, numel, num_blocks_m,
-    stride_am, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
     SLOTS_PER_ROW: tl.constexpr,  # A row of slot s is s // SLOTS_PER_ROW: top_k for gate/up, 1 for down
     GATED: tl.constexpr,  # B holds 2N rows (gate, up); write silu(gate) * up
     MUL_WEIGHT: tl.constexpr,  # scale row s by TopkWeights[s]
     SCALE_BLOCK_N: tl.constexpr,  # BN: weight rows per scale row
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FP8_MAX_C: tl.constexpr, MIN_AMAX: tl.constexpr, EMULATE_E4M3: tl.constexpr,
 ):
-    """A holds the activations in bf16 / fp16 / fp32; each K step quantizes its [BLOCK_M, BLOCK_K] tile in
-    registers (quantize_tile: quantize_activation's values and scales, without an e4m3 copy in memory)."""
     pid_m, pid_n = expert_tile(tl.program_id(0), N, num_blocks_m, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(NumPostPadded):
         return  # past the last expert's blocks (the grid is sized for the worst case)
@@ -60,7 +56,7 @@ def _moe_gemm_fp8_kernel(
         k = kb * BLOCK_K + offs_k
         mask_k = k < K
         a = tl.load(A + rows[:, None] * stride_am + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        a, a_scale = quantize_tile(a, FP8_MAX_C, MIN_AMAX, EMULATE_E4M3)  # e4m3, [BLOCK_M]
+        a_scale = tl.load(AScale + rows * stride_asm + kb, mask=mask_m, other=0.0)  # [BLOCK_M]
         b_ptrs = b_base + offs_bn[None, :] * stride_bn + k[:, None]  # [BLOCK_K, BLOCK_N]
         b = tl.load(b_ptrs, mask=mask_k[:, None], other=0.0)
         b_scale = tl.load(s_base + scale_rows * stride_bsn + kb)  # [BLOCK_N]
@@ -72,20 +68,19 @@ def _moe_gemm_fp8_kernel(
     store_tile(C, acc, acc_up, TopkWeights, slots, mask_m, offs_n, N, stride_cm, GATED, MUL_WEIGHT)
 
 
-def _launch(a, b_q, b_scale, c, weights, layout, numel: int, n: int, k: int, slots_per_row: int,
+def _launch(a_q, a_scale, b_q, b_scale, c, weights, layout, numel: int, n: int, k: int, slots_per_row: int,
             gated: bool, block_rows: int, config: dict) -> None:
     sorted_ids, expert_ids, num_post_padded = layout
     block_n = min(config["BLOCK_SIZE_N"], block_rows)
     num_blocks_m = expert_ids.numel()
     grid = (num_blocks_m * triton.cdiv(n, block_n),)
     _moe_gemm_fp8_kernel[grid](
-        a, b_q, b_scale, c, weights if weights is not None else b_scale, sorted_ids, expert_ids,
+        a_q, a_scale, b_q, b_scale, c, weights if weights is not None else a_scale, sorted_ids, expert_ids,
         num_post_padded, n, k, numel, num_blocks_m,
-        a.stride(0), b_q.stride(0), b_q.stride(1), b_scale.stride(0), b_scale.stride(1),
+        a_q.stride(0), a_scale.stride(0), b_q.stride(0), b_q.stride(1), b_scale.stride(0), b_scale.stride(1),
         c.stride(0),
         SLOTS_PER_ROW=slots_per_row, GATED=gated, MUL_WEIGHT=weights is not None, SCALE_BLOCK_N=block_rows,
         BLOCK_M=config["BLOCK_SIZE_M"], BLOCK_N=block_n, BLOCK_K=BLOCK, GROUP_M=config["GROUP_SIZE_M"],
-        FP8_MAX_C=FP8_MAX, MIN_AMAX=_MIN_AMAX, EMULATE_E4M3=emulate_e4m3(),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
@@ -131,7 +126,9 @@ def moe_gate_up_fp8(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Te
     (layout = moe_align_block_size(topk_ids, E, BLOCK_SIZE_M); the tuner times this half alone)."""
     numel, inter, hidden_size = hidden.shape[0] * top_k, w13.shape[1] // 2, w13.shape[2]
     mid = torch.empty((numel, inter), dtype=hidden.dtype, device=hidden.device)
-    _launch(hidden, w13, w13_scale, mid, None, layout, numel, inter, hidden_size, top_k, True, block_rows, config)
+    h_q, h_scale = quantize_activation(hidden)  # [T, H] e4m3, [T, HB]
+    _launch(h_q, h_scale, w13, w13_scale, mid, None, layout, numel, inter, hidden_size, top_k, True, block_rows,
+            config)
     return mid
 
 
@@ -142,8 +139,9 @@ def moe_down_fp8(mid: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, to
     numel, (hidden_size, inter) = mid.shape[0], w2.shape[1:]
     if out is None:
         out = torch.empty((numel, hidden_size), dtype=mid.dtype, device=mid.device)
-    _launch(mid, w2, w2_scale, out, topk_weights.reshape(-1).contiguous(), layout, numel, hidden_size, inter, 1,
-            False, block_rows, config)
+    mid_q, mid_scale = quantize_activation(mid)  # [T * k, I] e4m3, [T * k, IB]
+    _launch(mid_q, mid_scale, w2, w2_scale, out, topk_weights.reshape(-1).contiguous(), layout, numel, hidden_size,
+            inter, 1, False, block_rows, config)
     return out
 
 

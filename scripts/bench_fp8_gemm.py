@@ -4,13 +4,13 @@ the FP8 tensor-core peak at 8B shapes).
     python scripts/bench_fp8_gemm.py [--json OUT.json] [--write]
 
 For each linear shape (N, K) of Qwen3-8B and of Qwen3-30B-A3B's attention, and each M in BATCHES
-(decode batches and an 8,192-token prefill): checks both kernels against the torch reference on
-random data, then times with triton.testing.do_bench (median) every launch config in CONFIGS for
-the quantizing GEMM (x in bf16, quantized tile by tile inside: what the engine runs) and for the
-GEMM on x already in e4m3 (plus the separate quantize launch it needs), cuBLAS bf16 (torch.matmul)
-and torch._scaled_mm in e4m3 with per-tensor scales (the FP8 ceiling the vendor library reaches in
-the same run). Prints one row per (shape, M), then the table. `--write` saves each shape's fastest
-quantizing configs by M to kernels/configs/fp8_blockwise/ (the engine's launch tables).
+(decode batches and an 8,192-token prefill): checks the kernel against the torch reference on
+random data, then times with triton.testing.do_bench (median) every launch config in CONFIGS, the
+activation quantization launch it needs, cuBLASLt's blockwise-scaled FP8 GEMM on the same operands
+(`cublas_blockwise_matmul`, where this build has it), cuBLAS bf16 (torch.matmul) and
+torch._scaled_mm in e4m3 with per-tensor scales (the FP8 ceiling the vendor library reaches in the
+same run). Prints one row per (shape, M), then the table. `--write` saves each shape's fastest
+configs by M to kernels/configs/fp8_blockwise/ (the engine's launch tables).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main() -> None:
         raise SystemExit("this script times GPU kernels: run it on the device")
     import triton
 
-    from rollout_kernels.fp8_blockwise import fp8_blockwise_matmul, fp8_quantizing_matmul, quantize_activation
+    from rollout_kernels.fp8_blockwise import cublas_blockwise_matmul, fp8_blockwise_matmul, quantize_activation
     from rollout_kernels.fp8_blockwise_ref import fp8_blockwise_matmul_ref, quantize_weight_blockwise
 
     bench = triton.testing.do_bench
@@ -98,30 +98,40 @@ def main() -> None:
         w_t = w_q.t()  # _scaled_mm wants the second operand column-major
         scaled_s = bench(lambda: torch._scaled_mm(x_q, w_t, one, one, out_dtype=torch.bfloat16),
                          return_mode="median") * 1e-3
+        try:  # the vendor's blockwise GEMM, where this torch / CUDA build has it
+            torch.testing.assert_close(cublas_blockwise_matmul(x_q, x_s, w_q, w_s, torch.bfloat16).float(),
+                                       want.float(), atol=2e-2, rtol=2e-2)
+            cublas_s = bench(lambda: cublas_blockwise_matmul(x_q, x_s, w_q, w_s, torch.bfloat16),
+                             return_mode="median") * 1e-3
+        except (torch.OutOfMemoryError, torch.AcceleratorError):
+            raise
+        except Exception as error:  # noqa: BLE001 - no blockwise _scaled_mm here, or it read the scales otherwise
+            print(f"  cuBLAS blockwise N={n} K={k} M={m}: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
+            cublas_s = float("nan")
         configs = [c for c in CONFIGS if c["BLOCK_M"] <= max(m, 32)]
         where = f"N={n} K={k} M={m}"
-        fused, fused_s = _fastest(bench, lambda c: fp8_quantizing_matmul(x, w_q, w_s, config=c), want, configs,
-                                  where + " quantizing", records)
-        split, split_s = _fastest(bench, lambda c: fp8_blockwise_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, config=c),
-                                  want, configs, where + " e4m3 x", records)
+        best, best_s = _fastest(bench, lambda c: fp8_blockwise_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, config=c),
+                                want, configs, where, records)
         records.append({"where": where, "bf16_seconds": bf16_s, "scaled_mm_seconds": scaled_s,
-                        "quantize_seconds": quant_s})
-        if fused is None or split is None:
-            rows.append(f"{n:>6} {k:>6} {m:>5}  a kernel ran no config")
+                        "cublas_blockwise_seconds": cublas_s, "quantize_seconds": quant_s})
+        if best is None:
+            rows.append(f"{n:>6} {k:>6} {m:>5}  no config ran")
             continue
-        best_by_shape.setdefault((n, k), {})[m] = fused
-        shown = f"{fused['BLOCK_M']},{fused['BLOCK_N']},{fused['num_warps']},{fused['num_stages']}"
-        rows.append(f"{n:>6} {k:>6} {m:>5}  {shown:<12} {fused_s * 1e6:>8.1f} {(split_s + quant_s) * 1e6:>9.1f} "
-                    f"{bf16_s * 1e6:>8.1f} {_tflops(m, n, k, fused_s):>8.0f} {_tflops(m, n, k, scaled_s):>10.0f} "
-                    f"{scaled_s / fused_s:>7.1%} {bf16_s / fused_s:>8.2f}x")
+        best_by_shape.setdefault((n, k), {})[m] = best
+        shown = f"{best['BLOCK_M']},{best['BLOCK_N']},{best['num_warps']},{best['num_stages']}"
+        us = " ".join(f"{t * 1e6:>7.1f}" for t in (best_s, quant_s, cublas_s, bf16_s, scaled_s))
+        rows.append(f"{n:>6} {k:>6} {m:>5}  {shown:<12} {us} {_tflops(m, n, k, best_s):>7.0f} "
+                    f"{scaled_s / best_s:>6.1%} {bf16_s / (best_s + quant_s):>7.2f}x "
+                    f"{bf16_s / (cublas_s + quant_s):>7.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
     if args.write:
         _write_tables(best_by_shape, "python scripts/bench_fp8_gemm.py --write")
-    print(f"{'N':>6} {'K':>6} {'M':>5}  {'config':<12} {'fused us':>8} {'2 launch':>9} {'bf16 us':>8} "
-          f"{'TFLOP/s':>8} {'scaled_mm':>10} {'of it':>7} {'vs bf16':>9}")
+    print("times in us; ours = the Triton GEMM's best config, quant = quantize_activation, cuBLAS bw = blockwise "
+          "_scaled_mm, pt = per-tensor _scaled_mm (the ceiling); x bf16 counts the quantize launch")
+    print(f"{'N':>6} {'K':>6} {'M':>5}  {'config':<12} {'ours':>7} {'quant':>7} {'cuBLAS':>7} {'bf16':>7} {'pt':>7} "
+          f"{'TFLOP/s':>7} {'of pt':>6} {'x bf16':>8} {'cuBLAS x':>8}")
     print("\n".join(rows))
-
 
 if __name__ == "__main__":
     main()

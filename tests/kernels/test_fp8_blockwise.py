@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_kernels.fp8_blockwise import (fp8_blockwise_matmul, fp8_linear, fp8_quantizing_matmul,
+from rollout_kernels.fp8_blockwise import (cublas_blockwise_matmul, fp8_blockwise_matmul, fp8_linear,
                                            quantize_activation)
 from rollout_kernels.fp8_blockwise_ref import (FP8_DTYPE, FP8_MAX, dequantize_weight_blockwise, fp8_blockwise_matmul_ref,
                                                quantize_activation_ref, quantize_weight_blockwise)
@@ -14,6 +14,9 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 E4M3_REL = 2.0**-4  # 3 mantissa bits: rounding to nearest moves a normal value by at most 1/16 of it
 E4M3_MIN_SUBNORMAL = 2.0**-9
+# Hopper's e4m3 tensor-core dot does not add its products in full float32 (measured on the H100: up to
+# 1.3e-3 off the exact float32 sum at outputs of size ~1, K <= 384); the interpreter's dot is exact
+DOT_TOL = 3e-3 if CUDA else 1e-5
 
 
 def _randn(*shape, seed=0, scale=1.0):
@@ -67,27 +70,8 @@ def test_blockwise_matmul_matches_the_reference(m, n, k, bias, out_dtype):
     got = fp8_blockwise_matmul(x_q, x_scale, w_q, w_scale, out_dtype, b, block, config)
     want = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, out_dtype, b, block)
     assert got.dtype == out_dtype and got.shape == (m, n) and not got.isnan().any()
-    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    tol = DOT_TOL if out_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-
-
-@pytest.mark.parametrize("m,n,k", [(1, 128, 128), (7, 130, 200), (65, 256, 384)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_quantizing_matmul_equals_quantize_then_matmul_bit_for_bit(m, n, k, bias):
-    """The kernel that quantizes x tile by tile computes the two-launch path's bits: the same scales,
-    the same e4m3 values, the same sum (zero rows and a tail K block included)."""
-    x = _randn(m, k, seed=m + n, scale=2.0)
-    x[0, :9] = 0.0
-    if m > 2:
-        x[2] = 0.0
-    w_q, w_scale = quantize_weight_blockwise(_randn(n, k, seed=7, scale=0.05))
-    b = _randn(n, seed=8) if bias else None
-    for dtype in [torch.float32] + ([torch.bfloat16] if CUDA else []):
-        xd = x.to(dtype)
-        x_q, x_scale = quantize_activation(xd)
-        two_launches = fp8_blockwise_matmul(x_q, x_scale, w_q, w_scale, dtype, None if b is None else b.to(dtype))
-        one_launch = fp8_quantizing_matmul(xd, w_q, w_scale, None if b is None else b.to(dtype))
-        assert one_launch.dtype == dtype and torch.equal(one_launch, two_launches)
 
 
 def test_fp8_linear_stays_near_the_unquantized_layer():
@@ -100,7 +84,22 @@ def test_fp8_linear_stays_near_the_unquantized_layer():
         assert y.shape == (2, 8, 384)
         assert ((y.view(16, 384) - exact).norm() / exact.norm()).item() < 0.05
     torch.testing.assert_close(fp8_linear(x, w_q, w_scale, use_triton=True),
-                               fp8_linear(x, w_q, w_scale, use_triton=False), atol=1e-5, rtol=1e-5)
+                               fp8_linear(x, w_q, w_scale, use_triton=False), atol=DOT_TOL, rtol=DOT_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 256, 256), (77, 384, 640), (256, 6144, 4096)])
+def test_gpu_cublas_blockwise_matches_the_reference(m, n, k):
+    """cuBLASLt's blockwise-scaled GEMM reads our scales as we mean them (skipped where this torch /
+    CUDA build has no blockwise _scaled_mm)."""
+    x_q, x_scale = quantize_activation(_randn(m, k, seed=m).bfloat16())
+    w_q, w_scale = quantize_weight_blockwise(_randn(n, k, seed=n, scale=0.05))
+    try:
+        got = cublas_blockwise_matmul(x_q, x_scale, w_q, w_scale, torch.bfloat16)
+    except RuntimeError as error:
+        pytest.skip(f"no blockwise _scaled_mm here: {str(error)[:200]}")
+    want = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, torch.float32)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
