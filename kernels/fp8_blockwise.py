@@ -20,6 +20,8 @@ quantization and the references are plain torch, in fp8_blockwise_ref.py.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -27,12 +29,12 @@ import triton.language as tl
 from rollout_kernels.e4m3 import emulate_e4m3, round_to_e4m3_grid
 from rollout_kernels.fp8_blockwise_config import get_config
 from rollout_kernels.fp8_blockwise_ref import (BLOCK, FP8_DTYPE, FP8_MAX, _MIN_AMAX, fp8_blockwise_matmul_ref,
-                                               quantize_activation_ref)
+                                               quantize_activation_ref, quantize_weight_blockwise)
 
 # ---- activations ------------------------------------------------------------------------------
 
 @triton.jit
-def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
                                 GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX_C: tl.constexpr,
                                 MIN_AMAX: tl.constexpr, EMULATE_E4M3: tl.constexpr):
     """One program per token, all its channel groups at once ([GROUPS, GROUP], GROUPS a power of 2
@@ -48,19 +50,25 @@ def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, st
     if EMULATE_E4M3:  # the interpreter's own e4m3 conversion is wrong (kernels/e4m3.py)
         q = round_to_e4m3_grid(q)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
-    tl.store(s_ptr + row * stride_sm + groups, scale, mask=groups * GROUP < K)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * GROUP < K)
 
 
-def quantize_activation(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (rows contiguous) -> (x_q [M, K] float8_e4m3fn, x_scale [M, ceil(K / group)] float32)."""
+def quantize_activation(x: torch.Tensor, group: int = BLOCK, scale_outer_major: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows contiguous) -> (x_q [M, K] float8_e4m3fn, x_scale [M, ceil(K / group)] float32).
+    scale_outer_major: x_scale laid out with strides (1, M), as cuBLASLt's blockwise GEMM reads it."""
     assert x.dim() == 2 and x.stride(1) == 1, f"x must be [M, K] with contiguous rows, got {tuple(x.shape)}"
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((m, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
+    groups_k = triton.cdiv(k, group)
+    if scale_outer_major:
+        scale = torch.empty((groups_k, m), dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty((m, groups_k), dtype=torch.float32, device=x.device)
     if m and k:
-        groups = triton.next_power_of_2(scale.shape[1])
+        groups = triton.next_power_of_2(groups_k)
         _quantize_activation_kernel[(m,)](
-            x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
+            x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
             GROUP=group, GROUPS=groups, FP8_MAX_C=FP8_MAX, MIN_AMAX=_MIN_AMAX, EMULATE_E4M3=emulate_e4m3(),
             num_warps=max(1, min(8, groups * group // 512)))
     return q, scale
@@ -135,23 +143,68 @@ def fp8_blockwise_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Te
 def cublas_blockwise_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                             out_dtype: torch.dtype) -> torch.Tensor:
     """fp8_blockwise_matmul's product through cuBLASLt's blockwise-scaled FP8 GEMM (torch._scaled_mm with
-    1x128 activation and 128x128 weight scales; Hopper, CUDA >= 12.9): the vendor kernel, timed against
-    ours by scripts/bench_fp8_gemm.py. cuBLAS reads the activation scales outer-dim-major ([M, KB] with
-    stride (1, M)) and the weight scales as [KB, NB]."""
-    x_scale_outer = x_scale.t().contiguous().t()
-    return torch._scaled_mm(x_q, w_q.t(), x_scale_outer, w_scale.t(), out_dtype=out_dtype)
+    1x128 activation and 128x128 weight scales; Hopper, CUDA >= 12.9). cuBLAS reads the activation scales
+    outer-dim-major ([M, KB] with strides (1, M): quantize_activation(..., scale_outer_major=True) writes
+    them so; others are copied) and the weight scales as [KB, NB]."""
+    if x_scale.stride(0) != 1:
+        x_scale = x_scale.t().contiguous().t()
+    return torch._scaled_mm(x_q, w_q.t(), x_scale, w_scale.t(), out_dtype=out_dtype)
+
+
+# cuBLASLt's blockwise GEMM against ours on the H100 (docs/benchmarks.md, session 29): 1.3-1.5x faster at
+# M = 256 on the 8B's gate/up and down shapes, about 1.9x at an 8,192-token prefill, level or slower at
+# M = 64. From CUBLAS_MIN_ROWS rows on, a layer whose shape is whole 128-blocks runs it, where it works.
+CUBLAS_MIN_ROWS = 128
+
+
+@functools.cache
+def _cublas_blockwise_works(device_index: int) -> bool:
+    """Whether this build's blockwise _scaled_mm runs here, eagerly and replayed from a CUDA graph (the
+    engine's decode steps), with the reference's answer. Probed once per device, never during a capture."""
+    device = torch.device("cuda", device_index)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x_q, x_scale = quantize_activation(torch.randn(128, 256, device=device, generator=gen), BLOCK, True)
+    w_q, w_scale = quantize_weight_blockwise(torch.randn(256, 256, device=device, generator=gen) * 0.05)
+    try:
+        eager = cublas_blockwise_matmul(x_q, x_scale, w_q, w_scale, torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = cublas_blockwise_matmul(x_q, x_scale, w_q, w_scale, torch.bfloat16)
+        graph.replay()
+        torch.cuda.synchronize(device)
+    except RuntimeError:  # no blockwise scaling in this torch / cuBLAS, or not on this GPU
+        return False
+    want = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, torch.float32)
+    return torch.equal(eager, replayed) and torch.allclose(eager.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def _takes_cublas(x2: torch.Tensor, w_q: torch.Tensor, block: tuple[int, int]) -> bool:
+    m, k = x2.shape
+    if m < CUBLAS_MIN_ROWS or block != (BLOCK, BLOCK) or k % BLOCK or w_q.shape[0] % BLOCK:
+        return False
+    if x2.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if torch.cuda.is_current_stream_capturing() and _cublas_blockwise_works.cache_info().currsize == 0:
+        return False  # no probing inside a capture (the engine's graphs warm up eagerly first, which probes)
+    return _cublas_blockwise_works(x2.device.index if x2.device.index is not None else torch.cuda.current_device())
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                block: tuple[int, int] = (BLOCK, BLOCK), use_triton: bool | None = None) -> torch.Tensor:
     """y = x W^T (+ b) with W blockwise e4m3 and x quantized per token and K group inside: x [..., K]
-    -> [..., N] in x's dtype. Triton on CUDA (or when use_triton), the torch references elsewhere."""
+    -> [..., N] in x's dtype. On CUDA (or when use_triton): cuBLASLt's blockwise GEMM from CUBLAS_MIN_ROWS
+    rows on where it works, else our Triton GEMM; the torch references elsewhere."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     triton_path = x.is_cuda if use_triton is None else use_triton
-    if triton_path:
+    if triton_path and x2.is_cuda and _takes_cublas(x2, w_q, block):
+        x_q, x_scale = quantize_activation(x2, block[1], scale_outer_major=True)
+        y = cublas_blockwise_matmul(x_q, x_scale, w_q, w_scale, x.dtype)
+        if bias is not None:
+            y += bias
+    elif triton_path:
         x_q, x_scale = quantize_activation(x2, block[1])
         y = fp8_blockwise_matmul(x_q, x_scale, w_q, w_scale, x.dtype, bias, block)
     else:

@@ -58,6 +58,15 @@ def test_activation_quantization_matches_the_reference(m, k, group):
     assert not q.float().isnan().any()
 
 
+def test_activation_scales_outer_major_for_cublas():
+    """scale_outer_major: the same scales, laid out [M, KB] with strides (1, M) as cuBLASLt reads them."""
+    x = _randn(5, 300, seed=9, scale=2.0)
+    q, scale = quantize_activation(x, 128, scale_outer_major=True)
+    q_ref, scale_ref = quantize_activation_ref(x, 128)
+    assert scale.shape == (5, 3) and scale.stride() == (1, 5)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.float(), q_ref.float())
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 128, 128), (7, 130, 200), (65, 256, 384), (3, 64, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []))
@@ -100,6 +109,21 @@ def test_gpu_cublas_blockwise_matches_the_reference(m, n, k):
         pytest.skip(f"no blockwise _scaled_mm here: {str(error)[:200]}")
     want = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, torch.float32)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_linear_runs_cublas_from_its_row_count():
+    """Where the blockwise _scaled_mm works, a layer of >= CUBLAS_MIN_ROWS rows runs it (and fewer rows run
+    ours); both near the reference."""
+    from rollout_kernels import fp8_blockwise
+    w_q, w_scale = quantize_weight_blockwise(_randn(512, 384, seed=3, scale=0.05))
+    for m in (fp8_blockwise.CUBLAS_MIN_ROWS - 1, fp8_blockwise.CUBLAS_MIN_ROWS):
+        x = _randn(m, 384, seed=m).bfloat16()
+        chosen = fp8_blockwise._takes_cublas(x, w_q, (128, 128))
+        assert chosen == (m >= fp8_blockwise.CUBLAS_MIN_ROWS and fp8_blockwise._cublas_blockwise_works(0))
+        x_q, x_scale = quantize_activation(x)
+        want = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, torch.float32)
+        torch.testing.assert_close(fp8_linear(x, w_q, w_scale).float(), want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
