@@ -132,6 +132,18 @@ def test_fp8_kv_cache_graphs_replay_the_eager_steps_and_match_the_torch_path(tin
             assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-3
 
 
+def test_fp8_weights_graphs_replay_the_eager_steps(tiny_checkpoints):
+    """--quantization fp8 on the GPU: the decode graphs (the quantize launch and the FP8 GEMM captured)
+    replay the eager steps bit for bit in bf16."""
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_new_tokens=24, ignore_eos=True)
+    outputs = []
+    for graphs in (True, False):
+        engine = _engine(tiny_checkpoints["qwen3"], dtype="bfloat16", cuda_graphs=graphs, quantization="fp8")
+        prompts = _prompts(engine.hf_config.vocab_size, 8, seed=4)
+        outputs.append([(r.response_token_ids, r.response_logprobs) for r in engine.generate(prompts, params)])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 16
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_verify_steps_replay_the_decode_graphs(tiny_checkpoints, deterministic):
     """Speculative verify steps of a dense model replay the decode graphs as one-token rows (ModelRunner.
