@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout_kernels import fp8_blockwise_config
-from rollout_kernels.fp8_blockwise_config import CONFIG_DIR, DEFAULT, config_file_name, get_config, shape_table
+from rollout_kernels.fp8_blockwise_config import CONFIG_DIR, DEFAULT, config_file_name, get_config
 from rollout_kernels.launch_table import parse_table
 
 SMALL = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
