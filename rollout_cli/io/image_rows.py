@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollout_cli.errors import RolloutError, one_line
+from rollout_cli.io.image_cells import refuse_text_cells
 
 _KEPT_ROW_GROUPS = 4
 
@@ -50,7 +51,9 @@ class ImageRows:
                                "prompt file of the run that wrote these trajectories")
         group = bisect.bisect_right(self._starts, row) - 1
         if group not in self._groups:
-            self._groups[group] = self._file.read_row_group(group, columns=[self.image_key]).column(0).to_pylist()
+            cells = self._file.read_row_group(group, columns=[self.image_key]).column(0).to_pylist()
+            refuse_text_cells(cells, self._starts[group], self.path, self.image_key)  # --image-key naming text
+            self._groups[group] = cells
             while len(self._groups) > _KEPT_ROW_GROUPS:
                 self._groups.popitem(last=False)
         self._groups.move_to_end(group)
