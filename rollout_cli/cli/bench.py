@@ -121,7 +121,7 @@ def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg):
 
 
 def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: bool, console,
-                  rates: MatmulRates | None = None) -> None:
+                  rates: MatmulRates) -> None:
     """The timed runs on a loaded engine, then the report (rank 0 of --tp N: the followers run the same steps)."""
     from rollout_cli.bench import profile_decode, run_engine  # heavy: torch
     from rollout_cli.bench_limits import bandwidth_limit
@@ -147,12 +147,12 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
         report.update(_compare_speculation(engine, workload, cfg, console))
     else:
         with console.status("engine"):
-            report["rollout"] = run_engine(engine, workload, cfg, rates and rates.flops_per_s)
+            report["rollout"] = run_engine(engine, workload, cfg, rates.flops_per_s)
     if cfg.carry_over:
         with console.status(f"long tail: {cfg.carry_over} rounds waiting, then carrying over"):
             report["long_tail"] = compare_carry_over(engine, workload, cfg, cfg.carry_over, cfg.carry_at)
     report["bandwidth"] = bandwidth_limit(engine, report["rollout"]["output_tokens_per_s"], hbm,
-                                          rates and rates.flops_per_s, rates and rates.fp8_flops_per_s)
+                                          rates.flops_per_s, rates.fp8_flops_per_s)
     if "hf" in report:
         report["speedup_vs_hf"] = report["rollout"]["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"]
     report["versions"] = _versions(engine.device)
