@@ -35,7 +35,7 @@ from rollout_cli.server.online import Choice, OnlineRequest
 from rollout_cli.server.openai_images import encode_chat
 from rollout_cli.server.tool_calls import ToolCallStream, parse_tool_calls, template_takes_tools
 from rollout_cli.server.openai_requests import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
-                                                SamplingKeys, chat_messages, check_session, refuse_unsupported,
+                                                SamplingKeys, chat_messages, check_samples, refuse_unsupported,
                                                 sampling_params, stop_strings)
 from rollout_cli.server.worker import EngineWorker
 
@@ -148,7 +148,7 @@ async def _serve(routes: OpenAIRoutes, body: SamplingKeys, http: Request, chat: 
             prompts = [routes.encode(p) for p in (prompt if many else [prompt])]
             prompt_images = None
             max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        check_session(body, prompts)
+        check_samples(body, prompts)
         params = sampling_params(body, max_tokens)
         if stop_strings(body) and routes.tokenizer is None:
             raise RolloutError("stop strings need the model's tokenizer files; pass stop_token_ids instead")

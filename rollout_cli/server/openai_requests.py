@@ -112,7 +112,20 @@ def refuse_unsupported(body: SamplingKeys) -> None:
             raise RolloutError("response_format other than text is not supported; leave it out")
 
 
-def check_session(body: SamplingKeys, prompts: list[list[int]]) -> None:
+# Samples one HTTP request may ask for (prompts x n): each holds its text stream and, unless streamed,
+# its whole answer until the response goes out, so an unbounded n could take the daemon's memory and
+# every request in flight with it. 65,536 is far above any GRPO group (vLLM's and SGLang's RL users
+# send n <= 512); a larger rollout is a `rollout run` job or several requests.
+MAX_SAMPLES_PER_REQUEST = 65536
+
+
+def check_samples(body: SamplingKeys, prompts: list[list[int]]) -> None:
+    """n is at least 1 and the request's samples within MAX_SAMPLES_PER_REQUEST; one session turn is one sample."""
+    if body.n < 1:
+        raise RolloutError(f"n must be at least 1, got {body.n}")
+    if body.n * len(prompts) > MAX_SAMPLES_PER_REQUEST:
+        raise RolloutError(f"n {body.n} x {len(prompts)} prompt(s) asks for {body.n * len(prompts):,} samples; one "
+                           f"request takes at most {MAX_SAMPLES_PER_REQUEST:,}: split it into several requests")
     if body.session_id is not None and (body.n != 1 or len(prompts) != 1):
         raise RolloutError("a session_id request is one turn of one conversation: pass one prompt and n 1 "
                            "(several samples of a turn branch the conversation; send them without session_id)")
