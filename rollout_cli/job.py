@@ -13,7 +13,7 @@ import dataclasses
 import os
 import signal
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -204,21 +204,27 @@ def _run_job(engine: Engine, params: SamplingParams, job: JobConfig, on_progress
         on_progress(progress)  # every row is valid: the bar may start
     remaining: dict[int, int] = {}  # prompt_index -> samples still to finish
 
+    # per prompt row: how many samples are done, and the aborted ones to continue (in sample order);
+    # counted once here, not per row over range(n) (a row may have millions of samples)
+    done_per_prompt = Counter(p for p, _ in done)
+    continued_per_prompt: dict[int, list] = defaultdict(list)
+    for (p, _), partial in sorted(continuing.items(), key=lambda item: item[0]):
+        continued_per_prompt[p].append(partial)
+
     def pending_prompts() -> Iterator[PromptInput]:
         for row in source:
             if not owned(row.prompt_index):
                 continue
-            missing = sum((row.prompt_index, s) not in done for s in range(params.n))
+            missing = params.n - done_per_prompt[row.prompt_index]
             if missing == 0:
                 progress.prompts_done += 1
                 continue
             remaining[row.prompt_index] = missing
-            for s in range(params.n):  # the aborted ones, from their response so far (a row keeps no pixels:
-                if (row.prompt_index, s) in continuing:  # the prompt file's row gives its images back)
-                    yield dataclasses.replace(continuing[(row.prompt_index, s)], passthrough=row.passthrough,
-                                              images=tuple(row.images))
-            if any((row.prompt_index, s) not in done and (row.prompt_index, s) not in continuing
-                   for s in range(params.n)):
+            continued = continued_per_prompt.pop(row.prompt_index, [])
+            for partial in continued:  # from their response so far (a row keeps no pixels: the prompt
+                # file's row gives its images back)
+                yield dataclasses.replace(partial, passthrough=row.passthrough, images=tuple(row.images))
+            if missing > len(continued):  # samples that neither finished nor continue: the row itself
                 yield row
 
     writer = TrajectoryWriter(job.out, source.passthrough_schema, job.shard_rows, job.flush_seconds,
