@@ -39,7 +39,8 @@
 # (--speculative mtp on the same slice with dummy weights: a random head, so this prices the head's pass and the
 # eager steps, not the acceptance of a trained head; its plain runs are eager too, next12_plain is the graph baseline).
 # spectests (issue 22's GPU tests: the verify kernels compiled, dense verify steps on the decode graphs, MTP with
-# graphs and chained drafts on the hybrids), specmodels (issue 22's targets: scripts/train_speculation_models.py trains a small Qwen3-Next-shaped model with
+# graphs and chained drafts on the hybrids), overlap (issue 25 item 2: decoder layers of the 8B / 0.6B shapes as one batch,
+# as two halves on one stream, and as two halves on two streams, each a CUDA graph), specmodels (issue 22's targets: scripts/train_speculation_models.py trains a small Qwen3-Next-shaped model with
 # its MTP head and a dense one on the standard library's code, 2 minutes each, then bench --speculative mtp at
 # batch 32 and siblings on 16 x n16 held-out code prompts, greedy). masktests (--sampling-mask: the kept-set kernel
 # compiled against the sampler, masked samples beside graph-replayed ones, HF logits replayed over the masks).
@@ -193,6 +194,8 @@ for kv in (None, torch.float8_e4m3fn):
     vlm8) bench vl8_images 580 --model $QVL8 --num-prompts 256 --input-len 256 --output-len 512 --images 1 \
                --image-size 448 448 --baseline hf --baseline-time-limit 300
           grep -E "vision tower" "$OUT/vl8_images.log" ;;
+    overlap) timeout 300 python3 scripts/bench_microbatch_overlap.py --json "$OUT/microbatch_overlap.json" 2>&1 \
+               | tee "$OUT/microbatch_overlap.log" | tail -8 ;;
     *) echo "unknown part $part" ;;
     esac
 done
