@@ -42,12 +42,16 @@ python3 - "$OUT" "$@" <<'EOF'
 import json, sys
 from pathlib import Path
 out, names = Path(sys.argv[1]), sys.argv[2:]
-def tok_s(name, tag):
+def report(name, tag):
     path = out / f"{name}_{tag}.json"
-    return json.loads(path.read_text())["rollout"]["output_tokens_per_s"] if path.exists() else None
-print(f"{'workload':10} {'old tok/s':>12} {'new tok/s':>12} {'new/old':>8}")
+    return json.loads(path.read_text()) if path.exists() else None
+def tok_s(r):
+    return r["rollout"]["output_tokens_per_s"] if r else None
+print(f"{'workload':10} {'old tok/s':>12} {'new tok/s':>12} {'new/old':>8} {'new: of limit':>14} {'of roofline':>12}")
 for name in names:
-    old, new = tok_s(name, "old"), tok_s(name, "new")
-    ratio = f"{new / old:8.3f}" if old and new else "       -"
-    print(f"{name:10} {old or 0:12,.1f} {new or 0:12,.1f} {ratio}")
+    old, new = report(name, "old"), report(name, "new")
+    ratio = f"{tok_s(new) / tok_s(old):8.3f}" if old and new else "       -"
+    limits = (new or {}).get("bandwidth", {})  # this tree's limits: the rule of issue 25 item 1
+    print(f"{name:10} {tok_s(old) or 0:12,.1f} {tok_s(new) or 0:12,.1f} {ratio} "
+          f"{limits.get('fraction_of_limit', 0):14.1%} {limits.get('fraction_of_roofline', 0):12.1%}")
 EOF
