@@ -19,7 +19,7 @@
 # DeltaNet decode = prefill, the deterministic engine with CUDA graphs, the trainer), det06 / det8 /
 # detmixed / detgrpo / detmoe30 / detnext (`rollout bench --deterministic`: the default and the on-policy mode
 # in one run, ABBA, on the b06 / b8 / mixed / grpo / moe30 workloads, and the hybrid slice's), fp8b8 / fp8moe30 (issue 20: bf16 then
-# --quantization fp8 on the b8 / moe30 workloads), tail06 / turns06 (issue 21's targets: the GRPO workload
+# --quantization fp8 on the b8 / moe30 workloads), fp8both8 (the b8 workload with FP8 weights and the FP8 KV cache), tail06 / turns06 (issue 21's targets: the GRPO workload
 # long-tailed with carry-over, 256 ten-turn episodes), fp8kvtests (FP8 KV cache kernels' GPU tests, decode
 # attention over an e4m3 pool against bf16), reason8 / reason06 (issue 25's long-output workload: 1024 in,
 # U[1024, 16384] out; preemptions, recomputed tokens, peak batch, the last 10%'s time), pace (admission pacing against
@@ -127,6 +127,8 @@ for part in $PARTS; do
            cp kernels/configs/fused_moe/*float8* "$OUT/" 2>/dev/null ;;
     fp8b8) bench b8_bf16 200 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512
            bench b8_fp8 200 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512 --quantization fp8 --profile ;;
+    fp8both8) bench b8_fp8_fp8kv 200 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512 --quantization fp8 \
+               --kv-cache-dtype fp8 ;;
     fp8moe30) bench b30_bf16 200 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512
            bench b30_fp8 200 --model $Q30 --num-prompts 256 --input-len 256 --output-len 512 --quantization fp8 --profile ;;
     fp8kvtests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kv_pool.py tests/kernels/test_kv_store.py \
