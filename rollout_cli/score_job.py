@@ -53,6 +53,10 @@ SCORE_SCHEMA = pa.schema([
 TOP_FIELDS = (pa.field("top_token_ids", pa.list_(pa.list_(pa.int32()))),
               pa.field("top_logprobs", pa.list_(pa.list_(pa.float32()))))
 NEEDED = ("prompt_index", "sample_index", "prompt_token_ids", "response_token_ids", "response_logprobs")
+# what each list column's values must be (a list<null> is a shard whose lists are all empty)
+LIST_VALUES = {"prompt_token_ids": ("token ids (integers)", pa.types.is_integer),
+               "response_token_ids": ("token ids (integers)", pa.types.is_integer),
+               "response_logprobs": ("numbers", lambda t: pa.types.is_floating(t) or pa.types.is_integer(t))}
 
 
 @dataclass(frozen=True)
@@ -142,13 +146,37 @@ def _check_shard(path: str, data: str) -> None:
         keys = pq.read_table(path, columns=["prompt_index", "sample_index"])
     except (pa.ArrowException, OSError) as err:
         raise RolloutError(f"{name} is not a readable Parquet file ({one_line(err)}); {fix}") from err
-    problem = sample_key_problem(keys)
+    problem = sample_key_problem(keys) or _list_type_problem(schema)
     if problem is not None:
         raise RolloutError(f"{name}: {problem}; {fix}")
 
 
+def _list_type_problem(schema: pa.Schema) -> str | None:
+    """What is wrong with the types of a shard's token and logprob columns, or None: float or string token
+    ids were a torch or numpy traceback mid-job."""
+    for column, (values, accepts) in LIST_VALUES.items():
+        kind = schema.field(column).type
+        if not ((pa.types.is_list(kind) or pa.types.is_large_list(kind))
+                and (pa.types.is_null(kind.value_type) or accepts(kind.value_type))):
+            return f"column {column} holds {kind}, not lists of {values}"
+    return None
+
+
+def _row_problem(row: dict) -> str | None:
+    """What makes one trajectory unscorable, or None. A null list was a traceback, and logprobs that do not
+    line up with the response tokens one to one failed the comparison after the scores were written,
+    leaving the manifest `running`."""
+    for column in LIST_VALUES:
+        if row[column] is None:
+            return f"{column} is null"
+    if len(row["response_logprobs"]) != len(row["response_token_ids"]):
+        return (f"{len(row['response_logprobs'])} response_logprobs for {len(row['response_token_ids'])} "
+                "response_token_ids (one each)")
+    return None
+
+
 def _samples(dataset: ds.Dataset, done: set, run_logprobs: dict, images=None,
-             masks: bool = False) -> Iterator[ScoreInput]:
+             masks: bool = False, data: str = "") -> Iterator[ScoreInput]:
     """The trajectories not yet scored, one Parquet batch at a time; their run logprobs go to `run_logprobs`.
     `images`: an image run's (VisionPromptEncoder, ImageRows), the pixels looked up by prompt_index;
     `masks`: each row's response_sampling_mask goes with it."""
@@ -159,6 +187,11 @@ def _samples(dataset: ds.Dataset, done: set, run_logprobs: dict, images=None,
             key = (row["prompt_index"], row["sample_index"])
             if key in done:
                 continue
+            problem = _row_problem(row)
+            if problem is not None:
+                raise RolloutError(f"trajectory (prompt_index {key[0]}, sample_index {key[1]}) of --data {data}: "
+                                   f"{problem}; fix or drop that row (rollout run --resume regenerates a run's "
+                                   "lost rows)")
             run_logprobs[key] = row["response_logprobs"]
             yield ScoreInput(row["prompt_index"], row["sample_index"], row["prompt_token_ids"],
                              row["response_token_ids"], images=_row_images(row, images),
@@ -252,7 +285,7 @@ def _run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig, 
         with ShardWriter(job.out, schema, job.shard_rows, job.flush_seconds, subdir=SCORES_SUBDIR) as writer:
             if on_progress is not None:
                 on_progress(progress)
-            scores = engine.score(_samples(dataset, done, run_logprobs, images, job.sampling_mask), params,
+            scores = engine.score(_samples(dataset, done, run_logprobs, images, job.sampling_mask, job.data), params,
                                   on_step=writer.maybe_flush, top_logprobs=job.top_logprobs)
             for score in scores:
                 run_logprobs.pop((score.prompt_index, score.sample_index), None)

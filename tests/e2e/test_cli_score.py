@@ -220,3 +220,53 @@ def test_a_failure_mid_score_leaves_a_failed_manifest_as_run_does(run_dir, tmp_p
         _score_in_process(run_dir, tmp_path / "interrupted", ctrl_c)
     manifest = json.loads((tmp_path / "interrupted" / "manifest.json").read_text())
     assert manifest["status"] == "interrupted" and "error" not in manifest and manifest["scored_this_run"] == 2
+
+
+
+def _with_bad_row(run_dir: Path, tmp_path: Path, change) -> Path:
+    """A copy of the run whose last shard's last row went through `change` (row dict in, row dict out)."""
+    data = tmp_path / "run"
+    shutil.copytree(run_dir, data)
+    shard = sorted((data / "trajectories").glob("*.parquet"))[-1]
+    rows = pq.read_table(shard).to_pylist()
+    rows[-1] = change(rows[-1])
+    pq.write_table(pa.Table.from_pylist(rows, schema=pq.read_schema(shard)), shard)
+    return data
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("float", ("double", "not lists of token ids")),
+    ("string", ("string", "not lists of token ids")),
+    ("scalar", ("int64", "not lists")),
+])
+def test_token_ids_of_another_type_are_one_line_and_out_is_not_created(run_dir, tmp_path, kind, words):
+    """A shard whose token ids are floats, strings or not lists was a torch / numpy traceback mid-job."""
+    data = tmp_path / "run"
+    shutil.copytree(run_dir, data)
+    table = pq.read_table(data / "trajectories" / "part-00000.parquet")
+    ids = table.column("response_token_ids").to_pylist()
+    column = {"float": pa.array([[float(t) for t in row] for row in ids]),
+              "string": pa.array([[str(t) for t in row] for row in ids]),
+              "scalar": pa.array([row[0] for row in ids])}[kind]
+    index = table.schema.get_field_index("response_token_ids")
+    pq.write_table(table.set_column(index, "response_token_ids", column), data / "trajectories" / "part-00009.parquet")
+    _one_line(_cli("score", *COMMON, "--data", data, "--out", tmp_path / "s"), "part-00009.parquet",
+              "response_token_ids", *words)
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda row: {**row, "response_logprobs": row["response_logprobs"][:-1]},
+     ("response_logprobs for", "response_token_ids (one each)")),
+    (lambda row: {**row, "response_token_ids": None}, ("response_token_ids is null",)),
+    (lambda row: {**row, "prompt_token_ids": None}, ("prompt_token_ids is null",)),
+], ids=["short-logprobs", "null-response", "null-prompt"])
+def test_a_bad_row_fails_the_job_in_one_line(run_dir, tmp_path, change, words):
+    """Logprobs not one per response token failed the comparison after the scores were written (a numpy
+    traceback, the manifest left `running`); a null list was a traceback. Now one line naming the row,
+    and a `failed` manifest holding it."""
+    data = _with_bad_row(run_dir, tmp_path, change)
+    out = tmp_path / "s"
+    line = _one_line(_cli("score", *COMMON, "--data", data, "--out", out), "trajectory (prompt_index", *words)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["error"] == line.removeprefix("error: ").strip()
