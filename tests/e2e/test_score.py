@@ -10,6 +10,7 @@ import pytest
 
 from rollout_cli import Engine, PromptInput, SamplingParams
 from rollout_cli.engine.trajectory import ScoreInput
+from rollout_cli.errors import RolloutError
 
 
 def _prompts(lengths, seed=4):
@@ -98,6 +99,14 @@ def test_empty_responses_score_to_empty_lists(sampling_checkpoint):
     samples = [ScoreInput(0, 0, [5, 6, 7], []), ScoreInput(1, 0, [5, 6], [9, 10])]
     scores = list(engine.score(samples, SamplingParams()))
     assert sorted((s.prompt_index, len(s.response_logprobs)) for s in scores) == [(0, 0), (1, 2)]
+
+
+def test_a_response_without_a_prompt_is_refused(sampling_checkpoint):
+    """Its first token has no position to be scored from: it came back as a None logprob, and `rollout score`
+    reported a NaN mean difference as complete."""
+    engine = _engine(sampling_checkpoint)
+    with pytest.raises(RolloutError, match=r"sample \(3, 1\) has no prompt tokens"):
+        list(engine.score([ScoreInput(3, 1, [], [9, 10])], SamplingParams()))
 
 
 def test_top_logprobs_are_the_k_most_likely_tokens(sampling_checkpoint, hf_ref):

@@ -127,6 +127,10 @@ class RequestMaker:
 
     def scoring(self, sample: ScoreInput, params: SamplingParams, top_logprobs: int = 0) -> Request:
         """A request that runs prompt + response through the model and scores the response tokens."""
+        if not sample.prompt_token_ids:  # the first response token would be scored after nothing: a null logprob
+            raise RolloutError(f"sample ({sample.prompt_index}, {sample.sample_index}) has no prompt tokens; the "
+                               "first response token has no position to be scored from: pass the prompt it was "
+                               "sampled after")
         ids = list(sample.prompt_token_ids) + list(sample.response_token_ids)
         self._check(sample.prompt_index, ids, "prompt + response")
         masks = sample.sampling_mask
