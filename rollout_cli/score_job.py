@@ -57,6 +57,9 @@ NEEDED = ("prompt_index", "sample_index", "prompt_token_ids", "response_token_id
 LIST_VALUES = {"prompt_token_ids": ("token ids (integers)", pa.types.is_integer),
                "response_token_ids": ("token ids (integers)", pa.types.is_integer),
                "response_logprobs": ("numbers", lambda t: pa.types.is_floating(t) or pa.types.is_integer(t))}
+# the recorded settings `rollout score` defaults to, and the JSON types they must have
+RECORDED_TYPES = {"temperature": (int, float), "top_p": (int, float), "min_p": (int, float), "top_k": int,
+                  "logprobs_mode": str}
 
 
 @dataclass(frozen=True)
@@ -106,8 +109,21 @@ def trajectories_path(data: str) -> Path:
 
 
 def run_sampling(data: str) -> dict:
-    """The sampling settings recorded by the run that wrote `data` (its manifest.json), or {}."""
-    return dict(_run_manifest(data).get("sampling") or {})
+    """The sampling settings recorded by the run that wrote `data` (its manifest.json), or {}. A hand-edited
+    or damaged value of the wrong type is refused here: it was a TypeError traceback in SamplingParams."""
+    sampling = _run_manifest(data).get("sampling") or {}
+    if not isinstance(sampling, dict):
+        raise _damaged(data, "sampling", sampling, "an object")
+    for name, kind in RECORDED_TYPES.items():
+        value = sampling.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise _damaged(data, f"sampling.{name}", value, "a string" if kind is str else "a number")
+    return dict(sampling)
+
+
+def _damaged(data: str, name: str, value, expected: str) -> RolloutError:
+    return RolloutError(f"the manifest.json of --data {data} records {name} = {value!r}, not {expected}; restore "
+                       "the run's manifest.json")
 
 
 def _run_manifest(data: str) -> dict:

@@ -270,3 +270,20 @@ def test_a_bad_row_fails_the_job_in_one_line(run_dir, tmp_path, change, words):
     line = _one_line(_cli("score", *COMMON, "--data", data, "--out", out), "trajectory (prompt_index", *words)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "failed" and manifest["error"] == line.removeprefix("error: ").strip()
+
+
+@pytest.mark.parametrize("sampling,words", [
+    ({"temperature": "hot"}, ("sampling.temperature = 'hot'", "not a number")),
+    ({"top_k": "5"}, ("sampling.top_k = '5'", "not a number")),
+    (5, ("sampling = 5", "not an object")),
+], ids=["temperature", "top-k", "not-an-object"])
+def test_a_damaged_run_manifest_is_one_line(run_dir, tmp_path, sampling, words):
+    """The run's recorded sampling settings are score's defaults: a value of the wrong type was a TypeError
+    traceback in SamplingParams."""
+    data = tmp_path / "run"
+    shutil.copytree(run_dir, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["sampling"] = {**manifest["sampling"], **sampling} if isinstance(sampling, dict) else sampling
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    _one_line(_cli("score", *COMMON, "--data", data, "--out", tmp_path / "s"), "manifest.json", *words)
+    assert not (tmp_path / "s").exists()
