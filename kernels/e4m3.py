@@ -31,3 +31,15 @@ def round_to_e4m3_grid(x):
     subnormal = (magnitude + 16384.0) - 16384.0
     subnormal = tl.where(x < 0, -subnormal, subnormal)
     return tl.where(magnitude < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def quantize_groups(x, FP8_MAX_C: tl.constexpr, MIN_AMAX: tl.constexpr, EMULATE_E4M3: tl.constexpr):
+    """x [GROUPS, GROUP] float32 -> (q [GROUPS, GROUP] float32 on the e4m3 grid once stored as e4m3,
+    scale [GROUPS] float32): scale = max(amax, MIN_AMAX) / FP8_MAX_C per group, x ~= q * scale (the rule
+    of fp8_blockwise_ref.quantize_activation_ref). Shared by every kernel that writes FP8 activations."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / FP8_MAX_C
+    q = tl.clamp(x / scale[:, None], -FP8_MAX_C, FP8_MAX_C)
+    if EMULATE_E4M3:
+        q = round_to_e4m3_grid(q)
+    return q, scale

@@ -21,12 +21,13 @@ quantization and the references are plain torch, in fp8_blockwise_ref.py.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from rollout_kernels.e4m3 import emulate_e4m3, round_to_e4m3_grid
+from rollout_kernels.e4m3 import emulate_e4m3, quantize_groups
 from rollout_kernels.fp8_blockwise_config import get_config
 from rollout_kernels.fp8_blockwise_ref import (BLOCK, FP8_DTYPE, FP8_MAX, _MIN_AMAX, fp8_blockwise_matmul_ref,
                                                quantize_activation_ref, quantize_weight_blockwise)
@@ -45,10 +46,7 @@ def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, st
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]
     inside = cols < K
     x = tl.load(x_ptr + row * stride_xm + cols, mask=inside, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / FP8_MAX_C  # [GROUPS]
-    q = tl.clamp(x / scale[:, None], -FP8_MAX_C, FP8_MAX_C)
-    if EMULATE_E4M3:  # the interpreter's own e4m3 conversion is wrong (kernels/e4m3.py)
-        q = round_to_e4m3_grid(q)
+    q, scale = quantize_groups(x, FP8_MAX_C, MIN_AMAX, EMULATE_E4M3)  # [GROUPS, GROUP], [GROUPS]
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * GROUP < K)
 
@@ -179,21 +177,47 @@ def _cublas_blockwise_works(device_index: int) -> bool:
 
 
 def _takes_cublas(x2: torch.Tensor, w_q: torch.Tensor, block: tuple[int, int]) -> bool:
-    m, k = x2.shape
-    if m < CUBLAS_MIN_ROWS or block != (BLOCK, BLOCK) or k % BLOCK or w_q.shape[0] % BLOCK:
+    return takes_cublas(x2.shape[0], x2.shape[1], x2.dtype, x2.device, w_q, block)
+
+
+def takes_cublas(rows: int, k: int, dtype: torch.dtype, device: torch.device, w_q: torch.Tensor,
+                 block: tuple[int, int]) -> bool:
+    """Whether an FP8 layer (w_q, its scale block) runs cuBLASLt's blockwise GEMM on `rows` activations
+    of width k and `dtype` on `device` (else our Triton GEMM): from CUBLAS_MIN_ROWS rows, whole 128-blocks."""
+    if device.type != "cuda" or rows < CUBLAS_MIN_ROWS or block != (BLOCK, BLOCK) or k % BLOCK or w_q.shape[0] % BLOCK:
         return False
-    if x2.dtype not in (torch.bfloat16, torch.float16):
+    if dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.cuda.is_current_stream_capturing() and _cublas_blockwise_works.cache_info().currsize == 0:
         return False  # no probing inside a capture (the engine's graphs warm up eagerly first, which probes)
-    return _cublas_blockwise_works(x2.device.index if x2.device.index is not None else torch.cuda.current_device())
+    return _cublas_blockwise_works(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+@dataclass
+class FP8Rows:
+    """Activations quantized for an FP8 linear layer by the kernel that produced them (the RMSNorm before
+    it: rmsnorm.rms_norm_fp8; SiLU-and-mul: silu_mul.silu_and_mul_fp8), so the layer skips its quantize
+    launch. q [M, K] e4m3, scale [M, K / BLOCK] float32: outer-dim-major (strides (1, M)) when `cublas`
+    (takes_cublas chose cuBLASLt's GEMM for the layer), row-major for our Triton GEMM; dtype: what the
+    activations were (the layer's output dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+    cublas: bool
+
+
+def fp8_linear(x: torch.Tensor | FP8Rows, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                block: tuple[int, int] = (BLOCK, BLOCK), use_triton: bool | None = None) -> torch.Tensor:
     """y = x W^T (+ b) with W blockwise e4m3 and x quantized per token and K group inside: x [..., K]
     -> [..., N] in x's dtype. On CUDA (or when use_triton): cuBLASLt's blockwise GEMM from CUBLAS_MIN_ROWS
-    rows on where it works, else our Triton GEMM; the torch references elsewhere."""
+    rows on where it works, else our Triton GEMM; the torch references elsewhere. x may come quantized
+    already (FP8Rows [M, K] -> [M, N]: the GEMM its producer chose)."""
+    if isinstance(x, FP8Rows):
+        if x.cublas:
+            y = cublas_blockwise_matmul(x.q, x.scale, w_q, w_scale, x.dtype)
+            return y if bias is None else y.add_(bias)
+        return fp8_blockwise_matmul(x.q, x.scale, w_q, w_scale, x.dtype, bias, block)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(1) != 1:

@@ -7,6 +7,10 @@ where the last product is rounded once to promote(weight.dtype, dtype), as torch
 `zero_centred=True` is the Qwen3-Next / Qwen3.5 variant (models/norms.ZeroCentredRMSNorm, w stored
 zero-centred): normed = (s32 * rsqrt(mean(s32^2) + eps) * (1 + w32)).to(dtype), rounded once.
 
+`rms_norm_fp8` writes the normed rows as an FP8 linear layer reads them (e4m3 values and one float32
+scale per token and 128 channels, kernels/fp8_blockwise.py) instead of the rows themselves: the same
+bits as the norm then quantize_activation, in one launch.
+
 One program per row. Rows may be strided (a slice of a wider tensor) and the
 input may be 3-D [T, H, D] (per-head q/k norm on a strided view of a fused qkv
 output): the last dim must be contiguous, the leading two dims take any strides.
@@ -18,16 +22,21 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout_kernels.e4m3 import emulate_e4m3, quantize_groups
+from rollout_kernels.fp8_blockwise_ref import BLOCK, FP8_DTYPE, FP8_MAX, _MIN_AMAX
+
 MAX_N = 65536  # one row is one block
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr,
     H, N,
-    sx0, sx1, sr0, sr1, so0, so1, sro0, sro1,
+    sx0, sx1, sr0, sr1, so0, so1, sro0, sro1, sq0, ss0, ss1,
     eps,
     HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK_N: tl.constexpr,
+    QUANT_GROUP: tl.constexpr = 0, FP8_MAX_C: tl.constexpr = 448.0, MIN_AMAX: tl.constexpr = 1e-12,
+    EMULATE_E4M3: tl.constexpr = False,
 ):
     # rows are (t, h) pairs of a [T, H, N] view; 2-D inputs have H == 1
     row = tl.program_id(0).to(tl.int64)
@@ -49,7 +58,18 @@ def _rms_norm_kernel(
     else:
         # (x32 * rstd) is rounded to the activation dtype before the weight multiply, as in torch
         y = (xf * rstd).to(x.dtype).to(tl.float32) * w
-    tl.store(out_ptr + t * so0 + h * so1 + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT_GROUP == 0:
+        tl.store(out_ptr + t * so0 + h * so1 + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # FP8 activations for the next linear layer, quantized from the values the plain kernel would
+        # store (rounded to out's dtype first), per token and group of QUANT_GROUP channels: the same
+        # bits as this kernel then fp8_blockwise.quantize_activation, one launch and no [T, N] round trip
+        groups = tl.arange(0, BLOCK_N // QUANT_GROUP)
+        rounded = tl.reshape(y.to(out_ptr.dtype.element_ty).to(tl.float32), (BLOCK_N // QUANT_GROUP, QUANT_GROUP))
+        q, scale = quantize_groups(rounded, FP8_MAX_C, MIN_AMAX, EMULATE_E4M3)
+        qcols = groups[:, None] * QUANT_GROUP + tl.arange(0, QUANT_GROUP)[None, :]
+        tl.store(q_ptr + t * sq0 + qcols, q.to(q_ptr.dtype.element_ty), mask=qcols < N)
+        tl.store(s_ptr + t * ss0 + groups * ss1, scale, mask=groups * QUANT_GROUP < N)
 
 
 def _as3d(x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +84,9 @@ def _check_rows(name: str, t: torch.Tensor, shape, dtype=None) -> None:
         assert t.dtype == dtype, f"{name} has dtype {t.dtype}, expected {dtype}"
 
 
-def _launch(x, residual, weight, eps, out, residual_out, zero_centred: bool) -> None:
+def _launch(x, residual, weight, eps, out, residual_out, zero_centred: bool, quant=None) -> None:
+    """quant: None, or (q [T, N] e4m3, scale [T, N / group] float32, group): store FP8 rows, not `out`
+    (whose dtype still says what the values are rounded to before they are quantized)."""
     n = x.shape[-1]
     assert 1 <= n <= MAX_N, f"rms_norm supports 1 <= N <= {MAX_N}, got {n}"
     assert weight.dim() == 1 and weight.shape[0] == n and weight.stride(0) == 1, "weight must be contiguous [N]"
@@ -76,15 +98,19 @@ def _launch(x, residual, weight, eps, out, residual_out, zero_centred: bool) -> 
     rows = x3.shape[0] * x3.shape[1]
     if rows == 0:
         return
+    q, scale, group = quant if quant is not None else (o3, o3, 0)  # unused pointers when not quantizing
+    block_n = triton.next_power_of_2(n)
+    assert not group or (x.dim() == 2 and n % group == 0 and block_n >= group), "FP8 rows: [T, N], N whole groups"
     _rms_norm_kernel[(rows,)](
-        x3, r3, weight, o3, ro3,
+        x3, r3, weight, o3, ro3, q, scale,
         x3.shape[1], n,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-        o3.stride(0), o3.stride(1), ro3.stride(0), ro3.stride(1),
+        o3.stride(0), o3.stride(1), ro3.stride(0), ro3.stride(1), q.stride(0), scale.stride(0), scale.stride(1),
         float(eps),
         HAS_RESIDUAL=residual is not None,
         ZERO_CENTRED=zero_centred,
-        BLOCK_N=triton.next_power_of_2(n),
+        BLOCK_N=block_n,
+        QUANT_GROUP=group, FP8_MAX_C=FP8_MAX, MIN_AMAX=_MIN_AMAX, EMULATE_E4M3=emulate_e4m3(),
         num_warps=4 if n <= 2048 else 8 if n <= 8192 else 16,
     )
 
@@ -133,6 +159,28 @@ def fused_add_rms_norm(
     _check_rows("residual_out", residual_out, x.shape, x.dtype)
     _launch(x, residual, weight, eps, out, residual_out, zero_centred)
     return out, residual_out
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 zero_centred: bool = False, group: int = BLOCK, scale_outer_major: bool = False,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """RMSNorm (after the residual add, if `residual` is given) with its output quantized for an FP8
+    linear layer, in one launch: x [T, N] -> (x_q [T, N] e4m3, x_scale [T, N / group] float32, the new
+    residual or None). Bit for bit what rms_norm / fused_add_rms_norm then quantize_activation give
+    (same scale layout option); the normed rows themselves are never written. The residual add is in
+    place, into `residual`, as fused_add_rms_norm's default."""
+    out_dtype = _out_dtype(x, weight, zero_centred)
+    _check_rows("x", x, x.shape)
+    assert x.dim() == 2, f"rms_norm_fp8 takes [T, N] rows, got {tuple(x.shape)}"
+    if residual is not None:
+        _check_rows("residual", residual, x.shape, x.dtype)
+    t, n = x.shape
+    q = torch.empty((t, n), dtype=FP8_DTYPE, device=x.device)
+    scale = (torch.empty((n // group, t), dtype=torch.float32, device=x.device).t() if scale_outer_major
+             else torch.empty((t, n // group), dtype=torch.float32, device=x.device))
+    rounding = torch.empty((1, 1), dtype=out_dtype, device=x.device)  # only its dtype is read
+    _launch(x, residual, weight, eps, rounding, residual, zero_centred, quant=(q, scale, group))
+    return q, scale, residual
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:

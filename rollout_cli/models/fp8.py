@@ -160,6 +160,9 @@ def quantize_model(model: nn.Module, quantization: str, empty: bool = False) -> 
             elif isinstance(module, FusedExperts):
                 quantize_experts(module, empty)
                 count += 1
+    for module in model.modules():
+        if hasattr(module, "feed_fp8_rows"):  # decoder layers and MLPs: norms / SiLU-and-mul hand their
+            module.feed_fp8_rows()            # FP8 readers quantized rows (models/layers.feed_fp8_rows)
     return count
 
 

@@ -89,6 +89,36 @@ class FusedLinear(Linear):
         _copy_checked(param.data.narrow(0, offset, size), tensor, f"shard {shard_id}")
 
 
+# ---- FP8 rows from the producer (issue 20) ----------------------------------------------------------
+# Under --quantization fp8 an RMSNorm or SiLU-and-mul whose output only an FP8 linear layer reads (its
+# `fp8_consumer`, wired by models/fp8.wire_fp8_producers) writes that layer's e4m3 rows and scales itself:
+# one launch instead of two, the same bits (kernels/rmsnorm.rms_norm_fp8, kernels/silu_mul.silu_and_mul_fp8).
+
+def feed_fp8_rows(producer: nn.Module, consumer: Linear) -> None:
+    """Make `producer` hand `consumer` quantized rows, if `consumer` is FP8. Kept out of the module tree:
+    the consumer's weights get no second name."""
+    if consumer.fp8_block is not None:
+        object.__setattr__(producer, "fp8_consumer", consumer)
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    return x.is_cuda  # fp8_linear's own test for its Triton / cuBLAS path (tests patch it to run the interpreter)
+
+
+def _quantizes_for(consumer: Linear | None, x: torch.Tensor) -> bool:
+    return consumer is not None and _on_gpu(x) and x.dim() == 2 and x.shape[-1] % consumer.fp8_block[1] == 0
+
+
+def _fp8_rows(consumer: Linear, x: torch.Tensor, dtype: torch.dtype, quantize):
+    """quantize(scale_outer_major) -> (q, scale) of x's rows for `consumer`, in the layout of the GEMM
+    fp8_linear picks for that many rows -> kernels.fp8_blockwise.FP8Rows."""
+    from rollout_kernels.fp8_blockwise import FP8Rows, takes_cublas  # Triton: optional on the CPU
+
+    cublas = takes_cublas(x.shape[0], x.shape[1], dtype, x.device, consumer.weight, consumer.fp8_block)
+    q, scale = quantize(cublas)
+    return FP8Rows(q, scale, dtype, cublas)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with float32 math inside, optionally fused with the residual add.
 
@@ -96,6 +126,8 @@ class RMSNorm(nn.Module):
     the sum is also the next residual. Summing in the activation dtype before
     normalising matches HF transformers.
     """
+
+    fp8_consumer: Linear | None = None  # feed_fp8_rows: the FP8 layer that alone reads the output
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -112,8 +144,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.use_triton:
-            from rollout_kernels.rmsnorm import fused_add_rms_norm, rms_norm  # Triton: optional on the CPU
+            from rollout_kernels.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_fp8  # Triton: optional on the CPU
 
+            if _quantizes_for(self.fp8_consumer, x):
+                dtype = torch.promote_types(self.weight.dtype, x.dtype)
+                rows = _fp8_rows(self.fp8_consumer, x, dtype, lambda outer_major: rms_norm_fp8(
+                    x, self.weight, self.eps, residual, scale_outer_major=outer_major)[:2])
+                return rows if residual is None else (rows, residual)  # the add is in place, as below
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)
             return fused_add_rms_norm(x, residual, self.weight, self.eps)  # in place: x, residual are temporaries
@@ -254,11 +291,15 @@ class SiluAndMul(nn.Module):
     """x [T, 2 * I] -> silu(x[:, :I]) * x[:, I:]."""
 
     use_triton = False
+    fp8_consumer: Linear | None = None  # feed_fp8_rows: the FP8 down projection reading the output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
-            from rollout_kernels.silu_mul import silu_and_mul  # Triton: optional on the CPU
+            from rollout_kernels.silu_mul import silu_and_mul, silu_and_mul_fp8  # Triton: optional on the CPU
 
+            if _quantizes_for(self.fp8_consumer, x[:, : x.shape[-1] // 2]):
+                return _fp8_rows(self.fp8_consumer, x[:, : x.shape[-1] // 2], x.dtype,
+                                 lambda outer_major: silu_and_mul_fp8(x, scale_outer_major=outer_major))
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -20,6 +20,7 @@ from rollout_cli.models.layers import (
     RotaryEmbedding,
     SiluAndMul,
     VocabEmbedding,
+    feed_fp8_rows,
     linear,
 )
 from rollout_cli.models.tensor_parallel import (
@@ -114,6 +115,10 @@ class DecoderMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
+    def feed_fp8_rows(self) -> None:
+        """Under --quantization fp8 (models/fp8.quantize_model): SiLU-and-mul quantizes for down_proj."""
+        feed_fp8_rows(self.act, self.down_proj)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, flags: dict, max_positions: int, mlp: nn.Module | None = None):
@@ -134,6 +139,13 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, attn)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def feed_fp8_rows(self) -> None:
+        """Under --quantization fp8: the input norm quantizes for qkv_proj, its only reader; the
+        post-attention norm for a dense MLP's gate_up_proj (an MoE block's router reads it in bf16)."""
+        feed_fp8_rows(self.input_layernorm, self.self_attn.qkv_proj)
+        if isinstance(self.mlp, DecoderMLP):
+            feed_fp8_rows(self.post_attention_layernorm, self.mlp.gate_up_proj)
 
 
 def vocab_embedding(config) -> nn.Module:

@@ -199,3 +199,27 @@ def test_sampling_masks_on_the_gpu_sampler(tiny_checkpoints, hf_ref):
             logits = hf(torch.tensor([sequence])).logits[0, len(result.prompt_token_ids) - 1 : -1]
         replayed = sampling_mask_logprobs(logits, torch.tensor(result.response_token_ids), 0.9, masks)
         assert (replayed - torch.tensor(result.response_logprobs)).abs().max() < 2e-3  # GPU vs CPU float32 (TF32-free)
+
+
+def test_fp8_rows_from_the_norms_and_silu_change_no_bit(tmp_path_factory):
+    """--quantization fp8: the norms and SiLU-and-mul quantize for their FP8 readers (models/layers.
+    feed_fp8_rows) with the bits the layers' own quantize launch gives: an engine whose producers are
+    unwired samples the same tokens and logprobs, eagerly and from the decode graphs. Hidden and
+    intermediate sizes of whole 128-groups (the tiny fixtures' 64 would not fuse); 8 prompts x n 16
+    decode 128 rows at once, where cuBLAS's blockwise GEMM is chosen where it works."""
+    from conftest import _build_checkpoint
+
+    model_dir = str(_build_checkpoint("qwen3", tmp_path_factory.mktemp("fp8_rows") / "qwen3_128",
+                                      hidden_size=128, intermediate_size=384, initializer_range=0.1))
+    params = SamplingParams(n=16, temperature=1.0, seed=3, max_new_tokens=16, ignore_eos=True)
+    runs = []
+    for graphs, wired in ((True, True), (False, True), (False, False)):
+        engine = _engine(model_dir, dtype="bfloat16", cuda_graphs=graphs, quantization="fp8")
+        producers = [m for m in engine.model.modules() if "fp8_consumer" in vars(m)]
+        assert len(producers) == 3 * engine.hf_config.num_hidden_layers  # two norms and the SiLU per layer
+        if not wired:
+            for module in producers:
+                del vars(module)["fp8_consumer"]
+        prompts = _prompts(engine.hf_config.vocab_size, 8, seed=6)
+        runs.append([(r.response_token_ids, r.response_logprobs) for r in engine.generate(prompts, params)])
+    assert len(runs[0]) == 128 and runs[0] == runs[1] == runs[2]
