@@ -7,11 +7,13 @@
 #   bash scripts/compare_trees.sh .kbench/tree_SHA b06 b8 mixed grpo
 # Workloads are docs/benchmarks.md's (dummy weights, no HF baseline). Each runs on both trees, the
 # order alternating from one workload to the next (old first, then new first, ...) so that drift in
-# the GPU's clocks does not favour one tree; the JSON reports go to $OUT, a table of tok/s last.
+# the GPU's clocks does not favour one tree; each bench's tok/s is printed as it ends, a table last,
+# and the reports and logs come back as one tar, $OUT/compare_trees.tar (a call returns 8 files at most).
 set -uo pipefail
 OLD=$(cd "$1" && pwd); shift
 NEW=$PWD
 source "$(dirname "$0")/device_env.sh"
+RESULTS=/tmp/compare_trees && rm -rf $RESULTS && mkdir -p $RESULTS
 Q06=$NEW/recipes/configs/qwen3-0.6b Q8=$NEW/recipes/configs/qwen3-8b  # both trees bench the same shapes
 workload() {  # the bench arguments of one workload name
     case $1 in
@@ -29,8 +31,9 @@ bench_in() {  # TREE TAG NAME: one bench of workload NAME with TREE's code; its 
     echo "== $name, $tag tree ($tree)"
     # run from inside the tree: `python3 -m` puts the working directory first on the path
     (cd "$tree" && PYTHONPATH=$tree:/tmp/compare_path_$tag:/tmp/site COLUMNS=200 timeout 200 \
-        python3 -m rollout_cli.cli.main bench --load-format dummy $args --json "$OUT/${name}_$tag.json" \
-        > "$OUT/${name}_$tag.log" 2>&1) || tail -3 "$OUT/${name}_$tag.log"
+        python3 -m rollout_cli.cli.main bench --load-format dummy $args --json "$RESULTS/${name}_$tag.json" \
+        > "$RESULTS/${name}_$tag.log" 2>&1) || tail -3 "$RESULTS/${name}_$tag.log"
+    grep -E "output tok/s" "$RESULTS/${name}_$tag.log" | head -1
 }
 flip=0
 for name in "$@"; do
@@ -38,7 +41,7 @@ for name in "$@"; do
     else bench_in "$NEW" new "$name"; bench_in "$OLD" old "$name"; fi
     flip=$((1 - flip))
 done
-python3 - "$OUT" "$@" <<'EOF'
+python3 - "$RESULTS" "$@" <<'EOF'
 import json, sys
 from pathlib import Path
 out, names = Path(sys.argv[1]), sys.argv[2:]
@@ -55,3 +58,4 @@ for name in names:
     print(f"{name:10} {tok_s(old) or 0:12,.1f} {tok_s(new) or 0:12,.1f} {ratio} "
           f"{limits.get('fraction_of_limit', 0):14.1%} {limits.get('fraction_of_roofline', 0):12.1%}")
 EOF
+tar -C $RESULTS -cf "$OUT/compare_trees.tar" .
