@@ -25,7 +25,8 @@
 # U[1024, 16384] out; preemptions, recomputed tokens, peak batch, the last 10%'s time), pace (admission pacing against
 # --no-admission-pacing, ABBA, on 1,024 mixed-length requests through 256 seats: finishes staggered), controlfp8 (control, FP8 weights: reloads re-quantize), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
 # modes, HF bf16 teacher forcing), fidelitymoe / fidelitynext (the same table on 4 layers of the 30B-A3B / Qwen3-Next
-# shapes, dummy weights, no HF; fidelitynext32: the Next slice in float32), recipe06 (recipes/grpo_loop.sh --deterministic on a random Qwen3-0.6B-shaped
+# shapes, dummy weights, no HF; fidelitynext32: the Next slice in float32), fp8price06 / fp8pricemoe / fp8pricenext (issue 20's price in
+# fidelity per model family: FP8 weights, KV cache, both, scored in bf16; random weights, 4 layers of the MoE / Next), recipe06 (recipes/grpo_loop.sh --deterministic on a random Qwen3-0.6B-shaped
 # checkpoint, engine and trainer on the GPU in bf16: logprob_mismatch must be 0.0), tunebi06 / tunebi8 (tune the batch-invariant matmul for the 0.6B / 8B
 # shapes, write kernels/configs/batch_invariant_matmul/ and tar it to $OUT/tunebi*.tar to commit; run before det06 /
 # det8 in the same call), bitests (the batch-invariant matmul's GPU tests: every shipped table keeps each row's bits), bitiles
@@ -163,6 +164,11 @@ for kv in (None, torch.float8_e4m3fn):
                timeout 400 python3 scripts/fidelity_check.py --model $model --num-layers 4 --load-format dummy \
                --dtype $dtype --num-prompts 32 --n 4 --min-len 64 --max-len 256 --output-len 128 \
                --modes default,deterministic 2>&1 | tee "$OUT/$part.log" | tail -9 ;;
+    fp8price06|fp8pricemoe|fp8pricenext) model=$Q06 layers=; [ $part = fp8pricemoe ] && model=$Q30 layers="--num-layers 4"
+               [ $part = fp8pricenext ] && model=$NEXT layers="--num-layers 4"  # random weights, final norm x8
+               timeout 500 python3 scripts/fidelity_check.py --model $model $layers --random-weights /tmp/$part \
+               --num-prompts 32 --n 4 --min-len 64 --max-len 256 --output-len 256 --modes fp8,fp8kv,fp8both 2>&1 \
+               | tee "$OUT/$part.log" | tail -4 ;;
     recipe06) python3 scripts/random_checkpoint.py $Q06 /tmp/q06_recipe --tokenizer-from recipes/example_model >/dev/null \
                && WORKDIR=/tmp/grpo06 MODEL=/tmp/q06_recipe DETERMINISTIC=1 ITERATIONS=2 GROUP_SIZE=8 LIMIT=16 \
                MAX_NEW_TOKENS=128 TRAIN_STEPS=2 ROLLOUT="python3 -m rollout_cli.cli.main" PYTHON=python3 \

@@ -10,6 +10,10 @@ For each mode (default kernels, or --deterministic), one engine:
   rerun, cache off the same on an engine without prefix cache
   score vs run     Engine.score (teacher forcing) against the run's logprobs
   HF vs run        (--hf) HF transformers' teacher forcing in the same dtype against the run's logprobs
+Modes fp8 / fp8kv / fp8both (issue 20's price in fidelity): a second engine with FP8 weights
+(--quantization fp8), the FP8 KV cache, or both runs the same prompts, and the first engine (--dtype,
+default kernels) scores its trajectories, as `rollout score` over an FP8 run does: the logprob gap a
+trainer's importance weights correct for.
 --num-layers N measures on the first N layers of --model's config (a slice that fits three engines at
 once: the MoE and hybrid shapes' full depth does not; with --load-format dummy).
 --random-weights DIR saves a random checkpoint of --model's config.json there first (HF's init, the
@@ -56,7 +60,11 @@ def _stats(diffs: list) -> str:
     return f"mean {d.mean():.3g}, p99 {np.percentile(d, 99):.3g}, max {d.max():.3g}, bit-equal {(d == 0).mean():.1%}"
 
 
-def build_engine(args):
+VARIANTS = {"fp8": dict(quantization="fp8"), "fp8kv": dict(kv_cache_dtype="fp8"),
+            "fp8both": dict(quantization="fp8", kv_cache_dtype="fp8")}  # mode -> the second engine's options
+
+
+def build_engine(args, **options):
     """One engine for every comparison and both modes (three engines did not fit the 4-layer Qwen3-Next slice
     on an 80 GB card): its pool holds the workload, not a share of the GPU, a flushed prefix cache stands for a
     fresh engine, and set_deterministic switches the mode as `rollout bench --deterministic` does."""
@@ -64,25 +72,58 @@ def build_engine(args):
 
     max_model_len = args.max_len + args.output_len + 1
     return Engine(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
-                  max_model_len=max_model_len, kv_cache_tokens=args.num_prompts * args.n * max_model_len + 1)
+                  max_model_len=max_model_len, kv_cache_tokens=args.num_prompts * args.n * max_model_len + 1,
+                  **options)
 
 
-def measure(args, engine, deterministic: bool) -> list[tuple[str, str, str]]:
+def _workload(args, engine):
+    """(sampling params, prompt inputs): the same for every mode."""
     from rollout_cli import PromptInput, SamplingParams
-    from rollout_cli.engine.trajectory import ScoreInput
 
-    engine.set_deterministic(deterministic)
     params = SamplingParams(n=args.n, max_new_tokens=args.output_len, temperature=1.0, seed=args.seed,
                             ignore_eos=True)
     prompts = _prompts(args.num_prompts, args.min_len, args.max_len, min(engine.hf_config.vocab_size, 32000), 7)
-    inputs = [PromptInput(i, p) for i, p in enumerate(prompts)]
+    return params, [PromptInput(i, p) for i, p in enumerate(prompts)]
+
+
+def _score_diffs(engine, trajectories: dict, params) -> list:
+    """|engine's teacher-forced logprob - the run's| per response token, one array per trajectory."""
+    from rollout_cli.engine.trajectory import ScoreInput
+
+    samples = [ScoreInput(t.prompt_index, t.sample_index, t.prompt_token_ids, t.response_token_ids)
+               for t in trajectories.values()]
+    scored = {(s.prompt_index, s.sample_index): s.response_logprobs for s in engine.score(samples, params)}
+    return [np.abs(np.asarray(scored[k], np.float32) - np.asarray(t.response_logprobs, np.float32))
+            for k, t in trajectories.items()]
+
+
+def measure_price(args, engine, variant: str) -> list[tuple[str, str, str]]:
+    """The variant's run (VARIANTS[variant]) scored by `engine` in --dtype with the default kernels."""
+    import gc
+
+    import torch
+
+    engine.set_deterministic(False)
+    other = build_engine(args, **VARIANTS[variant])
+    params, inputs = _workload(args, other)
+    run = {(t.prompt_index, t.sample_index): t for t in other.stream(inputs, params)}
+    del other
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return [(f"{args.dtype} score", "-", _stats(_score_diffs(engine, run, params)))]
+
+
+def measure(args, engine, deterministic: bool) -> list[tuple[str, str, str]]:
+    engine.set_deterministic(deterministic)
+    params, inputs = _workload(args, engine)
 
     def run(which, cold: bool):
         if cold:
             engine.flush_cache()
         return {(t.prompt_index, t.sample_index): t for t in engine.stream([inputs[i] for i in which], params)}
 
-    everything = range(len(prompts))
+    everything = range(len(inputs))
     alone = run([0], cold=True)
     first = run(everything, cold=True)
     second = run(everything, cold=False)  # its prompts come from the prefix cache
@@ -92,12 +133,7 @@ def measure(args, engine, deterministic: bool) -> list[tuple[str, str, str]]:
                          ("rerun, cache off", (cold_a, cold_b))):
         same, total, worst = _compare(a, b)
         rows.append((name, f"{same} of {total}", f"max {worst:.3g}"))
-    samples = [ScoreInput(t.prompt_index, t.sample_index, t.prompt_token_ids, t.response_token_ids)
-               for t in first.values()]
-    scored = {(s.prompt_index, s.sample_index): s.response_logprobs for s in engine.score(samples, params)}
-    diffs = [np.abs(np.asarray(scored[k], np.float32) - np.asarray(t.response_logprobs, np.float32))
-             for k, t in first.items()]
-    rows.append(("score vs run", "-", _stats(diffs)))
+    rows.append(("score vs run", "-", _stats(_score_diffs(engine, first, params))))
     if args.hf:
         rows.append(("HF vs run", "-", _stats(_hf_diffs(args, first))))
     return rows
@@ -155,7 +191,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", default="default,deterministic")
+    parser.add_argument("--modes", default="default,deterministic", help="default, deterministic, fp8, fp8kv, fp8both")
     parser.add_argument("--hf", action="store_true", help="also HF teacher forcing vs the run (real checkpoints)")
     parser.add_argument("--random-weights", metavar="DIR", help="save a random checkpoint of --model's config here and use it")
     parser.add_argument("--num-layers", type=int, help="measure on the first N layers of --model's config")
@@ -169,7 +205,9 @@ def main() -> None:
         args.model = random_checkpoint(args.model, args.random_weights, args.final_norm_scale, args.seed)
         args.load_format = "auto"
     engine = build_engine(args)
-    table = [(mode, *row) for mode in args.modes.split(",") for row in measure(args, engine, mode == "deterministic")]
+    table = [(mode, *row) for mode in args.modes.split(",")
+             for row in (measure_price(args, engine, mode) if mode in VARIANTS
+                         else measure(args, engine, mode == "deterministic"))]
     print(f"{'mode':<14} {'comparison':<17} {'identical tokens':>16}  logprob difference")
     for mode, name, same, diff in table:
         print(f"{mode:<14} {name:<17} {same:>16}  {diff}")
