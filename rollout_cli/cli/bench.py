@@ -156,13 +156,12 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
     if "hf" in report:
         report["speedup_vs_hf"] = report["rollout"]["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"]
     report["versions"] = _versions(engine.device)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=2, default=str)
     console.print(_table(report))
     console.print(f"[dim]{report['bandwidth']['formula']}[/dim]")
     if "roofline_formula" in report["bandwidth"]:
         console.print(f"[dim]{report['bandwidth']['roofline_formula']}[/dim]")
+    if json_path:  # after the table: a report that cannot be written (a full disk) leaves the run's numbers shown
+        _write_report(json_path, report)
     if profile and "mode_runs" in report:  # where the on-policy cost goes: the same short run in both modes
         for on in (False, True):
             engine.set_deterministic(on)
@@ -256,6 +255,15 @@ def _read_prompts(path: str, prompt_key: str, model: str) -> list[list[int]]:
     if not prompts:  # the report's means would divide by zero after the timed run
         raise RolloutError(f"--data {path} holds no prompts; give a Parquet file with at least one row")
     return prompts
+
+
+def _write_report(path: str, report: dict) -> None:
+    try:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    except OSError as err:  # a full disk or a revoked permission, found only after the whole run
+        raise RolloutError(f"--json {path}: the report could not be written ({err.strerror or err}); free space "
+                           "or give another path, and run the benchmark again") from err
 
 
 def _check_json_path(path: str | None) -> None:

@@ -198,6 +198,16 @@ def test_bad_report_path_and_baseline_flags_are_one_line_before_the_model_loads(
     assert message in result.stderr
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a file whose writes fail ENOSPC")
+def test_a_report_that_cannot_be_written_is_one_line_after_the_table():
+    """A full disk at the end of the run was an OSError traceback, and the table was never printed."""
+    result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 2, "--input-len", 4, "--output-len", 3,
+                    "--json", "/dev/full")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "--json /dev/full: the report could not be written (No space left on device)" in result.stderr
+    assert "output tok/s" in result.stdout and "Traceback" not in result.stderr
+
+
 def test_data_without_rows_is_one_line(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
