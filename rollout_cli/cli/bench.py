@@ -270,6 +270,8 @@ def _check_json_path(path: str | None) -> None:
     """Refuse a --json file that cannot be written: a directory, or one in a directory that is not there."""
     if path is None:
         return
+    if not path.strip():  # read as false where the report is written: the run went unreported, silently
+        raise RolloutError("--json needs a file path; give one, or drop --json")
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise RolloutError(f"--json {path} is a directory; give a file path for the report")

@@ -186,6 +186,7 @@ def test_bad_flags_are_one_line(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (("--json", "."), "is a directory"),
     (("--json", "no/such/dir/report.json"), "does not exist"),
+    (("--json", ""), "--json needs a file path"),  # was read as no --json: a run without its report
     (("--baseline", "hf", "--baseline-batch", 0), "--baseline-batch must be at least 1"),
     (("--baseline-batch", -1), "--baseline-batch must be at least 1"),
     (("--baseline-time-limit", -1), "--baseline-time-limit is seconds"),
