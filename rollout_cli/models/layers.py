@@ -91,7 +91,7 @@ class FusedLinear(Linear):
 
 # ---- FP8 rows from the producer (issue 20) ----------------------------------------------------------
 # Under --quantization fp8 an RMSNorm or SiLU-and-mul whose output only an FP8 linear layer reads (its
-# `fp8_consumer`, wired by models/fp8.wire_fp8_producers) writes that layer's e4m3 rows and scales itself:
+# `fp8_consumer`, wired by models/fp8.quantize_model through the decoder modules' feed_fp8_rows) writes that layer's e4m3 rows and scales itself:
 # one launch instead of two, the same bits (kernels/rmsnorm.rms_norm_fp8, kernels/silu_mul.silu_and_mul_fp8).
 
 def feed_fp8_rows(producer: nn.Module, consumer: Linear) -> None:
@@ -297,8 +297,9 @@ class SiluAndMul(nn.Module):
         if self.use_triton:
             from rollout_kernels.silu_mul import silu_and_mul, silu_and_mul_fp8  # Triton: optional on the CPU
 
-            if _quantizes_for(self.fp8_consumer, x[:, : x.shape[-1] // 2]):
-                return _fp8_rows(self.fp8_consumer, x[:, : x.shape[-1] // 2], x.dtype,
+            gate = x[..., : x.shape[-1] // 2]  # [T, I]: the shape of the output
+            if _quantizes_for(self.fp8_consumer, gate):
+                return _fp8_rows(self.fp8_consumer, gate, x.dtype,
                                  lambda outer_major: silu_and_mul_fp8(x, scale_outer_major=outer_major))
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
