@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 import typer
@@ -48,6 +49,8 @@ def _one_line(err: Exception, command: str) -> None:
     message = " ".join(err.format_message().split()).rstrip(".")
     if message[:2].istitle():  # "No such option" -> "no such option"; "URL ..." stays
         message = message[0].lower() + message[1:]
+    # click's suggestion ends a sentence: "... 'rn'. Did you mean 'run'?" reads as one clause before the help
+    message = re.sub(r"\. Did you mean (.+)\?$", r" (did you mean \1?)", message)
     if isinstance(err, click_errors.UsageError):
         message += f"; see '{command} --help'"
     fail(message, err.exit_code)

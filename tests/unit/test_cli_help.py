@@ -64,6 +64,7 @@ def test_an_unknown_option_is_one_line_for_every_command(command):
     (["score", "--model", "m"], "error: missing option '--data'; see 'rollout score --help'"),
     (["run", "--dtype"], "error: option '--dtype' requires an argument; see 'rollout run --help'"),
     (["nosuch"], "error: no such command 'nosuch'; see 'rollout --help'"),
+    (["rn"], "error: no such command 'rn' (did you mean 'run'?); see 'rollout --help'"),
     (["--bogus"], "error: no such option: --bogus; see 'rollout --help'"),
 ])
 def test_missing_arguments_and_unknown_commands_are_one_line(args, line):
