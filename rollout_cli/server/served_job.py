@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from rollout_cli.engine.scheduling.request_maker import sample_slices
 from rollout_cli.errors import JobInterrupted
 
 
@@ -61,12 +62,19 @@ class JobEngine:
         worker = self._worker
 
         def source():
+            # a prompt of more samples than the loop queues comes in slices (Engine.stream would cut it the
+            # same way, after this check): cut here, an abort stops its next slice too. Cut there, the
+            # rest of an --n 100000000 prompt ran on, and with stop_requested set no command (abort,
+            # shutdown) was answered until it ended
             iterator = iter(prompts)
             while not worker.stop_requested:
                 prompt = next(iterator, None)
                 if prompt is None:
                     return
-                yield prompt
+                for part in sample_slices((prompt,), params, 2 * self._engine.config.max_running):
+                    if worker.stop_requested:
+                        return
+                    yield part
 
         def step_hook():
             if on_step is not None:

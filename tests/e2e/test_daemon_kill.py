@@ -99,3 +99,34 @@ def test_kill_9_mid_job_leaves_whole_shards_and_resume_on_a_new_daemon_completes
     rows = _rows(out)
     assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(p, s) for p in range(6) for s in range(2)]
     assert all(len(r["response_token_ids"]) == 200 for r in rows)
+
+
+def test_abort_ends_a_job_whose_prompt_comes_in_slices(work):
+    """A prompt of more samples than the loop queues (--n past 2 x --max-running) comes in slices: an abort
+    ended only the slice in flight, the next one was queued and the job ran on (--n 1000000: for hours);
+    with the stop flag set no later command (abort, shutdown, SIGTERM) was answered until it ended."""
+    sock, out = work / "slices.sock", work / "d_slices"
+    daemon = Daemon(["--socket", sock, "--max-running", "2"], work / "slices.log")  # slices of 4 samples
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://rollout", timeout=60)
+    run = None
+    try:
+        daemon.wait_ready(client)
+        run = subprocess.Popen(CLI + ["run", "--engine", str(sock), "--data", str(PROMPTS), "--out", str(out),
+                                      "--n", "1000000", "--limit", "1", "--max-new-tokens", "1", "--quiet"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env())
+        deadline = time.monotonic() + 60
+        while ((client.get("/get_server_info").json()["job"] or {}).get("trajectories") or 0) < 8:
+            assert time.monotonic() < deadline and run.poll() is None, run.communicate()
+            time.sleep(0.05)
+        _ok(_cli(["abort", "--engine", sock], timeout=30))
+        _, stderr = run.communicate(timeout=30)  # the job ends with the slice in flight
+        assert run.returncode == 130, stderr
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["status"] == "interrupted" and manifest["trajectories"] < 1000000
+        _ok(_cli(["shutdown", "--engine", sock], timeout=30))  # commands are answered again
+        assert daemon.proc.wait(30) == 0
+    finally:
+        client.close()
+        daemon.kill()
+        if run is not None and run.poll() is None:
+            run.kill()
