@@ -7,6 +7,7 @@ Ctrl-C detaches: the job goes on in the engine (`rollout status`, `rollout abort
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from types import SimpleNamespace
 
@@ -44,6 +45,10 @@ def remote_run(job_fields: dict, params: SamplingParams, quiet: bool, *, engine:
         if engine is None and not os.environ.get(ENV_ENGINE) and not os.path.exists(resolve_address(None)):
             raise RolloutError(f"no engine at {resolve_address(None)}; start one with rollout serve --model DIR, "
                                "or pass --model DIR to run without one")
+        if not math.isfinite(job_fields["flush_seconds"]):  # JSON has no inf or nan: the body was a traceback
+            raise RolloutError(f"--flush-seconds {job_fields['flush_seconds']}: a run on a daemon takes a finite "
+                               "number of seconds; give one (a large one, such as 86400, closes shards by row count "
+                               "alone)")
         body = dict(job_fields, data=os.path.abspath(job_fields["data"]), out=os.path.abspath(job_fields["out"]),
                     sampling_params=dataclasses.asdict(params))
         if job_fields.get("env"):  # the daemon imports it: a path on its machine, as data and out are

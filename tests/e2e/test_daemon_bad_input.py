@@ -316,6 +316,21 @@ def test_a_port_out_of_range_is_one_line_before_the_model_loads(tmp_path, port):
         f"error: --port {port} is not a TCP port; give one in 0..65535 (0: any free port)"]
 
 
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_a_flush_seconds_json_cannot_carry_is_one_line(daemon, value):
+    """`rollout run` on a daemon sends the job as JSON, which has no inf or nan: building the body was a
+    ValueError traceback in the client (an embedded run takes inf: shards close by row count alone)."""
+    out = daemon["work"] / f"flush_{value}"
+    result = subprocess.run([sys.executable, "-m", "rollout_cli.cli.main", "run", "--engine", str(daemon["sock"]),
+                             "--data", str(PROMPTS), "--out", str(out), "--flush-seconds", value, "--limit", "1"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines() == [f"error: --flush-seconds {value}: a run on a daemon takes a finite number "
+                                          "of seconds; give one (a large one, such as 86400, closes shards by row "
+                                          "count alone)"]
+    assert not out.exists()
+
+
 # ---- last: the daemon took all of the above without a traceback ----
 
 def test_the_daemon_logged_no_traceback_and_still_serves(daemon):
