@@ -108,6 +108,20 @@ MemoryTags = Annotated[Optional[str], typer.Option(
     help="Comma-separated: weights, kv_cache, cuda_graph; default all.")]
 
 
+def _tag_list(tags: str | None) -> list[str] | None:
+    """--tags as the list the daemon takes; None (no --tags) is every tag. An empty value ('', ','; an unset
+    variable in a script) is refused: the daemon reads an empty list as every tag, and releasing the weights
+    without --weights-cpu-backup leaves them to be reloaded."""
+    if tags is None:
+        return None
+    names = [tag for tag in tags.split(",") if tag.strip()]
+    if not names:
+        with user_errors():
+            raise RolloutError(f"--tags {tags!r} names no tag; give some of weights, kv_cache, cuda_graph "
+                               "(comma-separated), or drop --tags for all of them")
+    return names
+
+
 def _gib(value) -> str:
     return "?" if value is None else f"{value / 2**30:.1f} GiB"
 
@@ -122,7 +136,7 @@ def release_memory_command(tags: MemoryTags = None, engine: opt.EngineAddress = 
         rollout release-memory && python train.py && rollout resume-memory && rollout reload-weights ckpt_1/
     """
     result = _call(engine, token_file, "POST", "/release_memory_occupation",
-                   {"tags": tags.split(",") if tags else None})
+                   {"tags": _tag_list(tags)})
     what = ", ".join(result["released"]) or "nothing (already released)"
     line = f"released {what} in {result['seconds']:.2f} s"
     if result.get("free_bytes_after") is not None:  # None on the CPU: no device memory to report
@@ -139,7 +153,7 @@ def resume_memory_command(tags: MemoryTags = None, engine: opt.EngineAddress = N
         rollout resume-memory
     """
     result = _call(engine, token_file, "POST", "/resume_memory_occupation",
-                   {"tags": tags.split(",") if tags else None})
+                   {"tags": _tag_list(tags)})
     what = ", ".join(result["resumed"]) or "nothing (none was released)"
     line = f"resumed {what} in {result['seconds']:.2f} s"
     if result.get("cuda_graph_capture_seconds") is not None:

@@ -331,6 +331,19 @@ def test_a_flush_seconds_json_cannot_carry_is_one_line(daemon, value):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["release-memory", "resume-memory"])
+@pytest.mark.parametrize("tags", ["", ",,"])
+def test_tags_naming_no_tag_are_one_line_and_release_nothing(daemon, command, tags):
+    """An empty --tags (an unset variable in a script) went as [], which the daemon reads as every tag:
+    release-memory freed the weights too, to be reloaded without --weights-cpu-backup."""
+    result = subprocess.run([sys.executable, "-m", "rollout_cli.cli.main", command, "--engine", str(daemon["sock"]),
+                             "--tags", tags], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"error: --tags {tags!r} names no tag; give some of weights, kv_cache, cuda_graph (comma-separated), or "
+        "drop --tags for all of them"], result.stderr
+    assert daemon["http"].get("/get_server_info").json()["memory"]["released"] == []
+
+
 # ---- last: the daemon took all of the above without a traceback ----
 
 def test_the_daemon_logged_no_traceback_and_still_serves(daemon):
