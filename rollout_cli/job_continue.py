@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from rollout_cli.engine.trajectory import PartialSample
 from rollout_cli.io.atomic_write import fsync_dir, write_temp, writing
 from rollout_cli.io.output_dir import ROUTING_SUBDIR, TRAJECTORIES_SUBDIR, part_files
+from rollout_cli.io.trajectories import nanoseconds_as_ints
 
 KEY = ("prompt_index", "sample_index")
 
@@ -61,7 +62,7 @@ def _aborted_samples(out: Path, aborted: dict[str, set], finished: set) -> dict[
         wanted = pairs - finished
         if not wanted:
             continue
-        rows = pq.read_table(part_files(out / TRAJECTORIES_SUBDIR)[name]).to_pylist()
+        rows = nanoseconds_as_ints(pq.read_table(part_files(out / TRAJECTORIES_SUBDIR)[name])).to_pylist()
         for row in rows:
             pair = (row["prompt_index"], row["sample_index"])
             if pair in wanted and row["finish_reason"] == "abort":

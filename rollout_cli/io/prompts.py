@@ -37,6 +37,7 @@ from rollout_cli.io.image_cells import holds_images, refuse_text_cells
 from rollout_cli.io.image_prompts import ImageCountMismatch, VisionPromptEncoder
 from rollout_cli.io.prompt_encoding import InvalidPrompt, encode_batch
 from rollout_cli.io.prompt_token_cache import TokenIdCache
+from rollout_cli.io.trajectories import nanoseconds_as_ints
 
 # How many column names an error message lists before it elides the rest.
 _MAX_LISTED_COLUMNS = 20
@@ -298,7 +299,7 @@ class PromptSource:
         for start, batch in self._batches(columns=None):
             keep = [o for o in range(batch.num_rows) if start + o not in self._skipped_index]
             ids = [self._cache.pop(start + o) for o in keep]
-            passthrough = self._passthrough(batch.select(names), start, keep)
+            passthrough = self._passthrough(nanoseconds_as_ints(batch.select(names)), start, keep)
             if self.vision is not None:
                 yield from self._vision_rows(batch, start, keep, ids, passthrough)
                 continue
@@ -362,11 +363,9 @@ class PromptSource:
             ids[k] = result
 
     def _passthrough(self, batch: pa.RecordBatch, start: int, keep: list[int]) -> dict[int, dict[str, Any]]:
-        """{offset in batch: {column: value}} of the kept rows.
-
-        Row by row only when the batch holds a string that is not UTF-8 (a skipped row may hold
-        it, and is not read); in a kept row it is an error naming the row and column.
-        """
+        """{offset in batch: {column: value}} of the kept rows. Row by row only when the batch holds a
+        string that is not UTF-8 (a skipped row may hold it, and is not read); in a kept row it is an
+        error naming the row and column."""
         try:
             rows = batch.to_pylist()
             return {o: rows[o] for o in keep}

@@ -83,6 +83,21 @@ def trajectory_schema(passthrough_schema: pa.Schema, episodes: bool = False, top
     return pa.schema(fields + list(passthrough_schema))
 
 
+def nanoseconds_as_ints(batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch | pa.Table:
+    """`batch` with its nanosecond timestamp / duration / time columns as int64, for to_pylist: Python's
+    datetime holds microseconds, so a value with nanoseconds (pandas' datetime64[ns] writes them) was a
+    ValueError traceback mid-run. The writer builds the same values back from the ints, under the input's
+    type (trajectory_schema keeps the passthrough schema)."""
+    def nanoseconds(kind: pa.DataType) -> bool:
+        return ((pa.types.is_timestamp(kind) or pa.types.is_duration(kind) or pa.types.is_time64(kind))
+                and kind.unit == "ns")
+
+    if not any(nanoseconds(field.type) for field in batch.schema):
+        return batch
+    columns = [column.cast(pa.int64()) if nanoseconds(column.type) else column for column in batch.columns]
+    return type(batch).from_arrays(columns, names=batch.schema.names)
+
+
 def routing_schema(dtype: str) -> pa.Schema:
     """One row per trajectory; routed_experts flattened row-major from [num_tokens, num_layers, top_k]."""
     return pa.schema([

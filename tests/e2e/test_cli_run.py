@@ -328,3 +328,33 @@ def test_python_api_generate():
         assert row["finish_reason"] in ("stop", "length")
         assert isinstance(row["response_text"], str) and row["weight_version"] == "0"
     assert results[0].prompt_token_ids == results[1].prompt_token_ids != results[2].prompt_token_ids
+
+
+def test_nanosecond_passthrough_columns_come_out_unchanged_and_continue(tmp_path):
+    """Python's datetime holds microseconds: a timestamp / duration / time64 cell with nanoseconds (pandas'
+    datetime64[ns] writes them) was a ValueError traceback mid-run, and again reading an aborted row back
+    for --continue-aborted. The values pass through bit for bit, under their own types."""
+    data, out = tmp_path / "ns.parquet", tmp_path / "out"
+    source = pa.table({"prompt": ["What is 1 + 1?", "hi"],
+                       "ts": pa.array([1_700_000_000_123_456_789, None], pa.timestamp("ns", tz="UTC")),
+                       "dur": pa.array([5, 7], pa.duration("ns")), "t64": pa.array([3, 4], pa.time64("ns"))})
+    pq.write_table(source, data)
+    args = ["--model", str(MODEL), "--data", str(data), "--out", str(out), "--max-new-tokens", "4", "--ignore-eos",
+            "--quiet"]
+    _ok(_run(args))
+    shard = next((out / "trajectories").glob("part-*.parquet"))
+    table = pq.read_table(shard)  # row 1 as an abort leaves it: two response tokens, finish_reason abort
+    for name in ("response_token_ids", "response_logprobs", "response_weight_versions"):
+        cells = table.column(name).to_pylist()
+        cells[1] = cells[1][:2]
+        table = table.set_column(table.schema.get_field_index(name), name, pa.array(cells, table.schema.field(name).type))
+    reasons = table.column("finish_reason").to_pylist()
+    reasons[1] = "abort"
+    table = table.set_column(table.schema.get_field_index("finish_reason"), "finish_reason", pa.array(reasons))
+    pq.write_table(table, shard)
+    _ok(_run([*args, "--resume", "--continue-aborted"]))
+    rows = pq.read_table(out / "trajectories").sort_by("prompt_index")
+    assert rows.column("finish_reason").to_pylist() == ["length", "length"]
+    for name in ("ts", "dur", "t64"):
+        assert rows.schema.field(name).type == source.schema.field(name).type
+        assert rows.column(name).cast(pa.int64()).to_pylist() == source.column(name).cast(pa.int64()).to_pylist()
