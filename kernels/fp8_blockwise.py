@@ -176,6 +176,14 @@ def _cublas_blockwise_works(device_index: int) -> bool:
     return torch.equal(eager, replayed) and torch.allclose(eager.float(), want, atol=2e-2, rtol=2e-2)
 
 
+def probe_cublas_blockwise(device: torch.device) -> bool:
+    """Run the once-per-device probe now, eagerly (-> whether cuBLASLt's blockwise GEMM is used there). The
+    engine calls it when an FP8 model is built: its decode graphs are captured before any eager step of
+    CUBLAS_MIN_ROWS rows, and a capture cannot probe, so without this every graph ran our Triton GEMM."""
+    return device.type == "cuda" and _cublas_blockwise_works(
+        device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _takes_cublas(x2: torch.Tensor, w_q: torch.Tensor, block: tuple[int, int]) -> bool:
     return takes_cublas(x2.shape[0], x2.shape[1], x2.dtype, x2.device, w_q, block)
 

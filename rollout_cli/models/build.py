@@ -283,6 +283,10 @@ def build_model(model_dir: str, hf_config, device: torch.device, dtype: torch.dt
         bad = nonfinite_names(model.named_parameters())
         if bad:
             raise RolloutError(f"{model_dir}: {describe(bad)}; every logprob would be NaN: export the checkpoint again")
+    if quantization is not None and device.type == "cuda":
+        from rollout_kernels.fp8_blockwise import probe_cublas_blockwise  # Triton: optional on the CPU
+
+        probe_cublas_blockwise(device)  # before the decode graphs are captured: a capture cannot probe
     if mtp:  # reloads may leave the head out: trainers often drop it, and a stale head only drafts
         model.optional_checkpoint_prefixes = ("mtp.",)
     return model.eval()

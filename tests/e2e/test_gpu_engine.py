@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from rollout_cli import Engine, SamplingParams
 
@@ -201,20 +202,15 @@ def test_sampling_masks_on_the_gpu_sampler(tiny_checkpoints, hf_ref):
         assert (replayed - torch.tensor(result.response_logprobs)).abs().max() < 2e-3  # GPU vs CPU float32 (TF32-free)
 
 
-def test_fp8_rows_from_the_norms_and_silu_change_no_bit(tmp_path_factory):
+def test_fp8_rows_from_the_norms_and_silu_change_no_bit(fp8_groups_checkpoint):
     """--quantization fp8: the norms and SiLU-and-mul quantize for their FP8 readers (models/layers.
     feed_fp8_rows) with the bits the layers' own quantize launch gives: an engine whose producers are
-    unwired samples the same tokens and logprobs, eagerly and from the decode graphs. Hidden and
-    intermediate sizes of whole 128-groups (the tiny fixtures' 64 would not fuse); 8 prompts x n 16
+    unwired samples the same tokens and logprobs, eagerly and from the decode graphs. 8 prompts x n 16
     decode 128 rows at once, where cuBLAS's blockwise GEMM is chosen where it works."""
-    from conftest import _build_checkpoint
-
-    model_dir = str(_build_checkpoint("qwen3", tmp_path_factory.mktemp("fp8_rows") / "qwen3_128",
-                                      hidden_size=128, intermediate_size=384, initializer_range=0.1))
     params = SamplingParams(n=16, temperature=1.0, seed=3, max_new_tokens=16, ignore_eos=True)
     runs = []
     for graphs, wired in ((True, True), (False, True), (False, False)):
-        engine = _engine(model_dir, dtype="bfloat16", cuda_graphs=graphs, quantization="fp8")
+        engine = _engine(fp8_groups_checkpoint, dtype="bfloat16", cuda_graphs=graphs, quantization="fp8")
         producers = [m for m in engine.model.modules() if "fp8_consumer" in vars(m)]
         assert len(producers) == 3 * engine.hf_config.num_hidden_layers  # two norms and the SiLU per layer
         if not wired:
@@ -223,3 +219,21 @@ def test_fp8_rows_from_the_norms_and_silu_change_no_bit(tmp_path_factory):
         prompts = _prompts(engine.hf_config.vocab_size, 8, seed=6)
         runs.append([(r.response_token_ids, r.response_logprobs) for r in engine.generate(prompts, params)])
     assert len(runs[0]) == 128 and runs[0] == runs[1] == runs[2]
+
+
+def test_fp8_decode_graphs_of_128_rows_run_cublas_where_it_works(fp8_groups_checkpoint, monkeypatch):
+    """The cuBLASLt probe runs when the FP8 model is built, before the decode graphs are captured (a capture
+    cannot probe): graphs of >= CUBLAS_MIN_ROWS rows then capture cuBLAS's blockwise GEMM (on the H100,
+    session 30, every graph had run our Triton GEMM: the probe came at the first eager prefill)."""
+    from rollout_kernels import fp8_blockwise
+
+    fp8_blockwise._cublas_blockwise_works.cache_clear()
+    calls = []
+    cublas = fp8_blockwise.cublas_blockwise_matmul
+    monkeypatch.setattr(fp8_blockwise, "cublas_blockwise_matmul",
+                        lambda *args: (calls.append(torch.cuda.is_current_stream_capturing()), cublas(*args))[1])
+    _engine(fp8_groups_checkpoint, dtype="bfloat16", quantization="fp8", max_running=256)
+    assert fp8_blockwise._cublas_blockwise_works.cache_info().currsize == 1  # probed at build
+    if not fp8_blockwise.probe_cublas_blockwise(torch.device("cuda")):
+        pytest.skip("this torch / cuBLAS build or GPU has no blockwise-scaled _scaled_mm (the engine's probe says so)")
+    assert calls.count(True) > 1  # captured by a decode graph, besides the probe's own captured call
