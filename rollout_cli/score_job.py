@@ -12,6 +12,7 @@ computed at the end over every shard, so a resumed job reports on all of its sam
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -188,6 +189,8 @@ def _row_problem(row: dict) -> str | None:
     if len(row["response_logprobs"]) != len(row["response_token_ids"]):
         return (f"{len(row['response_logprobs'])} response_logprobs for {len(row['response_token_ids'])} "
                 "response_token_ids (one each)")
+    if not all(v is not None and math.isfinite(v) for v in row["response_logprobs"]):
+        return "response_logprobs holds a null, NaN or infinite value (a run writes finite logprobs)"  # NaN stats before
     return None
 
 

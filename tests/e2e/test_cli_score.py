@@ -260,7 +260,9 @@ def test_token_ids_of_another_type_are_one_line_and_out_is_not_created(run_dir, 
      ("response_logprobs for", "response_token_ids (one each)")),
     (lambda row: {**row, "response_token_ids": None}, ("response_token_ids is null",)),
     (lambda row: {**row, "prompt_token_ids": None}, ("prompt_token_ids is null",)),
-], ids=["short-logprobs", "null-response", "null-prompt"])
+    (lambda row: {**row, "response_logprobs": [float("nan")] + row["response_logprobs"][1:]},
+     ("response_logprobs holds a null, NaN or infinite value",)),
+], ids=["short-logprobs", "null-response", "null-prompt", "nan-logprob"])
 def test_a_bad_row_fails_the_job_in_one_line(run_dir, tmp_path, change, words):
     """Logprobs not one per response token failed the comparison after the scores were written (a numpy
     traceback, the manifest left `running`); a null list was a traceback. Now one line naming the row,
@@ -287,3 +289,4 @@ def test_a_damaged_run_manifest_is_one_line(run_dir, tmp_path, sampling, words):
     (data / "manifest.json").write_text(json.dumps(manifest))
     _one_line(_cli("score", *COMMON, "--data", data, "--out", tmp_path / "s"), "manifest.json", *words)
     assert not (tmp_path / "s").exists()
+
