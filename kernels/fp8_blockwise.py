@@ -29,8 +29,9 @@ import triton.language as tl
 
 from rollout_kernels.e4m3 import emulate_e4m3, quantize_groups
 from rollout_kernels.fp8_blockwise_config import get_config
-from rollout_kernels.fp8_blockwise_ref import (BLOCK, FP8_DTYPE, FP8_MAX, _MIN_AMAX, fp8_blockwise_matmul_ref,
-                                               quantize_activation_ref, quantize_weight_blockwise)
+from rollout_kernels.fp8_blockwise_ref import (BLOCK, FP8_DTYPE, FP8_MAX, _MIN_AMAX, empty_activation_scales,
+                                               fp8_blockwise_matmul_ref, quantize_activation_ref,
+                                               quantize_weight_blockwise)
 
 # ---- activations ------------------------------------------------------------------------------
 
@@ -59,10 +60,7 @@ def quantize_activation(x: torch.Tensor, group: int = BLOCK, scale_outer_major: 
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     groups_k = triton.cdiv(k, group)
-    if scale_outer_major:
-        scale = torch.empty((groups_k, m), dtype=torch.float32, device=x.device).t()
-    else:
-        scale = torch.empty((m, groups_k), dtype=torch.float32, device=x.device)
+    scale = empty_activation_scales(m, groups_k, x.device, scale_outer_major)
     if m and k:
         groups = triton.next_power_of_2(groups_k)
         _quantize_activation_kernel[(m,)](
@@ -184,10 +182,6 @@ def probe_cublas_blockwise(device: torch.device) -> bool:
         device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _takes_cublas(x2: torch.Tensor, w_q: torch.Tensor, block: tuple[int, int]) -> bool:
-    return takes_cublas(x2.shape[0], x2.shape[1], x2.dtype, x2.device, w_q, block)
-
-
 def takes_cublas(rows: int, k: int, dtype: torch.dtype, device: torch.device, w_q: torch.Tensor,
                  block: tuple[int, int]) -> bool:
     """Whether an FP8 layer (w_q, its scale block) runs cuBLASLt's blockwise GEMM on `rows` activations
@@ -197,8 +191,8 @@ def takes_cublas(rows: int, k: int, dtype: torch.dtype, device: torch.device, w_
     if dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.cuda.is_current_stream_capturing() and _cublas_blockwise_works.cache_info().currsize == 0:
-        return False  # no probing inside a capture (the engine's graphs warm up eagerly first, which probes)
-    return _cublas_blockwise_works(device.index if device.index is not None else torch.cuda.current_device())
+        return False  # no probing inside a capture (build_model probes before the graphs are captured)
+    return probe_cublas_blockwise(device)
 
 
 @dataclass
@@ -231,7 +225,7 @@ def fp8_linear(x: torch.Tensor | FP8Rows, w_q: torch.Tensor, w_scale: torch.Tens
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     triton_path = x.is_cuda if use_triton is None else use_triton
-    if triton_path and x2.is_cuda and _takes_cublas(x2, w_q, block):
+    if triton_path and takes_cublas(x2.shape[0], x2.shape[1], x2.dtype, x2.device, w_q, block):
         x_q, x_scale = quantize_activation(x2, block[1], scale_outer_major=True)
         y = cublas_blockwise_matmul(x_q, x_scale, w_q, w_scale, x.dtype)
         if bias is not None:

@@ -42,6 +42,14 @@ def dequantize_weight_blockwise(q: torch.Tensor, scale: torch.Tensor, block: tup
 
 # ---- references of the Triton kernels ----------------------------------------------------------
 
+def empty_activation_scales(rows: int, groups: int, device, outer_major: bool = False) -> torch.Tensor:
+    """An activation scale tensor [rows, groups] float32 to be written: row-major, or outer-dim-major
+    (strides (1, rows)) as cuBLASLt's blockwise GEMM reads it."""
+    if outer_major:
+        return torch.empty((groups, rows), dtype=torch.float32, device=device).t()
+    return torch.empty((rows, groups), dtype=torch.float32, device=device)
+
+
 def quantize_activation_ref(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_activation in torch: the same amax rule per token and channel group."""
     m, k = x.shape

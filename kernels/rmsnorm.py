@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from rollout_kernels.e4m3 import emulate_e4m3, quantize_groups
-from rollout_kernels.fp8_blockwise_ref import BLOCK, FP8_DTYPE, FP8_MAX, _MIN_AMAX
+from rollout_kernels.fp8_blockwise_ref import BLOCK, FP8_DTYPE, FP8_MAX, _MIN_AMAX, empty_activation_scales
 
 MAX_N = 65536  # one row is one block
 
@@ -176,8 +176,7 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
         _check_rows("residual", residual, x.shape, x.dtype)
     t, n = x.shape
     q = torch.empty((t, n), dtype=FP8_DTYPE, device=x.device)
-    scale = (torch.empty((n // group, t), dtype=torch.float32, device=x.device).t() if scale_outer_major
-             else torch.empty((t, n // group), dtype=torch.float32, device=x.device))
+    scale = empty_activation_scales(t, n // group, x.device, scale_outer_major)
     rounding = torch.empty((1, 1), dtype=out_dtype, device=x.device)  # only its dtype is read
     _launch(x, residual, weight, eps, rounding, residual, zero_centred, quant=(q, scale, group))
     return q, scale, residual

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from rollout_kernels.e4m3 import emulate_e4m3, quantize_groups
-from rollout_kernels.fp8_blockwise_ref import BLOCK, FP8_DTYPE, FP8_MAX, _MIN_AMAX
+from rollout_kernels.fp8_blockwise_ref import BLOCK, FP8_DTYPE, FP8_MAX, _MIN_AMAX, empty_activation_scales
 
 
 @triton.jit
@@ -70,8 +70,7 @@ def silu_and_mul_fp8(x: torch.Tensor, group: int = BLOCK, scale_outer_major: boo
     assert x.stride(1) == 1, "x must be contiguous in its last dim"
     num_tokens, inter = x.shape[0], x.shape[1] // 2
     q = torch.empty((num_tokens, inter), dtype=FP8_DTYPE, device=x.device)
-    scale = (torch.empty((inter // group, num_tokens), dtype=torch.float32, device=x.device).t()
-             if scale_outer_major else torch.empty((num_tokens, inter // group), dtype=torch.float32, device=x.device))
+    scale = empty_activation_scales(num_tokens, inter // group, x.device, scale_outer_major)
     if num_tokens == 0:
         return q, scale
     rounding = torch.empty((1,), dtype=x.dtype, device=x.device)  # only its dtype is read

@@ -119,7 +119,7 @@ def test_gpu_fp8_linear_runs_cublas_from_its_row_count():
     w_q, w_scale = quantize_weight_blockwise(_randn(512, 384, seed=3, scale=0.05))
     for m in (fp8_blockwise.CUBLAS_MIN_ROWS - 1, fp8_blockwise.CUBLAS_MIN_ROWS):
         x = _randn(m, 384, seed=m).bfloat16()
-        chosen = fp8_blockwise._takes_cublas(x, w_q, (128, 128))
+        chosen = fp8_blockwise.takes_cublas(m, 384, x.dtype, x.device, w_q, (128, 128))
         assert chosen == (m >= fp8_blockwise.CUBLAS_MIN_ROWS and fp8_blockwise._cublas_blockwise_works(0))
         x_q, x_scale = quantize_activation(x)
         want = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, torch.float32)
