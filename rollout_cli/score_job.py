@@ -44,6 +44,7 @@ from rollout_cli.io.output_dir import (
 )
 from rollout_cli.io.trajectories import ShardWriter
 from rollout_cli.job_manifest import final_state, write_final_manifest
+from rollout_cli.score_rows import is_superseded, superseded_aborts
 
 SCORES_SUBDIR = "scores"
 SCORE_SCHEMA = pa.schema([
@@ -195,16 +196,16 @@ def _row_problem(row: dict) -> str | None:
 
 
 def _samples(dataset: ds.Dataset, done: set, run_logprobs: dict, images=None,
-             masks: bool = False, data: str = "") -> Iterator[ScoreInput]:
+             masks: bool = False, data: str = "", superseded: frozenset = frozenset()) -> Iterator[ScoreInput]:
     """The trajectories not yet scored, one Parquet batch at a time; their run logprobs go to `run_logprobs`.
     `images`: an image run's (VisionPromptEncoder, ImageRows), the pixels looked up by prompt_index;
-    `masks`: each row's response_sampling_mask goes with it."""
+    `masks`: each row's response_sampling_mask goes with it; `superseded`: pairs whose aborted rows are skipped."""
     columns = (list(NEEDED) + (["image_grid_thw"] if images is not None else [])
-               + (["response_sampling_mask"] if masks else []))
+               + (["response_sampling_mask"] if masks else []) + (["finish_reason"] if superseded else []))
     for batch in dataset.to_batches(columns=columns):
         for row in batch.to_pylist():
             key = (row["prompt_index"], row["sample_index"])
-            if key in done:
+            if key in done or is_superseded(row, superseded):
                 continue
             problem = _row_problem(row)
             if problem is not None:
@@ -281,6 +282,7 @@ def _run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig, 
         raise RolloutError(f"--sampling-mask: {job.data} holds no response_sampling_mask column; run with "
                            "--sampling-mask to record the kept sets, or score without it")
     images = _image_source(engine, dataset, job)  # before OUT exists: a missing prompt file is refused first
+    superseded, superseded_rows = superseded_aborts(dataset, job.data)  # a pair twice is refused here too
     settings = {"model": engine.config.model, "data": job.data, "weight_version": engine.weight_version,
                 "deterministic": engine.config.deterministic,
                 "sampling": {name: getattr(params, name) for name in ("temperature", "logprobs_mode", "top_p", "top_k",
@@ -296,7 +298,7 @@ def _run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig, 
     done = completed_pairs(job.out, SCORES_SUBDIR) if job.resume else set()
     started = time.monotonic()
     write_manifest(job.out, {"status": "running", "settings": settings})
-    progress = ScoreProgress(samples_total=dataset.count_rows() - len(done))
+    progress = ScoreProgress(samples_total=dataset.count_rows() - superseded_rows - len(done))
     run_logprobs: dict = {}
     failure: BaseException | None = None
     try:
@@ -304,8 +306,8 @@ def _run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig, 
         with ShardWriter(job.out, schema, job.shard_rows, job.flush_seconds, subdir=SCORES_SUBDIR) as writer:
             if on_progress is not None:
                 on_progress(progress)
-            scores = engine.score(_samples(dataset, done, run_logprobs, images, job.sampling_mask, job.data), params,
-                                  on_step=writer.maybe_flush, top_logprobs=job.top_logprobs)
+            samples = _samples(dataset, done, run_logprobs, images, job.sampling_mask, job.data, superseded)
+            scores = engine.score(samples, params, on_step=writer.maybe_flush, top_logprobs=job.top_logprobs)
             for score in scores:
                 run_logprobs.pop((score.prompt_index, score.sample_index), None)
                 row = {"prompt_index": score.prompt_index, "sample_index": score.sample_index,
@@ -324,7 +326,7 @@ def _run_score_job(engine: Engine, params: SamplingParams, job: ScoreJobConfig, 
     status, error = final_state(failure, None)
     manifest = {"status": status, **({"error": error} if error else {}), "settings": settings,
                 "wall_seconds": round(time.monotonic() - started, 3), "scored_this_run": progress.samples_done,
-                **compare_with_run(dataset, job.out)}
+                **compare_with_run(dataset, job.out, superseded)}
     write_final_manifest(job.out, manifest, failure)
     if failure is not None:
         raise failure
@@ -357,23 +359,23 @@ def _first_difference(old: dict, new: dict, prefix: str = "") -> tuple[str, obje
     return prefix.rstrip(".") or "settings", old, new
 
 
-def compare_with_run(dataset: ds.Dataset, out: str) -> dict:
+def compare_with_run(dataset: ds.Dataset, out: str, superseded: frozenset = frozenset()) -> dict:
     """How the scores in `out` differ from the run's logprobs of the same tokens: absolute differences
     (mean, p99, max over tokens) and the fraction of tokens and of samples that are equal bit for bit.
     Episodes (`run --env`) count their model's tokens only (response_loss_mask 1): the environment's
-    tokens were not sampled, and the run records 0.0 for them."""
+    tokens were not sampled, and the run records 0.0 for them. The aborted rows of `superseded` pairs are skipped."""
     scores_dir = Path(out) / SCORES_SUBDIR
     scored = {}
     if any(scores_dir.glob("part-*.parquet")):
         for row in ds.dataset(str(scores_dir), format="parquet").to_table().to_pylist():
             scored[(row["prompt_index"], row["sample_index"])] = row["response_logprobs"]
     diffs, equal_samples = [], 0
-    columns = ["prompt_index", "sample_index", "response_logprobs"]
+    columns = ["prompt_index", "sample_index", "response_logprobs"] + ["finish_reason"] * bool(superseded)
     masked = "response_loss_mask" in dataset.schema.names
     for batch in dataset.to_batches(columns=columns + ["response_loss_mask"] * masked):
         for row in batch.to_pylist():
             ours = scored.get((row["prompt_index"], row["sample_index"]))
-            if ours is None:
+            if ours is None or is_superseded(row, superseded):
                 continue
             diff = np.abs(np.asarray(ours, np.float32) - np.asarray(row["response_logprobs"], np.float32))
             if masked:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from rollout_cli import Engine, SamplingParams
 from rollout_cli.errors import RolloutError
 from rollout_cli.score_job import ScoreJobConfig, run_score_job
+from trajectory_edits import cut_response, edit_trajectory_rows
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "recipes" / "example_model"
@@ -290,3 +291,49 @@ def test_a_damaged_run_manifest_is_one_line(run_dir, tmp_path, sampling, words):
     _one_line(_cli("score", *COMMON, "--data", data, "--out", tmp_path / "s"), "manifest.json", *words)
     assert not (tmp_path / "s").exists()
 
+
+
+def _with_repeated_pair(run_dir: Path, tmp_path: Path, aborted: tuple[bool, ...], abort_first: bool = False) -> Path:
+    """A copy of the run with one more shard repeating its first row, once per entry of `aborted` (True: as
+    an abort leaves it, its response cut to 2 tokens; False: as it is); `abort_first`: that first row is cut
+    to 3 tokens too. With (True,): what a crashed --continue-aborted run leaves (the continued row written,
+    its aborted row not yet dropped)."""
+    data = tmp_path / "run"
+    shutil.copytree(run_dir, data)
+    if abort_first:
+        edit_trajectory_rows(data, lambda row: (row["prompt_index"], row["sample_index"]) == (0, 0)
+                             and cut_response(row, 3) is None)
+    first = pq.read_table(data / "trajectories" / "part-00000.parquet")
+    rows = []
+    for abort in aborted:
+        row = first.slice(0, 1).to_pylist()[0]
+        if abort:
+            cut_response(row, 2)
+        rows.append(row)
+    pq.write_table(pa.Table.from_pylist(rows, schema=first.schema), data / "trajectories" / "part-00009.parquet")
+    return data
+
+
+def test_an_aborted_row_beside_its_finished_continuation_is_not_scored(run_dir, tmp_path):
+    """A pair held twice was scored and written twice (and counted twice against the run); a crashed
+    --continue-aborted run legitimately holds an aborted row and its finished continuation: the finished
+    one is the sample."""
+    data = _with_repeated_pair(run_dir, tmp_path, (True,))
+    out = tmp_path / "scores"
+    done = _cli("score", *COMMON, "--data", data, "--out", out, "--deterministic")
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["samples"] == manifest["scored_this_run"] == 8 and manifest["max_abs_diff"] == 0.0
+    keys = [(r["prompt_index"], r["sample_index"]) for r in pq.read_table(out / "scores").to_pylist()]
+    assert len(keys) == len(set(keys)) == 8
+
+
+@pytest.mark.parametrize("aborted,abort_first,words", [
+    ((False,), False, ("2 finished rows of (prompt_index 0, sample_index 0)", "keep one")),
+    ((True,), True, ("2 aborted rows of (prompt_index 0, sample_index 0)", "--continue-aborted")),
+], ids=["two-finished", "only-aborted"])
+def test_a_pair_with_no_one_row_to_score_is_one_line(run_dir, tmp_path, aborted, abort_first, words):
+    """Two finished rows of a pair (or only aborted ones) leave no one row to score: refused before OUT exists."""
+    data = _with_repeated_pair(run_dir, tmp_path, aborted, abort_first)
+    _one_line(_cli("score", *COMMON, "--data", data, "--out", tmp_path / "s"), *words)
+    assert not (tmp_path / "s").exists()
