@@ -1,4 +1,5 @@
-"""The hardware limits `rollout bench` measures a run against, and the hardware numbers behind them.
+"""The hardware limits `rollout bench` measures a run against, and the hardware numbers behind them (and
+check_context_length: the model's context every sample of a workload must fit).
 
     decode bytes  = sum over decode steps of (weight bytes + KV bytes per token x distinct context tokens)
                     + decode tokens x 2 x linear-state bytes per sequence (hybrid models: read and written)
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout_cli.engine.engine import Engine
+from rollout_cli.errors import RolloutError
 
 
 def _median_cuda_seconds(op, runs: int = 12, warmups: int = 2) -> float:
@@ -168,3 +170,27 @@ def bandwidth_limit(engine: Engine, measured_tok_s: float, hbm_bytes_per_s: floa
             "fraction_of_roofline": measured_tok_s * seconds / traffic.tokens,
         })
     return report
+
+
+def check_context_length(cfg, prompt_lengths: list[int], max_model_len: int, model_positions: int,
+                         data: str | None = None, set_by_flag: bool = False) -> None:
+    """Refuse a workload (bench.BenchConfig, its prompts' lengths) whose longest sample runs past the engine's
+    max model length: the engine ends a sample there (finish_reason length), so the run timed fewer tokens
+    than asked and reported them as the workload's. vLLM's throughput benchmark refuses such a workload too.
+    A sample of --turns T holds its prompt, T model turns and T - 1 observations."""
+    output = cfg.output_len_range[1] if cfg.output_len_range else cfg.output_len  # --long-tail: output_len
+    prompt = max(prompt_lengths, default=0)
+    total = prompt + cfg.turns * output + (cfg.turns - 1) * cfg.observation_len
+    if total <= max_model_len:
+        return
+    flag = "--output-len-range" if cfg.output_len_range else "--output-len"
+    asked = f"{flag}'s upper end {output}" if cfg.output_len_range else f"{flag} {output}"
+    turns = f" x {cfg.turns} turns + {cfg.turns - 1} x --observation-len {cfg.observation_len}" if cfg.turns > 1 else ""
+    shorter = (f"use shorter --data {data} prompts" if data
+               else f"lower {'--input-len-range' if cfg.input_len_range else '--input-len'}")
+    source = "--max-model-len" if set_by_flag else "max_position_embeddings in config.json"
+    wider = (f", or raise --max-model-len (the model allows up to {model_positions})"
+             if max_model_len < model_positions else " (the model has no more positions)")
+    raise RolloutError(f"a sample of this workload needs {total} tokens (its longest prompt, {prompt}, + {asked}"
+                       f"{turns}), past the max model length {max_model_len} ({source}), where the engine would cut "
+                       f"it short; lower {flag} or {shorter}{wider}")

@@ -63,9 +63,10 @@ def bench_command(
     """
     # heavy: torch and the model code
     from rollout_cli.bench import BenchConfig, make_workload, run_hf_baseline
-    from rollout_cli.bench_limits import measure_hbm_bandwidth, measure_matmul_rates
+    from rollout_cli.bench_limits import check_context_length, measure_hbm_bandwidth, measure_matmul_rates
     from rollout_cli.engine.engine import Engine
-    from rollout_cli.models.build import load_model_config, resolve_device, resolve_dtype
+    from rollout_cli.models.build import (load_model_config, model_positions, resolve_device, resolve_dtype,
+                                          resolve_max_model_len)
 
     console = Console()
     with user_errors():
@@ -86,6 +87,9 @@ def bench_command(
         torch_device = resolve_device(engine_config.device)
         data_prompts = _read_prompts(data, prompt_key, engine_config.model) if data else None
         workload = make_workload(cfg, hf_config.vocab_size, data_prompts, hf_config)
+        check_context_length(cfg, [len(p) for p in workload.prompts],  # before any timing: the engine would cut
+                             resolve_max_model_len(hf_config, engine_config.max_model_len),
+                             model_positions(hf_config)[0], data, engine_config.max_model_len is not None)
         hbm = measure_hbm_bandwidth(torch_device)
         rates = measure_matmul_rates(torch_device, resolve_dtype(engine_config.dtype, torch_device),
                                      fp8_weights=engine_config.quantization == "fp8")

@@ -209,6 +209,30 @@ def test_a_report_that_cannot_be_written_is_one_line_after_the_table():
     assert "output tok/s" in result.stdout and "Traceback" not in result.stderr
 
 
+RAISE = "or raise --max-model-len (the model allows up to 2048)"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--max-model-len", 64, "--input-len", 40, "--output-len", 30),
+     "needs 70 tokens (its longest prompt, 40, + --output-len 30), past the max model length 64 (--max-model-len), "
+     f"where the engine would cut it short; lower --output-len or lower --input-len, {RAISE}"),
+    (("--max-model-len", 64, "--input-len-range", 4, 8, "--output-len-range", 4, 60),
+     f"--output-len-range's upper end 60), past the max model length 64 (--max-model-len), where the engine would "
+     f"cut it short; lower --output-len-range or lower --input-len-range, {RAISE}"),
+    (("--input-len", 8, "--output-len", 2041), "past the max model length 2048 (max_position_embeddings in "
+     "config.json), where the engine would cut it short; lower --output-len or lower --input-len (the model has "
+     "no more positions)"),
+    (("--max-model-len", 64, "--input-len", 8, "--output-len", 8, "--turns", 3, "--observation-len", 17),
+     "needs 66 tokens (its longest prompt, 8, + --output-len 8 x 3 turns + 2 x --observation-len 17), past"),
+])
+def test_a_workload_past_the_max_model_len_is_one_line(flags, message):
+    """A sample past the engine's max model length was cut there silently (finish_reason length): the run timed
+    fewer tokens than the workload asked. Refused before any timing, as vLLM's throughput benchmark does."""
+    result = _bench("--model", MODEL, "--device", "cpu", "--num-prompts", 2, *flags)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert message in result.stderr, result.stderr
+
+
 def test_data_without_rows_is_one_line(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
