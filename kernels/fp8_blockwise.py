@@ -141,7 +141,12 @@ def cublas_blockwise_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch
     """fp8_blockwise_matmul's product through cuBLASLt's blockwise-scaled FP8 GEMM (torch._scaled_mm with
     1x128 activation and 128x128 weight scales; Hopper, CUDA >= 12.9). cuBLAS reads the activation scales
     outer-dim-major ([M, KB] with strides (1, M): quantize_activation(..., scale_outer_major=True) writes
-    them so; others are copied) and the weight scales as [KB, NB]."""
+    them so; others are copied) and the weight scales as [KB, NB], K-major. cuBLAS reads 128x128 scales in
+    groups of 4 K-blocks (its docs: [KB rounded up to 4, NB]), so KB must be a multiple of 4: with KB = 2 it
+    returned products a thousand times too large on the H100, hence CUBLAS_K_BLOCKS in takes_cublas; and it
+    refuses (CUBLAS_STATUS_NOT_SUPPORTED) row counts that are not a multiple of CUBLAS_ROW_MULTIPLE."""
+    assert x_scale.shape[1] % CUBLAS_K_BLOCKS == 0, f"cuBLAS needs K in multiples of {CUBLAS_K_BLOCKS * BLOCK}"
+    assert x_q.shape[0] % CUBLAS_ROW_MULTIPLE == 0, f"cuBLAS needs rows in multiples of {CUBLAS_ROW_MULTIPLE}"
     if x_scale.stride(0) != 1:
         x_scale = x_scale.t().contiguous().t()
     return torch._scaled_mm(x_q, w_q.t(), x_scale, w_scale.t(), out_dtype=out_dtype)
@@ -151,6 +156,8 @@ def cublas_blockwise_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch
 # M = 256 on the 8B's gate/up and down shapes, about 1.9x at an 8,192-token prefill, level or slower at
 # M = 64. From CUBLAS_MIN_ROWS rows on, a layer whose shape is whole 128-blocks runs it, where it works.
 CUBLAS_MIN_ROWS = 128
+CUBLAS_K_BLOCKS = 4  # K in whole groups of 4 scale blocks (see cublas_blockwise_matmul)
+CUBLAS_ROW_MULTIPLE = 4  # M = 1, 77, 129 were refused on the H100 (the [M, KB] scales' leading dimension)
 
 
 @functools.cache
@@ -159,8 +166,8 @@ def _cublas_blockwise_works(device_index: int) -> bool:
     engine's decode steps), with the reference's answer. Probed once per device, never during a capture."""
     device = torch.device("cuda", device_index)
     gen = torch.Generator(device=device).manual_seed(0)
-    x_q, x_scale = quantize_activation(torch.randn(128, 256, device=device, generator=gen), BLOCK, True)
-    w_q, w_scale = quantize_weight_blockwise(torch.randn(256, 256, device=device, generator=gen) * 0.05)
+    x_q, x_scale = quantize_activation(torch.randn(128, 4 * BLOCK, device=device, generator=gen), BLOCK, True)
+    w_q, w_scale = quantize_weight_blockwise(torch.randn(256, 4 * BLOCK, device=device, generator=gen) * 0.05)
     try:
         eager = cublas_blockwise_matmul(x_q, x_scale, w_q, w_scale, torch.bfloat16)
         graph = torch.cuda.CUDAGraph()
@@ -185,8 +192,10 @@ def probe_cublas_blockwise(device: torch.device) -> bool:
 def takes_cublas(rows: int, k: int, dtype: torch.dtype, device: torch.device, w_q: torch.Tensor,
                  block: tuple[int, int]) -> bool:
     """Whether an FP8 layer (w_q, its scale block) runs cuBLASLt's blockwise GEMM on `rows` activations
-    of width k and `dtype` on `device` (else our Triton GEMM): from CUBLAS_MIN_ROWS rows, whole 128-blocks."""
-    if device.type != "cuda" or rows < CUBLAS_MIN_ROWS or block != (BLOCK, BLOCK) or k % BLOCK or w_q.shape[0] % BLOCK:
+    of width k and `dtype` on `device` (else our Triton GEMM): from CUBLAS_MIN_ROWS rows (a multiple of
+    CUBLAS_ROW_MULTIPLE), whole 128-blocks, K in whole groups of CUBLAS_K_BLOCKS."""
+    if device.type != "cuda" or rows < CUBLAS_MIN_ROWS or rows % CUBLAS_ROW_MULTIPLE or block != (BLOCK, BLOCK) \
+            or k % (CUBLAS_K_BLOCKS * BLOCK) or w_q.shape[0] % BLOCK:
         return False
     if dtype not in (torch.bfloat16, torch.float16):
         return False

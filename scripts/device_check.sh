@@ -31,7 +31,8 @@
 # shapes, write kernels/configs/batch_invariant_matmul/ and tar it to $OUT/tunebi*.tar to commit; run before det06 /
 # det8 in the same call), bitests (the batch-invariant matmul's GPU tests: every shipped table keeps each row's bits), bitiles
 # (scripts/check_batch_invariant_tiles.py: does any tile / BLOCK_K / stages / load path change a bit), fp8 (issue 20's FP8 kernels: their GPU tests, then scripts/bench_fp8_gemm.py --write: the GEMM's tables, used by
-# later parts of the call, tarred to $OUT/fp8_tables.tar), tunefp8moe (the W8A8 fused MoE's configs on the 30B-A3B
+# later parts of the call, tarred to $OUT/fp8_tables.tar), cublas (which shapes cuBLASLt's blockwise FP8 GEMM
+# gets right: scripts/cublas_blockwise_shapes.py), tunefp8moe (the W8A8 fused MoE's configs on the 30B-A3B
 # shape, to $OUT), vlmtests
 # (issue 23: the VLM GPU tests, graphs vs eager, float32 vs HF), vlm8 (issue 23's target: the Qwen3-VL-8B shape, one
 # 448 x 448 image per prompt, HF stopped after 300 s), vtower (the vision tower alone: TFLOP/s, top kernels), spec06
@@ -123,6 +124,7 @@ for part in $PARTS; do
            timeout 330 python3 scripts/bench_fp8_gemm.py --write --json "$OUT/fp8_gemm.json" 2>"$OUT/fp8_gemm.err" \
                | tee "$OUT/fp8_gemm.log" | tail -26  # the tables the later parts of this call run; a tar to commit
            tar -C kernels/configs -cf "$OUT/fp8_tables.tar" fp8_blockwise ;;
+    cublas) timeout 120 python3 scripts/cublas_blockwise_shapes.py 2>&1 | tee "$OUT/cublas_shapes.log" | tail -14 ;;
     tunefp8moe) timeout 300 python3 scripts/tune_fused_moe.py --model-config $Q30/config.json --dtype float8_e4m3fn \
                --buckets 1,8,32,64,128,256,512,1024,4096 --time-budget-s 200 2>&1 | tee "$OUT/tune_fp8moe.log" | grep -E "T=[0-9]+:|wrote"
            cp kernels/configs/fused_moe/*float8* "$OUT/" 2>/dev/null ;;

@@ -97,7 +97,7 @@ def test_fp8_linear_stays_near_the_unquantized_layer():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 256, 256), (77, 384, 640), (256, 6144, 4096)])
+@pytest.mark.parametrize("m,n,k", [(4, 256, 512), (76, 384, 1536), (256, 6144, 4096)])
 def test_gpu_cublas_blockwise_matches_the_reference(m, n, k):
     """cuBLASLt's blockwise-scaled GEMM reads our scales as we mean them (skipped where this torch /
     CUDA build has no blockwise _scaled_mm)."""
@@ -113,17 +113,30 @@ def test_gpu_cublas_blockwise_matches_the_reference(m, n, k):
 
 @pytest.mark.gpu
 def test_gpu_fp8_linear_runs_cublas_from_its_row_count():
-    """Where the blockwise _scaled_mm works, a layer of >= CUBLAS_MIN_ROWS rows runs it (and fewer rows run
-    ours); both near the reference."""
+    """Where the blockwise _scaled_mm works, a layer of >= CUBLAS_MIN_ROWS rows (a multiple of 4) and K in
+    whole groups of 4 scale blocks runs it (fewer rows, 129 rows, or K = 3 blocks run ours); all near the
+    reference."""
     from rollout_kernels import fp8_blockwise
-    w_q, w_scale = quantize_weight_blockwise(_randn(512, 384, seed=3, scale=0.05))
-    for m in (fp8_blockwise.CUBLAS_MIN_ROWS - 1, fp8_blockwise.CUBLAS_MIN_ROWS):
-        x = _randn(m, 384, seed=m).bfloat16()
-        chosen = fp8_blockwise.takes_cublas(m, 384, x.dtype, x.device, w_q, (128, 128))
-        assert chosen == (m >= fp8_blockwise.CUBLAS_MIN_ROWS and fp8_blockwise._cublas_blockwise_works(0))
-        x_q, x_scale = quantize_activation(x)
-        want = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, torch.float32)
-        torch.testing.assert_close(fp8_linear(x, w_q, w_scale).float(), want, atol=2e-2, rtol=2e-2)
+    for k in (4 * 128, 3 * 128):
+        w_q, w_scale = quantize_weight_blockwise(_randn(512, k, seed=3, scale=0.05))
+        for m in (fp8_blockwise.CUBLAS_MIN_ROWS - 4, fp8_blockwise.CUBLAS_MIN_ROWS, fp8_blockwise.CUBLAS_MIN_ROWS + 1):
+            x = _randn(m, k, seed=m).bfloat16()
+            chosen = fp8_blockwise.takes_cublas(m, k, x.dtype, x.device, w_q, (128, 128))
+            assert chosen == (m == fp8_blockwise.CUBLAS_MIN_ROWS and k == 512 and fp8_blockwise._cublas_blockwise_works(0))
+            x_q, x_scale = quantize_activation(x)
+            want = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, torch.float32)
+            torch.testing.assert_close(fp8_linear(x, w_q, w_scale).float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_cublas_probe_passes_on_hopper_with_cuda_12_9():
+    """On an H100 / H200 with CUDA >= 12.9 (where cuBLASLt has blockwise scaling) the probe must say yes:
+    a probe that fails there (as one with K = 2 scale blocks did) silently sends every layer to our slower GEMM."""
+    from rollout_kernels import fp8_blockwise
+    cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
+    if torch.cuda.get_device_capability() != (9, 0) or cuda < (12, 9):
+        pytest.skip("cuBLASLt's blockwise FP8 scaling needs sm90 and CUDA >= 12.9")
+    assert fp8_blockwise.probe_cublas_blockwise(torch.device("cuda", torch.cuda.current_device()))
 
 
 @pytest.mark.gpu
