@@ -127,7 +127,7 @@ for part in $PARTS; do
     cublas) timeout 120 python3 scripts/cublas_blockwise_shapes.py 2>&1 | tee "$OUT/cublas_shapes.log" | tail -14 ;;
     tunefp8moe) timeout 300 python3 scripts/tune_fused_moe.py --model-config $Q30/config.json --dtype float8_e4m3fn \
                --buckets 1,8,32,64,128,256,512,1024,4096 --time-budget-s 200 2>&1 | tee "$OUT/tune_fp8moe.log" | grep -E "T=[0-9]+:|wrote"
-           cp kernels/configs/fused_moe/*float8* "$OUT/" 2>/dev/null ;;
+           tar -C kernels/configs -cf "$OUT/tune_fp8moe.tar" fused_moe ;;  # a tar: "=" and "," names do not come back
     fp8b8) bench b8_bf16 200 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512
            bench b8_fp8 200 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512 --quantization fp8 --profile ;;
     fp8both8) bench b8_fp8_fp8kv 200 --model $Q8 --num-prompts 256 --input-len 256 --output-len 512 --quantization fp8 \
