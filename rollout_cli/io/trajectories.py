@@ -84,18 +84,33 @@ def trajectory_schema(passthrough_schema: pa.Schema, episodes: bool = False, top
 
 
 def nanoseconds_as_ints(batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch | pa.Table:
-    """`batch` with its nanosecond timestamp / duration / time columns as int64, for to_pylist: Python's
+    """`batch` with its nanosecond timestamp / duration / time values as int64, for to_pylist: Python's
     datetime holds microseconds, so a value with nanoseconds (pandas' datetime64[ns] writes them) was a
-    ValueError traceback mid-run. The writer builds the same values back from the ints, under the input's
-    type (trajectory_schema keeps the passthrough schema)."""
-    def nanoseconds(kind: pa.DataType) -> bool:
-        return ((pa.types.is_timestamp(kind) or pa.types.is_duration(kind) or pa.types.is_time64(kind))
-                and kind.unit == "ns")
-
-    if not any(nanoseconds(field.type) for field in batch.schema):
+    ValueError traceback mid-run, at any depth (a struct's field, a list's items, a map's values). The
+    writer builds the same values back from the ints, under the input's type (trajectory_schema keeps the
+    passthrough schema)."""
+    types = [_without_nanoseconds(field.type) for field in batch.schema]
+    if types == list(batch.schema.types):
         return batch
-    columns = [column.cast(pa.int64()) if nanoseconds(column.type) else column for column in batch.columns]
+    columns = [column.cast(kind) if kind != column.type else column for column, kind in zip(batch.columns, types)]
     return type(batch).from_arrays(columns, names=batch.schema.names)
+
+
+def _without_nanoseconds(kind: pa.DataType) -> pa.DataType:
+    """`kind` with every nanosecond timestamp / duration / time64 in it, however deep, as int64."""
+    if (pa.types.is_timestamp(kind) or pa.types.is_duration(kind) or pa.types.is_time64(kind)) and kind.unit == "ns":
+        return pa.int64()
+    if pa.types.is_struct(kind):
+        return pa.struct([field.with_type(_without_nanoseconds(field.type)) for field in kind])
+    if pa.types.is_map(kind):
+        return pa.map_(kind.key_field.with_type(_without_nanoseconds(kind.key_type)),
+                       kind.item_field.with_type(_without_nanoseconds(kind.item_type)), kind.keys_sorted)
+    if pa.types.is_fixed_size_list(kind):
+        return pa.list_(kind.value_field.with_type(_without_nanoseconds(kind.value_type)), kind.list_size)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        make = pa.large_list if pa.types.is_large_list(kind) else pa.list_
+        return make(kind.value_field.with_type(_without_nanoseconds(kind.value_type)))
+    return kind  # a Parquet file holds no union; its dictionaries are of strings (ns values read back plain)
 
 
 def routing_schema(dtype: str) -> pa.Schema:

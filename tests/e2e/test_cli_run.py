@@ -21,6 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rollout_cli.io.trajectories import nanoseconds_as_ints
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "recipes" / "example_model"
 PROMPTS = REPO / "recipes" / "prompts.parquet"
@@ -337,7 +339,9 @@ def test_nanosecond_passthrough_columns_come_out_unchanged_and_continue(tmp_path
     data, out = tmp_path / "ns.parquet", tmp_path / "out"
     source = pa.table({"prompt": ["What is 1 + 1?", "hi"],
                        "ts": pa.array([1_700_000_000_123_456_789, None], pa.timestamp("ns", tz="UTC")),
-                       "dur": pa.array([5, 7], pa.duration("ns")), "t64": pa.array([3, 4], pa.time64("ns"))})
+                       "dur": pa.array([5, 7], pa.duration("ns")), "t64": pa.array([3, 4], pa.time64("ns")),
+                       "nested": pa.array([{"at": [1_700_000_000_123_456_789]}, None],  # at any depth
+                                          pa.struct([("at", pa.list_(pa.timestamp("ns")))]))})
     pq.write_table(source, data)
     args = ["--model", str(MODEL), "--data", str(data), "--out", str(out), "--max-new-tokens", "4", "--ignore-eos",
             "--quiet"]
@@ -355,6 +359,7 @@ def test_nanosecond_passthrough_columns_come_out_unchanged_and_continue(tmp_path
     _ok(_run([*args, "--resume", "--continue-aborted"]))
     rows = pq.read_table(out / "trajectories").sort_by("prompt_index")
     assert rows.column("finish_reason").to_pylist() == ["length", "length"]
-    for name in ("ts", "dur", "t64"):
+    for name in ("ts", "dur", "t64", "nested"):
         assert rows.schema.field(name).type == source.schema.field(name).type
-        assert rows.column(name).cast(pa.int64()).to_pylist() == source.column(name).cast(pa.int64()).to_pylist()
+        assert nanoseconds_as_ints(rows.select([name])).to_pylist() == \
+            nanoseconds_as_ints(source.select([name])).to_pylist()

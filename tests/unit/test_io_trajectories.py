@@ -18,7 +18,7 @@ from rollout_cli.io.output_dir import (
     write_manifest,
 )
 from rollout_cli.io.prompts import PromptSource
-from rollout_cli.io.trajectories import FIXED_NAMES, TrajectoryWriter, trajectory_schema
+from rollout_cli.io.trajectories import FIXED_NAMES, TrajectoryWriter, nanoseconds_as_ints, trajectory_schema
 
 PASSTHROUGH = pa.schema([("data_source", pa.string())])
 
@@ -187,6 +187,36 @@ def test_nested_passthrough_round_trips_with_input_types(tmp_path):
         assert table.schema.field(name).type == data.schema.field(name).type, name
         assert table[name].to_pylist() == data[name].to_pylist(), name
     assert table["prompt_token_ids"].to_pylist() == [[1, 2], [3]]
+
+
+def test_nested_nanosecond_passthrough_round_trips_exactly(tmp_path):
+    """Python's datetime holds microseconds: a nanosecond timestamp / duration / time64 inside a struct, list,
+    fixed-size list, large list or map was a ValueError traceback mid-run (top-level ones were already read as
+    ints). The values come out bit for bit, under the input's types."""
+    ts, dur, t64 = pa.timestamp("ns", tz="UTC"), pa.duration("ns"), pa.time64("ns")
+    stamp = 1_700_000_000_123_456_789
+    columns = {
+        "event": pa.array([{"at": stamp, "took": 5, "name": "a"}, None],
+                          pa.struct([("at", ts), ("took", dur), ("name", pa.string())])),
+        "times": pa.array([[stamp, None], []], pa.list_(ts)),
+        "pair": pa.array([[1, 2], [3, 4]], pa.list_(t64, 2)),
+        "spans": pa.array([[{"d": [7]}], None], pa.large_list(pa.struct([("d", pa.list_(dur))]))),
+        "by_name": pa.array([[("x", stamp)], [("y", None)]], pa.map_(pa.string(), ts)),
+    }
+    data = pa.table({"prompt": pa.array([[1, 2], [3]], pa.list_(pa.int64())), **columns})
+    pq.write_table(data, tmp_path / "in.parquet")
+    source = PromptSource(tmp_path / "in.parquet", None)
+    out = tmp_path / "out"
+    with TrajectoryWriter(out, source.passthrough_schema) as writer:
+        for prompt in source:
+            fixed = row(prompt.prompt_index)
+            del fixed["data_source"]
+            writer.add({**fixed, **prompt.passthrough})
+    table = pq.read_table(out / "trajectories")
+    assert table.select(list(columns)).schema == data.select(list(columns)).schema
+    assert nanoseconds_as_ints(table.select(list(columns))).to_pylist() == \
+        nanoseconds_as_ints(data.select(list(columns))).to_pylist()
+    assert nanoseconds_as_ints(table.select(["event"])).column("event")[0].as_py()["at"] == stamp
 
 
 # ---- resume bookkeeping ----------------------------------------------------
