@@ -21,7 +21,7 @@ import torch
 
 from rollout_cli.engine.engine import Engine, PromptInput
 from rollout_cli.engine.memory.memory_saver import sync_device
-from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.sampling_params import SamplingParams, check_seed
 from rollout_cli.episodes import EnvStep, EpisodeRunner
 from rollout_cli.bench_vision import (add_images, hf_image_kwargs, hf_model_class, vision_report,
                                       without_vision_tokens)
@@ -50,7 +50,7 @@ class BenchConfig:
     temperature: float = 1.0
     """Sampling temperature."""
     seed: int = 0
-    """Seeds the workload and the sampler."""
+    """Seeds the workload and the sampler; in [0, 2^64)."""
     baseline: str = "none"
     """none or hf (transformers generate on the same model and prompts)."""
     baseline_batch: int = 256
@@ -96,6 +96,7 @@ class BenchConfig:
             raise RolloutError("--long-tail and --output-len-range each set the output lengths; give one")
         if self.carry_over < 0 or not 0 < self.carry_at < 1:
             raise RolloutError("--carry-over needs a round count >= 0 and --carry-at in (0, 1)")
+        check_seed(self.seed)  # before the model loads, not in run_engine after the HF baseline
         if self.images < 0:
             raise RolloutError("--images is a count per prompt: 0 or more")
         if self.baseline_batch < 1:  # range() refuses a 0 step; a negative one yields no batch at all

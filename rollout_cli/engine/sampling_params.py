@@ -8,6 +8,17 @@ from dataclasses import dataclass
 from rollout_cli.errors import RolloutError
 
 LOGPROBS_MODES = ("processed", "raw")
+# A sample's random stream is keyed by the seed's 64 bits (kernels/sampling_ref.as_int64_key): a seed
+# outside [0, 2^64) would be taken modulo 2^64, silently the same stream as another seed (-1 as 2^64 - 1).
+SEED_LIMIT = 1 << 64
+
+
+def check_seed(seed: int, name: str = "--seed") -> None:
+    """Refuse (RolloutError) a seed outside [0, 2^64)."""
+    if not 0 <= seed < SEED_LIMIT:
+        shown = str(seed) if len(str(seed)) <= 40 else f"{str(seed)[:20]}... ({len(str(seed))} digits)"
+        raise RolloutError(f"{name} {shown} is out of range: a seed keys each sample's random stream as 64 bits; "
+                           "give an integer in [0, 2^64 - 1]")
 
 
 @dataclass(frozen=True)
@@ -27,7 +38,7 @@ class SamplingParams:
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the top token's; 0 disables."""
     seed: int = 0
-    """Each sample's random stream is keyed by (seed, prompt_index, sample_index, position)."""
+    """Each sample's random stream is keyed by (seed, prompt_index, sample_index, position); in [0, 2^64)."""
     ignore_eos: bool = False
     """Keep generating past eos tokens until max_new_tokens."""
     logprobs_mode: str = "processed"
@@ -62,6 +73,7 @@ class SamplingParams:
         if self.return_sampling_mask and not self.filters:
             raise RolloutError("--sampling-mask records the tokens --top-k / --top-p / --min-p keep; set one of "
                                "them (without a filter every token is kept)")
+        check_seed(self.seed)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise RolloutError(f"unknown --logprobs-mode {self.logprobs_mode!r}; choose processed or raw")
 

@@ -126,6 +126,10 @@ def _cases(root: Path) -> dict[str, tuple[list[str], Path, tuple[str, ...]]]:
         "bogus_logprobs_mode": case("bogus_logprobs_mode", extra=("--logprobs-mode", "bogus"),
                                     words=("--logprobs-mode", "bogus", "processed", "raw")),
         "negative_n": case("negative_n", extra=("--n", "-3"), words=("--n", "at least 1")),
+        # the stream is keyed by the seed's 64 bits: -1 was silently the seed 2^64 - 1
+        "negative_seed": case("negative_seed", extra=("--seed", "-1"), words=("--seed -1 is out of range", "2^64")),
+        "seed_past_64_bits": case("seed_past_64_bits", extra=("--seed", str(2**64)),
+                                  words=(f"--seed {2**64} is out of range", "[0, 2^64 - 1]")),
         "shard_rows_zero": case("shard_rows_zero", extra=("--shard-rows", "0"), words=("--shard-rows", "at least 1")),
         # tuning flags of a feature left off are refused, not silently ignored
         "max_turns_without_env": case("max_turns_without_env", extra=("--max-turns", "3"),
@@ -206,7 +210,8 @@ def _check_one_error_line(result: subprocess.CompletedProcess, words: tuple[str,
 BAD_CASES = [
     "missing_prompt_column", "empty_prompt", "prompt_too_long", "unreadable_parquet", "missing_data_file",
     "model_without_config", "model_without_weights", "model_pickle_only", "unsupported_architecture",
-    "unknown_dtype", "unknown_device", "bogus_logprobs_mode", "negative_n", "shard_rows_zero",
+    "unknown_dtype", "unknown_device", "bogus_logprobs_mode", "negative_n", "negative_seed", "seed_past_64_bits",
+    "shard_rows_zero",
     "flush_seconds_negative", "prompt_not_utf8", "int_prompt", "long_chat_prompt", "out_uncreatable",
     "max_model_len_past_positions", "max_turns_without_env", "draft_tokens_without_speculative",
     "max_position_embeddings_zero", "rope_factor_negative",

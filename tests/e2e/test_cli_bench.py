@@ -191,6 +191,8 @@ def test_bad_flags_are_one_line(tmp_path):
     (("--baseline-batch", -1), "--baseline-batch must be at least 1"),
     (("--baseline-time-limit", -1), "--baseline-time-limit is seconds"),
     (("--baseline-time-limit", "nan"), "--baseline-time-limit is seconds"),
+    (("--seed", 2**64), f"--seed {2**64} is out of range"),  # was taken modulo 2^64 (the sampler's 64-bit key)
+    (("--seed", -1), "--seed -1 is out of range"),
 ])
 def test_bad_report_path_and_baseline_flags_are_one_line_before_the_model_loads(flags, message):
     """A model that is not there: the flag is refused first, not after loading and timing."""

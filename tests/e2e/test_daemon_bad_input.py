@@ -129,6 +129,13 @@ def test_a_bad_body_is_one_line_without_the_value(daemon, name):
     _refused(daemon["http"].post("/generate", **kwargs), status, *words)
 
 
+@pytest.mark.parametrize("seed", [-1, 2**64])
+def test_a_seed_outside_64_bits_is_refused(daemon, seed):
+    """The sampler keys each stream by the seed's 64 bits: the job ran with the seed taken modulo 2^64."""
+    body = {"data": "/d", "out": "/o", "sampling_params": {"seed": seed}}
+    _refused(daemon["http"].post("/generate", json=body), 400, f"--seed {seed} is out of range", "[0, 2^64 - 1]")
+
+
 def test_unknown_endpoint_and_wrong_method(daemon):
     http = daemon["http"]
     _refused(http.get("/get_server_ifo"), 404, "no endpoint '/get_server_ifo'; did you mean /get_server_info?")

@@ -281,6 +281,8 @@ def test_a_job_and_online_requests_do_not_mix(server):
     (dict(prompt="x", presence_penalty=0.5), 400, "presence_penalty"),
     (dict(prompt="x", temperature=-1), 400, "temperature must be a finite number >= 0"),
     (dict(prompt="x", n=0), 400, "n must be at least 1, got 0"),
+    (dict(prompt="x", seed=-1), 400, "seed -1 is out of range"),  # was the stream of 2^64 - 1
+    (dict(prompt="x", seed=2**64), 400, f"seed {2**64} is out of range"),
     (dict(prompt=["x", "y"], n=40000), 400, "asks for 80,000 samples; one request takes at most 65,536"),
 ])
 def test_bad_requests_get_one_line(server, args, status, message):

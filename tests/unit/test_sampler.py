@@ -10,6 +10,7 @@ import torch
 
 from rollout_cli.engine.execution.sampler import SamplingRows, sample_rows
 from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.errors import RolloutError
 from rollout_kernels.sampling_ref import filter_probs_ref, sample_ref
 from rollout_kernels.sampling_ref import uniform_from_keys as sample_uniform
 
@@ -254,8 +255,8 @@ def test_inverse_cdf_edges():
 def test_sampling_rows_tables_and_padding():
     """One params object shared by every row and one object per row give the same tables; seeds are
     reduced to int64 bits; padding rows sample greedily without filters."""
-    shared = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=2**64 + 3, logprobs_mode="raw")
-    copies = [SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=2**64 + 3, logprobs_mode="raw")
+    shared = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=2**63 + 3, logprobs_mode="raw")
+    copies = [SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=2**63 + 3, logprobs_mode="raw")
               for _ in range(3)]
     positions = [4, 9, 2]
     a = SamplingRows([fake_request(shared, i, i + 1) for i in range(3)], positions)
@@ -263,12 +264,21 @@ def test_sampling_rows_tables_and_padding():
     assert a.int_rows(pad=2) == b.int_rows(pad=2)
     assert a.float_rows(pad=2) == b.float_rows(pad=2)
     seeds, prompts, samples, keyed_positions, top_k = a.int_rows(pad=2)
-    assert seeds == [3, 3, 3, 0, 0] and prompts == [0, 1, 2, 0, 0] and samples == [1, 2, 3, 0, 0]
+    assert seeds == [3 - 2**63] * 3 + [0, 0] and prompts == [0, 1, 2, 0, 0] and samples == [1, 2, 3, 0, 0]
     assert keyed_positions == positions + [0, 0] and top_k == [5, 5, 5, 0, 0]
     temperature, top_p, min_p, raw = a.float_rows(pad=2)
     assert temperature[3:] == [0.0, 0.0] and top_p[3:] == [1.0, 1.0] and min_p[3:] == [0.0, 0.0]
     assert raw == [1.0, 1.0, 1.0, 0.0, 0.0]
-    assert SamplingRows([fake_request(SamplingParams(seed=-1))], [0]).int_rows()[0] == [-1]
+    assert SamplingRows([fake_request(SamplingParams(seed=2**64 - 1))], [0]).int_rows()[0] == [-1]
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 2**64 + 3, -(2**63)])
+def test_a_seed_outside_64_bits_is_refused(seed):
+    """The stream is keyed by the seed's 64 bits: -1 or 2^64 + 3 was taken modulo 2^64, silently the stream
+    of 2^64 - 1 or 3."""
+    with pytest.raises(RolloutError, match=r"--seed .* is out of range.*\[0, 2\^64 - 1\]"):
+        SamplingParams(seed=seed)
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1  # the range's ends are seeds
 
 
 def test_keyed_draw_equals_the_host_uniforms():
