@@ -154,9 +154,10 @@ def tiny_hybrid_checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def fp8_groups_checkpoint(tmp_path_factory) -> str:
     """The qwen3 shape with hidden and intermediate sizes of whole 128-channel groups: FP8 rows fuse into
-    the norms and SiLU, and cuBLAS's blockwise GEMM can take the layers (the tiny fixtures' 64 do neither)."""
+    the norms and SiLU, and cuBLAS's blockwise GEMM can take the layers (K in groups of 4 x 128; the tiny
+    fixtures' 64 do neither)."""
     root = tmp_path_factory.mktemp("fp8_groups_ckpt")
-    return str(_build_checkpoint("qwen3", root / "qwen3_128", hidden_size=128, intermediate_size=384,
+    return str(_build_checkpoint("qwen3", root / "qwen3_512", hidden_size=512, intermediate_size=1024,
                                  initializer_range=0.1))
 
 

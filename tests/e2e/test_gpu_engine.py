@@ -208,17 +208,21 @@ def test_fp8_rows_from_the_norms_and_silu_change_no_bit(fp8_groups_checkpoint):
     unwired samples the same tokens and logprobs, eagerly and from the decode graphs. 8 prompts x n 16
     decode 128 rows at once, where cuBLAS's blockwise GEMM is chosen where it works."""
     params = SamplingParams(n=16, temperature=1.0, seed=3, max_new_tokens=16, ignore_eos=True)
-    runs = []
-    for graphs, wired in ((True, True), (False, True), (False, False)):
-        engine = _engine(fp8_groups_checkpoint, dtype="bfloat16", cuda_graphs=graphs, quantization="fp8")
-        producers = [m for m in engine.model.modules() if "fp8_consumer" in vars(m)]
-        assert len(producers) == 3 * engine.hf_config.num_hidden_layers  # two norms and the SiLU per layer
-        if not wired:
-            for module in producers:
-                del vars(module)["fp8_consumer"]
-        prompts = _prompts(engine.hf_config.vocab_size, 8, seed=6)
-        runs.append([(r.response_token_ids, r.response_logprobs) for r in engine.generate(prompts, params)])
-    assert len(runs[0]) == 128 and runs[0] == runs[1] == runs[2]
+    runs = {}
+    for graphs in (True, False):
+        for wired in (True, False):
+            engine = _engine(fp8_groups_checkpoint, dtype="bfloat16", cuda_graphs=graphs, quantization="fp8")
+            producers = [m for m in engine.model.modules() if "fp8_consumer" in vars(m)]
+            assert len(producers) == 3 * engine.hf_config.num_hidden_layers  # two norms and the SiLU per layer
+            if not wired:
+                for module in producers:
+                    del vars(module)["fp8_consumer"]
+            prompts = _prompts(engine.hf_config.vocab_size, 8, seed=6)
+            runs[graphs, wired] = [(r.response_token_ids, r.response_logprobs) for r in engine.generate(prompts, params)]
+    assert len(runs[True, True]) == 128
+    # (graphs and eager steps may differ in the default mode: attention splits its context otherwise)
+    assert runs[True, True] == runs[True, False], "graphs: the fused producers changed a bit"
+    assert runs[False, True] == runs[False, False], "eager: the fused producers changed a bit"
 
 
 def test_fp8_decode_graphs_of_128_rows_run_cublas_where_it_works(fp8_groups_checkpoint, monkeypatch):
