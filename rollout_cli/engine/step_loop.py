@@ -1,10 +1,9 @@
 """The engine's step loop: schedule, launch, post-process, until the prompts and the work run out.
 
 With overlap (the default), while a decode step runs on the GPU the next one is scheduled ahead of its
-results (Scheduler.schedule_ahead, engine/scheduling/overlap_schedule.py: its input tokens are PENDING until the
-step before is post-processed, then read on the device from that step's output rows) and launched
-behind it; then the running step's results are post-processed and the step ahead committed. Without
-overlap: schedule, launch, post-process. Between steps `on_step` (the caller's hook: the daemon's
+results (Scheduler.schedule_ahead, engine/scheduling/overlap_schedule.py: its input tokens are PENDING, read
+on the device from the token table the step before writes) and launched behind it; then the running step's
+results are post-processed. Without overlap: schedule, launch, post-process. Between steps `on_step` (the caller's hook: the daemon's
 commands, shard flushes) runs; under a pause that may change the weights (`engine.hold_requested`) the
 loop finishes its step in flight and calls the hook again with none.
 """
@@ -30,38 +29,25 @@ class StepLoop:
         """The step loop. With overlap (the default), while a decode step runs on the GPU the next one
         is scheduled ahead of its results (Scheduler.schedule_ahead) and launched behind it; then the
         running step's results are post-processed. Otherwise: schedule, launch, post-process."""
-        engine, add, on_step = self.engine, self.add, self.on_step
+        engine, on_step = self.engine, self.on_step
         source = iter(prompts)
-        exhausted = False
-        queue_target = 2 * engine.config.max_running  # requests kept waiting: enough to fill the batch
+        self.exhausted = False  # the prompt source ran out
         scheduler, runner = engine.scheduler, engine.runner
         inflight = None  # the launched step not yet post-processed (a model_runner.StepHandle)
-        uncommitted = None  # a step scheduled ahead whose commit_ahead has not run yet
         self.last_step_done = time.perf_counter()
         try:
             while True:
-                while not exhausted and len(scheduler.waiting) < queue_target:
-                    prompt = next(source, None)
-                    if prompt is None:
-                        exhausted = True
-                        break
-                    if prompt is NO_PROMPT_YET:  # a live source: more may come at a later step
-                        break
-                    add(prompt)
+                self._fill_queue(source)
                 ahead = None
                 if inflight is not None and engine.config.overlap_schedule:
                     ahead = scheduler.schedule_ahead(inflight.out)
-                if ahead is not None:
-                    uncommitted = ahead  # its slots are outside every request until commit_ahead
-                    handle = runner.launch(ahead, prev=inflight)
-                    finished = self._complete(inflight)
-                    scheduler.commit_ahead(ahead)
-                    uncommitted = None
-                    yield from finished
-                elif inflight is not None:
-                    yield from self._complete(inflight)
-                    inflight = None
-                    continue  # plan the next step on the post-processed state
+                if ahead is not None:  # launched behind the step in flight, which is post-processed meanwhile
+                    previous, inflight = inflight, runner.launch(ahead)
+                    yield from self._complete(previous)
+                elif inflight is not None:  # the next step is planned on the post-processed state
+                    previous, inflight = inflight, None
+                    yield from self._complete(previous)
+                    continue
                 elif not scheduler.has_work():
                     flushed = engine.results_of(engine.routing.flush())
                     if not flushed:
@@ -69,6 +55,7 @@ class StepLoop:
                     # samples whose routing was on its way: the caller may answer them with more prompts
                     # (an episode's next turn), so the source is asked again before the loop ends
                     yield from flushed
+                    continue
                 else:
                     out = scheduler.schedule()
                     if not out:
@@ -76,8 +63,7 @@ class StepLoop:
                             raise RuntimeError("scheduler produced an empty step with work pending")
                         on_step()  # admission closed (pause finish) and the running samples done: hold
                         continue
-                    handle = runner.launch(out)
-                inflight = handle
+                    inflight = runner.launch(out)
                 if on_step is not None:
                     engine.step_in_flight = True
                     on_step()
@@ -85,8 +71,8 @@ class StepLoop:
                     if engine.hold_requested:
                         # a pause that may change the weights wants no step on the device: finish this
                         # one, then call again with nothing in flight (the caller holds there)
-                        yield from self._complete(inflight)
-                        inflight = None
+                        previous, inflight = inflight, None
+                        yield from self._complete(previous)
                         on_step()
         except Exception:
             # finished samples whose routing is still on its way: hand them out before the error
@@ -98,11 +84,21 @@ class StepLoop:
             yield from pending
             raise
         finally:
-            engine.routing.drop_pending()
-            if uncommitted is not None:
-                scheduler.cancel_ahead(uncommitted)
+            engine.routing.drop_pending()  # an abandoned stream's requests (slots ahead included): abort_all
             if inflight is not None:  # an abandoned or failed job: let its last step finish on the device
                 runner.collect(inflight)
+
+    def _fill_queue(self, source) -> None:
+        """Queue prompts until enough wait to fill the batch (2 x max_running), the source runs out, or a
+        live source has none yet (NO_PROMPT_YET: more may come at a later step)."""
+        scheduler = self.engine.scheduler
+        while not self.exhausted and len(scheduler.waiting) < 2 * self.engine.config.max_running:
+            prompt = next(source, None)
+            if prompt is None:
+                self.exhausted = True
+            if prompt is None or prompt is NO_PROMPT_YET:
+                return
+            self.add(prompt)
 
     def _complete(self, handle) -> list:
         """Post-process a launched step (waiting for its results); returns the trajectories it finished."""

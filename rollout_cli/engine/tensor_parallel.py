@@ -82,7 +82,9 @@ class TensorParallelRunner(ModelRunner):
     """ModelRunner of one tensor-parallel rank (eager forward only: no CUDA graphs in this slice)."""
 
     def _run_eager(self, out: ScheduleOutput) -> tuple[list[int], list[float]]:
-        """Rank 0: send the step (sorted by launch(), input tokens known) to the followers, then run it."""
+        """Rank 0: send the step (sorted by launch()) to the followers, then run it. Followers keep no token
+        table: inputs scheduled ahead (PENDING) go as the host ints rank 0's table holds."""
+        self.tokens.resolve_on_host(out.entries)
         # hybrid models: the step's state copies (snapshots, forks) go along, applied on every rank
         _broadcast(tp_group(), (STEP, [_wire(e) for e in out.entries], out.state_copies))
         return super()._run_eager(out)

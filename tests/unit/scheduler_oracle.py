@@ -40,17 +40,16 @@ class FakeRunner:
 
     def __init__(self, max_running: int):
         self.table: dict[tuple[int, int], int] = {}
+        self.next_token: dict[int, int] = {}  # the runner's token table: each row's last sampled token
         self.kv: dict[int, tuple] = {}
         self.steps = []  # per step: [(request_id, start, num_new_tokens, sample)]
 
-    def run(self, out, prev_tokens=None):
-        """prev_tokens: the previous step's sampled tokens, for a step from schedule_ahead (whose
-        requests do not hold those tokens yet: postprocess of the previous step comes after)."""
-        if prev_tokens is not None:
-            for e in out.entries:
-                assert e.token_ids == [PENDING] and e.source_row >= 0
-                e.token_ids = [prev_tokens[e.source_row]]
-        pending = {e.request.request_id: [prev_tokens[e.source_row]] for e in out.entries} if prev_tokens else {}
+    def run(self, out):
+        """One step. An entry from schedule_ahead (token PENDING: its request does not hold the token yet,
+        the previous step's postprocess comes after) reads its row's last sampled token, as the runner's
+        token table gives it on the device."""
+        assert all((e.token_ids == [PENDING]) == e.ahead for e in out.entries)
+        pending = {e.request.request_id: [self.next_token[e.table_row]] for e in out.entries if e.ahead}
         new = [s for e in out.entries for s in e.new_slots]
         assert len(new) == len(set(new)), "two tokens written to one slot in a step"
         assert 0 not in new, "slot 0 is padding"
@@ -63,7 +62,7 @@ class FakeRunner:
                 self.table[e.table_row, e.table_start + i] = s
         for e in out.entries:
             seq = e.request.all_token_ids + pending.get(e.request.request_id, [])
-            assert e.token_ids == seq[e.start : e.start + e.num_new_tokens]
+            assert pending.get(e.request.request_id, e.token_ids) == seq[e.start : e.start + e.num_new_tokens]
             assert e.sample == (e.start + e.num_new_tokens == len(seq))
             for i, s in enumerate(e.new_slots):
                 self.kv[s] = tuple(seq[: e.start + i + 1])
@@ -74,6 +73,8 @@ class FakeRunner:
                 assert self.kv.get(slot) == tuple(seq[: pos + 1]), (e.request.request_id, pos, slot)
         self.steps.append([(e.request.request_id, e.start, e.num_new_tokens, e.sample) for e in out.entries])
         tokens = [next_token_after(e.request, pending.get(e.request.request_id, [])) for e in out.entries if e.sample]
+        for e, token in zip([e for e in out.entries if e.sample], tokens):
+            self.next_token[e.table_row] = token
         return tokens, [-0.5] * len(tokens)
 
 
@@ -81,8 +82,8 @@ def check_accounting(s: Scheduler, in_flight=None) -> None:
     cached = s.cache.total_size if s.cache else 0
     owned = sum(len(r.slots) - r.num_cached_tokens for r in s.running)
     assert s.allocator.num_free + cached + owned == s.allocator.num_slots - 1
-    if in_flight is not None:  # a committed step ahead: its ghosts gave their slot back, the rest own theirs
-        live = [e for e in in_flight.entries if not e.ghost]
+    if in_flight is not None:  # a step ahead: ended requests gave their slot back, the others own theirs
+        live = [e for e in in_flight.entries if e.request.status is RequestStatus.RUNNING]
         assert all(e.table_slots[0] in e.request.slots for e in live)
     assert len(s.running) <= s.max_running
     assert all(r.status is RequestStatus.RUNNING for r in s.running)
@@ -120,7 +121,7 @@ def drive(s: Scheduler, runner: FakeRunner | None = None, max_steps: int = 10_00
 
 def drive_overlapped(s: Scheduler, runner: FakeRunner | None = None, max_steps: int = 10_000, on_step=None):
     """drive() as the engine runs with overlap: while a step is "in flight", the next one is scheduled
-    ahead of its results (schedule_ahead), then the step is post-processed and the next committed.
+    ahead of its results (schedule_ahead) and run, then the step in flight is post-processed.
     Returns (finished requests, number of steps scheduled ahead); on_step(out) after each post-process."""
     runner = runner or FakeRunner(s.max_running)
     finished, ahead_steps = [], 0
@@ -129,11 +130,10 @@ def drive_overlapped(s: Scheduler, runner: FakeRunner | None = None, max_steps: 
         ahead = s.schedule_ahead(inflight[0]) if inflight is not None else None
         if ahead is not None:
             ahead_steps += 1
-            result = runner.run(ahead, prev_tokens=inflight[1])
+            result = runner.run(ahead)
             finished += s.postprocess(*inflight)
             if on_step is not None:
                 on_step(inflight[0])
-            s.commit_ahead(ahead)
             check_accounting(s, in_flight=ahead)
             inflight = (ahead, *result)
             continue

@@ -8,7 +8,7 @@ import pytest
 from rollout_cli.engine.scheduling.schedule_output import PENDING
 from rollout_cli.engine.scheduling.scheduler import Scheduler
 
-from scheduler_oracle import (FakeRunner, drive, drive_overlapped, expected_output, make_request, next_token,
+from scheduler_oracle import (FakeRunner, check_accounting, drive, drive_overlapped, expected_output, make_request, next_token,
                               random_workload)
 
 
@@ -68,18 +68,22 @@ def test_eos_in_the_running_step_turns_the_step_ahead_into_a_ghost():
     probe.append_token(next_token(probe), 0.0)  # a's token of the prefill step
     eos = frozenset([next_token(probe)])  # a's token of the running (first decode) step
     s, runner, a, b, out, result = _decoding_pair(eos=eos)
+    computed = s.stats.computed_tokens
     ahead = s.schedule_ahead(out)
-    assert [(e.request, e.start, e.token_ids, e.source_row) for e in ahead.entries] == [
-        (a, 4, [PENDING], 0), (b, 3, [PENDING], 1)]
-    next_result = runner.run(ahead, prev_tokens=result[0])
+    assert [(e.request, e.start, e.token_ids, e.ahead) for e in ahead.entries] == [
+        (a, 4, [PENDING], True), (b, 3, [PENDING], True)]
+    assert [r.slots[-1] for r in (a, b)] == [e.table_slots[0] for e in ahead.entries]  # theirs at once
+    next_result = runner.run(ahead)  # the inputs: each row's token of the running step (the token table)
+    assert runner.steps[-1] == [(0, 4, 1, True), (1, 3, 1, True)]
     free_before = s.allocator.num_free
     assert s.postprocess(out, *result) == [a] and a.finish_reason == "stop"
-    s.commit_ahead(ahead)
-    assert [e.ghost for e in ahead.entries] == [True, False]
-    assert s.allocator.num_free > free_before  # a's slots (its ghost slot included) are back
-    assert b.slots[-1] == ahead.entries[1].table_slots[0] and ahead.entries[1].token_ids == [b.output_token_ids[-1]]
+    assert s.allocator.num_free > free_before  # a's slots are back, its slot ahead included:
+    check_accounting(s, in_flight=ahead)  # free + cached + owned by running requests = every slot
+    assert ahead.entries[1].table_slots[0] == b.slots[-1]
     a_output = list(a.output_token_ids)
     assert s.postprocess(ahead, *next_result) == []
+    assert [e.ghost for e in ahead.entries] == [True, False]
+    assert s.stats.computed_tokens == computed + 1  # b's token: the ghost's is not counted
     assert a.output_token_ids == a_output and len(b.output_token_ids) == 3  # the ghost's token is dropped
 
 
@@ -87,7 +91,7 @@ def test_step_ahead_leaves_out_length_finishes_and_yields_to_admissions():
     s, runner, a, b, out, result = _decoding_pair(max_new_tokens=(2, 6))
     ahead = s.schedule_ahead(out)  # a ends by length in the running step; nobody waits
     assert [e.request for e in ahead.entries] == [b]
-    s.cancel_ahead(ahead)
+    s, runner, a, b, out, result = _decoding_pair(max_new_tokens=(2, 6))
     s.add(make_request(2, [7, 8]))
     assert s.schedule_ahead(out) is None  # a's row is about to free up: the waiting request goes first
     s.postprocess(out, *result)

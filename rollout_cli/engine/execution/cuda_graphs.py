@@ -2,8 +2,9 @@
 
 A decode step of B requests replays the graph of the smallest bucket >= B.
 Inputs live in static device buffers, filled from pinned host buffers each
-step; the graph itself records each request's new slot in req_to_token and
-samples the next tokens.
+step; the graph itself records each request's new slot in req_to_token,
+samples the next tokens and stores them in the token table (token_table.py),
+where a step scheduled ahead reads its PENDING inputs.
 Bucket entries past B are padding: they use row `pad_row` of req_to_token
 (slot 0), attend one key, and write their k/v into slot 0, which the slot
 allocator never hands out. Prefill steps run eagerly.
@@ -26,6 +27,7 @@ import torch
 from rollout_cli.engine.execution.linear_state import HybridBatch, LinearBatch
 from rollout_cli.engine.execution.routing_pool import GraphRoutingBuffer
 from rollout_cli.engine.execution.sampler import FLOAT_PADDING, NUM_FLOAT_ROWS, NUM_INT_ROWS, SamplingRows, sample_rows
+from rollout_cli.engine.execution.token_table import TokenTable
 from rollout_cli.engine.execution.triton_attention import (TritonAttentionBatch, invariant_decode_attention,
                                                            warm_decode_splits)
 from rollout_cli.models.moe import routing_recorder_swapped
@@ -37,12 +39,12 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(set(buckets + [max_batch]))
 
 
-# rows of the int64 input buffer: the step's inputs, the row of the previous replay's tokens to
-# decode (-1: the token in _TOKEN), the linear-state slot (hybrid models; never read by others), the
-# rotary position (the position, but past a prompt with images: position + Request.rope_delta),
-# then the sampler's int table (engine.execution.sampler.SamplingRows.int_rows) from row _SAMPLING on
-_TOKEN, _POSITION, _ROW, _SLOT, _SOURCE, _STATE_SLOT, _ROPE_POSITION = range(7)
-_SAMPLING = 7
+# rows of the int64 input buffer: the step's inputs (a PENDING token is read from the token table), the
+# linear-state slot (hybrid models; never read by others), the rotary position (the position, but past a
+# prompt with images: position + Request.rope_delta), then the sampler's int table
+# (engine.execution.sampler.SamplingRows.int_rows) from row _SAMPLING on
+_TOKEN, _POSITION, _ROW, _SLOT, _STATE_SLOT, _ROPE_POSITION = range(6)
+_SAMPLING = 6
 _NUM_INT_ROWS = _SAMPLING + NUM_INT_ROWS
 # the float32 input buffer is the sampler's float table (SamplingRows.float_rows)
 
@@ -58,9 +60,10 @@ class DecodeGraphs:
     host reads with a single device-to-host copy. Sampling inside the graph removes the launches
     and the host-to-device copies that would otherwise sit between the forward and the read."""
 
-    def __init__(self, model, kv, req_to_token: torch.Tensor, pad_row: int, scale: float, max_batch: int,
-                 linear_states=None, deterministic: bool = False, keep_hidden: bool = False):
+    def __init__(self, model, kv, req_to_token: torch.Tensor, tokens: TokenTable, pad_row: int, scale: float,
+                 max_batch: int, linear_states=None, deterministic: bool = False, keep_hidden: bool = False):
         self.model = model
+        self.tokens = tokens  # each row's last sampled token: read for PENDING inputs, written by every replay
         self.kv = kv
         self.linear_states = linear_states  # hybrid models: engine.linear_state.LinearStatePool
         self.req_to_token = req_to_token
@@ -73,8 +76,6 @@ class DecodeGraphs:
         self.ints = torch.zeros((_NUM_INT_ROWS, self.max_batch), dtype=torch.int64, device=device)
         self.floats = torch.zeros((NUM_FLOAT_ROWS, self.max_batch), dtype=torch.float32, device=device)
         self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)  # int32 for the kernel
-        # [max_batch] int64: the tokens the last replay sampled, the input of a step scheduled ahead
-        self.last_tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
         # Two of each host buffer: while step k runs, step k + 1 is prepared (and step k - 1's
         # results read); a buffer is rewritten only after the step that used it was collected.
         self.staging_ints = [torch.zeros((_NUM_INT_ROWS, self.max_batch), dtype=torch.int64).pin_memory()
@@ -97,8 +98,7 @@ class DecodeGraphs:
 
     def _forward(self, batch: int) -> torch.Tensor:
         given, positions, rows, slots = (self.ints[i, :batch] for i in (_TOKEN, _POSITION, _ROW, _SLOT))
-        source = self.ints[_SOURCE, :batch]
-        ids = torch.where(source >= 0, self.last_tokens[source.clamp(min=0)], given)  # [batch]
+        ids = self.tokens.input_ids(given, rows)  # [batch]
         self.req_to_token[rows, positions] = slots.to(torch.int32)  # this step's slots, inside the graph
         if self.deterministic:  # the same kernel as eager steps, so a replayed token equals an eager one
             attn = invariant_decode_attention(self.kv, self.req_to_token, slots, rows, positions, self.scale)
@@ -113,7 +113,7 @@ class DecodeGraphs:
             self.hidden[batch] = hidden
         logits = self.model.compute_logits(hidden, upcast=False)  # [batch, vocab]
         tokens, logprobs = sample_rows(logits, self.ints[_SAMPLING:], self.floats, use_triton=True)
-        self.last_tokens[:batch].copy_(tokens)
+        self.tokens.store(rows, tokens)
         # float64 holds both the token ids and the float32 logprobs exactly
         return torch.stack((tokens.double(), logprobs.double()))  # [2, batch]
 
@@ -127,7 +127,6 @@ class DecodeGraphs:
     def _capture(self, warm_up: bool) -> None:
         start = time.monotonic()
         self.ints[_ROW].fill_(self.pad_row)
-        self.ints[_SOURCE].fill_(-1)
         self.floats.copy_(torch.tensor(FLOAT_PADDING)[:, None].expand_as(self.floats))  # greedy, unfiltered
         if warm_up:
             side = torch.cuda.Stream()
@@ -155,27 +154,25 @@ class DecodeGraphs:
         return 0 < len(entries) <= self.max_batch and all(
             e.num_new_tokens == 1 and e.sample and not e.request.params.per_token_extras for e in entries)
 
-    def run(self, entries, tokens_on_device: bool = False) -> torch.Tensor:
+    def run(self, entries) -> torch.Tensor:
         """Replay for a decode-only step; returns (token ids, logprobs) as float64 [2, len(entries)],
-        valid until the next replay. With `tokens_on_device`, entries whose `source_row` is set decode
-        the token the previous replay sampled in that row (a step scheduled ahead of its inputs).
+        valid until the next replay. An entry scheduled ahead (token PENDING) decodes its row's token from
+        the token table, where the step before stored it.
 
         Padding rows (bucket past the batch) decode token 0 at position 0 in slot 0 and sample greedily."""
         batch = len(entries)
         bucket = next(b for b in self.buckets if b >= batch)
         pad = [0] * (bucket - batch)
         sampling = SamplingRows([e.request for e in entries], [e.start + 1 for e in entries])  # drawn at start + 1
-        sources = [e.source_row for e in entries] if tokens_on_device else [-1] * batch
         self._parity ^= 1
         ints, floats, seq_lens = (buffers[self._parity] for buffers in
                                   (self.staging_ints, self.staging_floats, self.staging_seq_lens))
         # Plain lists, then one host copy and one device copy per buffer.
         ints[:, :bucket] = torch.tensor([
-            [max(e.token_ids[0], 0) for e in entries] + pad,  # a PENDING token (-1) comes from `sources`
+            [e.token_ids[0] for e in entries] + pad,  # PENDING passes through: the graph reads the token table
             [e.start for e in entries] + pad,
             [e.table_row for e in entries] + [self.pad_row] * len(pad),
             [e.new_slots[0] for e in entries] + pad,
-            sources + [-1] * len(pad),
             [e.request.state_slot for e in entries] + pad,  # padding rows: linear-state slot 0
             [e.start + e.request.rope_delta for e in entries] + pad,
             *sampling.int_rows(pad=len(pad)),
@@ -193,6 +190,11 @@ class DecodeGraphs:
         self.replays += 1
         self._last_replay = (packed, batch)
         return packed[:, :batch]
+
+    def last_sampled(self) -> torch.Tensor:
+        """The last replay's sampled tokens [batch] int64 on the device, until the next replay."""
+        packed, batch = self._last_replay
+        return packed[0, :batch].long()
 
     def last_hidden(self) -> torch.Tensor:
         """The last replay's final hidden states [batch, H] (keep_hidden graphs), until the next replay."""

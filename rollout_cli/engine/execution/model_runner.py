@@ -18,8 +18,9 @@ from rollout_cli.engine.execution.linear_state import HybridBatch, begin_step, p
 from rollout_cli.engine.execution.mtp_step import MTPStep
 from rollout_cli.engine.execution.on_policy import PoolTokenAttention, token_forward
 from rollout_cli.engine.execution.sampler import SamplingRows, sample_extras, sample_rows, teacher_logprobs
+from rollout_cli.engine.execution.token_table import TokenTable
 from rollout_cli.engine.execution.vision_step import EncoderCache, step_positions_and_images
-from rollout_cli.engine.scheduling.schedule_output import BatchEntry, ScheduleOutput
+from rollout_cli.engine.scheduling.schedule_output import PENDING, BatchEntry, ScheduleOutput
 
 
 @dataclass
@@ -90,6 +91,7 @@ class ModelRunner:
         self.device = device
         self.pad_row = max_running
         self.req_to_token = torch.zeros((max_running + 1, max_model_len), dtype=torch.int32, device=device)
+        self.tokens = TokenTable(max_running + 1, device)  # each row's last sampled token (PENDING inputs)
         head_dim = getattr(model, "attention_head_dim", None)  # hybrid models: layer 0 may be linear attention
         self.scale = (head_dim or model.model.layers[0].self_attn.head_dim) ** -0.5
         self.attention_backend = attention_backend
@@ -144,8 +146,8 @@ class ModelRunner:
         from rollout_cli.engine.execution.cuda_graphs import DecodeGraphs  # Triton: optional on the CPU
 
         assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
-        self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.pad_row, self.scale, max_batch,
-                                   self.linear_states, deterministic=self.deterministic,
+        self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.tokens, self.pad_row, self.scale,
+                                   max_batch, self.linear_states, deterministic=self.deterministic,
                                    keep_hidden=self.mtp_step is not None)
         self.graphs.capture(warm_up)
         self._graph_max_batch = max_batch
@@ -188,13 +190,13 @@ class ModelRunner:
         return self.collect(self.launch(out))
 
     @torch.inference_mode()
-    def launch(self, out: ScheduleOutput, prev: StepHandle | None = None) -> StepHandle:
+    def launch(self, out: ScheduleOutput) -> StepHandle:
         """Start one forward over all entries; `collect` returns its sampled tokens.
 
         A CUDA-graph decode step returns before the GPU is done (its results travel to pinned host
         memory behind it), so the host can plan and launch the next step meanwhile; eager steps
-        finish here. Entries scheduled ahead (token PENDING) take `prev`'s sampled tokens: on the
-        device when both steps replay graphs, else from `prev`'s host results.
+        finish here. Entries scheduled ahead (token PENDING) read their input from the token table,
+        where the step before stored it.
         Reorders `out.entries` decodes first (the attention kernels want them so); results follow
         that order, which postprocess then walks.
         """
@@ -202,15 +204,9 @@ class ModelRunner:
         out.entries.sort(key=lambda e: e.num_new_tokens > 1)
         self._count_traffic(out)
         prefilled = bool(out.entries) and out.entries[-1].num_new_tokens > 1
-        pending = prev is not None and any(e.source_row >= 0 for e in out.entries)
         rows = self._graph_rows(out.entries) if self.graphs is not None else None
         if rows is not None:
-            on_device = pending and prev.graph_step
-            if pending and not on_device:
-                self._resolve_pending(out, prev)
-            return self._launch_graph(out, rows, tokens_on_device=on_device, started=started)
-        if pending:
-            self._resolve_pending(out, prev)
+            return self._launch_graph(out, rows, started=started)
         tokens, logprobs, scores, tops, extras = self._run_eager(out)
         return StepHandle(out, tokens=tokens, logprobs=logprobs, scores=scores, score_tops=tops, prefilled=prefilled,
                           launch_time=started, sample_extras=extras)
@@ -229,16 +225,12 @@ class ModelRunner:
                 self.traffic.gpu_seconds += handle.timing[0].elapsed_time(handle.timing[1]) / 1e3
         return handle.tokens, handle.logprobs
 
-    def _resolve_pending(self, out: ScheduleOutput, prev: StepHandle) -> None:
-        tokens, _ = self.collect(prev)
-        for e in out.entries:
-            if e.source_row >= 0:
-                e.token_ids = [tokens[e.source_row]]
-
     def _run_eager(self, out: ScheduleOutput) -> tuple[list[int], list[float], list[float], list | None, list | None]:
         """(sampled tokens, their logprobs, the scored rows' logprobs, their top-k (ids, logprobs) or None,
         the sampled rows' (top list, sampling mask) or None: sampler.sample_extras)."""
         sampled = [e for e in out.entries if e.sample]
+        if self.per_token:  # one token per forward, from host ints
+            self.tokens.resolve_on_host(out.entries)
         self._write_table(out.entries)
         if self.mtp_step is not None:  # --speculative mtp: draft positions 2..K, now that their slots exist
             self.mtp_step.extend_drafts(out.entries)
@@ -264,6 +256,8 @@ class ModelRunner:
         sampling = SamplingRows(requests, positions)
         tokens, logprobs = sample_rows(logits, *sampling.to_device(self.device),
                                        use_triton=self.attention_backend == "triton", per_row=self.per_token)
+        if not any(e.num_draft for e in sampled):  # verify steps keep no token here (token_table.py)
+            self.tokens.store(torch.tensor([e.table_row for e in sampled], device=self.device), tokens)
         if hidden is not None:
             self.mtp_step.at_launch(out, hidden, lambda: tokens)
         # one device-to-host copy: float64 holds both the token ids and the float32 logprobs exactly
@@ -286,7 +280,7 @@ class ModelRunner:
                                   True) for e in entries for j in range(e.num_new_tokens)]
         return entries if self.graphs.can_run(entries) else None
 
-    def _launch_graph(self, out: ScheduleOutput, rows: list, tokens_on_device: bool, started: float) -> StepHandle:
+    def _launch_graph(self, out: ScheduleOutput, rows: list, started: float) -> StepHandle:
         """A decode-only step by graph replay (forward and sampling) of its one-token `rows`, all sampling."""
         # the graph writes each entry's new slot into req_to_token; older slots that a
         # prefix-cache merge changed (table_start < start) are written here first
@@ -297,7 +291,7 @@ class ModelRunner:
         if self.time_decode_steps:
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record()
-        self.graphs.run(rows, tokens_on_device)
+        self.graphs.run(rows)
         if self.routing_pool is not None:  # the graph recorded this step's ids; eager steps record directly
             self.routing_pool.store(*self.graphs.routing_rows(len(rows)))
         if timing is not None:
@@ -307,7 +301,7 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         if self.mtp_step is not None:  # behind the results' copy: collecting them need not wait for it
-            self.mtp_step.at_launch(out, self.graphs.last_hidden(), lambda: self.graphs.last_tokens[:len(rows)])
+            self.mtp_step.at_launch(out, self.graphs.last_hidden(), self.graphs.last_sampled)
         return StepHandle(out, host=host, ready=ready, timing=timing, graph_step=True, launch_time=started)
 
     def _forward_logits(self, out: ScheduleOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -359,6 +353,9 @@ class ModelRunner:
     def _eager_logits(self, out: ScheduleOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One forward over the step's entries -> (sampling logits [B, V], scored rows' logits [S, V])."""
         input_ids = torch.tensor([t for e in out.entries for t in e.token_ids], device=self.device)
+        if any(e.token_ids == [PENDING] for e in out.entries):  # scheduled ahead: inputs from the token table
+            rows = torch.tensor([e.table_row for e in out.entries for _ in e.token_ids], device=self.device)
+            input_ids = self.tokens.input_ids(input_ids, rows)
         vision = None
         if self.encoder_cache is None:
             positions = torch.tensor(

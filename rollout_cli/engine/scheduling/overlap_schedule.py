@@ -1,9 +1,12 @@
 """Overlap scheduling: the next decode step planned while the current one runs on the GPU.
 
 A mixin of engine.scheduler.Scheduler (it uses the scheduler's queues, allocator and stats). The
-engine loop (engine/engine.py `_stream`) calls schedule_ahead(prev) with the step in flight,
-launches the result behind it, post-processes `prev`, then commit_ahead; if the launch or the job
-fails in between, cancel_ahead gives the slots back.
+step loop (engine/step_loop.py) calls schedule_ahead(prev) with the step in flight, launches the
+result behind it, then post-processes `prev`. The step ahead is an ordinary step from then on: its
+slots belong to its requests at once (so a request that ends in `prev` gives its new slot back with
+the others), and its input tokens (PENDING) are read on the device from the runner's token table
+(engine/execution/token_table.py), where `prev` stored what it sampled. A request that `prev` ends by
+eos, or that is aborted in between, leaves a ghost entry, which postprocess drops.
 """
 
 from __future__ import annotations
@@ -20,9 +23,8 @@ class OverlapScheduling:
         Only the steady state qualifies: `prev` decoded (past its prompt) every running request, each one continues
         with one token at the next position (input: `prev`'s sampled token, PENDING until then), and
         no waiting request could be admitted instead. Requests that `prev` ends by length are left
-        out; one that `prev` ends by eos cannot be foreseen: its entry becomes a ghost in
-        commit_ahead. Nothing here preempts or evicts: short of free slots, None. Call
-        commit_ahead(result) after postprocess(prev)."""
+        out; one that `prev` ends by eos cannot be foreseen: its entry becomes a ghost in postprocess.
+        Nothing here preempts or evicts: short of free slots, None."""
         # speculation: how many tokens a verify step keeps is known only after it; the next step drafts; or
         # the drafter must see every step's results before the next one runs (the MTP head)
         if self.drafter is not None and (self.drafter.reads_every_step or self.drafting_now()
@@ -33,8 +35,7 @@ class OverlapScheduling:
         # postprocess, which may swap its slots for the tree's (the next step then rewrites its table)
         if not entries or any(e.num_new_tokens != 1 or e.start < e.request.num_prompt_tokens for e in entries):
             return None
-        live = [(row, e.request) for row, e in enumerate(entries)
-                if not e.ghost and e.request.status is RequestStatus.RUNNING]
+        live = [(row, e.request) for row, e in enumerate(entries) if e.request.status is RequestStatus.RUNNING]
         if len(live) != len(self.running):
             return None
         continuing = [(row, r) for row, r in live if not r.finishes_by_length_after_next_token()]
@@ -45,30 +46,13 @@ class OverlapScheduling:
             return None  # a finishing request frees room (or there is room): admit through schedule()
         slots = self.allocator.allocate(len(continuing))
         out = ScheduleOutput()
-        for (row, request), slot, e in zip(continuing, slots, (entries[row] for row, _ in continuing)):
-            start = e.start + 1
+        for (row, request), slot in zip(continuing, slots):
+            start = entries[row].start + 1
+            assert request.num_computed_tokens + 1 == start == len(request.slots), "a step ahead lost its place"
+            request.slots.append(slot)
             out.entries.append(BatchEntry(request, request.table_row, start, [PENDING], start, [slot], True,
-                                          source_row=row))
+                                          ahead=True))
+        self.stats.computed_tokens += len(continuing)  # a ghost gives its token back (postprocess)
         if self.linear is not None:
             out.state_copies = self.linear.take_copies()
         return out
-
-    def commit_ahead(self, out: ScheduleOutput) -> None:
-        """After postprocess(prev): entries of requests that finished in `prev` turn into ghosts (their
-        new slot goes back now; the in-flight step writes it before any later step can reuse it), the
-        others take their slot and their now known input token."""
-        for entry in out.entries:
-            request = entry.request
-            if request.status is not RequestStatus.RUNNING:
-                entry.ghost = True
-                self.allocator.free(entry.table_slots)
-                continue
-            assert request.num_computed_tokens == entry.start, "a step scheduled ahead lost its place"
-            request.slots.append(entry.table_slots[0])
-            entry.token_ids = [request.output_token_ids[-1]]
-            self.stats.computed_tokens += 1
-
-    def cancel_ahead(self, out: ScheduleOutput) -> None:
-        """A step from schedule_ahead that will not be committed (its launch or the job failed): its slots go back."""
-        for entry in out.entries:
-            self.allocator.free(entry.table_slots)

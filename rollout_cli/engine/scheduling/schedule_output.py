@@ -19,10 +19,10 @@ class BatchEntry:
     table_slots: list[int]  # slots for positions [table_start, start + len(token_ids))
     sample: bool  # this step reaches the end of the request's tokens: sample the next one
     num_new_tokens: int = -1  # len(token_ids), filled in by __post_init__
-    # Steps scheduled ahead (schedule_ahead): token_ids is [PENDING] until the previous step's
-    # results are in; its sampled token for this request is result row `source_row` of that step.
-    source_row: int = -1
-    # Scheduled ahead for a request that finished (eos) in the previous step: computed, discarded.
+    # Scheduled ahead of the previous step's results (schedule_ahead): token_ids is [PENDING], the input the
+    # runner reads from its token table (engine/execution/token_table.py). A ghost: scheduled ahead for a
+    # request that finished (eos) or was aborted before this step was post-processed: computed, discarded.
+    ahead: bool = False
     ghost: bool = False
     # Scoring requests: rows score_first_row, score_first_row + 1, ... of this entry's new tokens give
     # the logprob of score_targets[0], [1], ... (the token at the next position of each row).
@@ -50,7 +50,7 @@ class BatchEntry:
         return self.table_slots[len(self.table_slots) - self.num_new_tokens:]
 
 
-PENDING = -1  # placeholder token id of an entry scheduled ahead, before its input token is known
+PENDING = -1  # token id of an entry scheduled ahead: its row's last sampled token, read on the device
 # placeholder token id of a draft position after the first under --speculative mtp: the head drafts it in
 # the step itself, once the step's slots exist (engine/execution/mtp_step.MTPStep.extend_drafts)
 DRAFT_LATER = -2

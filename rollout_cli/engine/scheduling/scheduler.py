@@ -65,8 +65,8 @@ class SchedulerStats:
 
 
 class Scheduler(PrefixReuse, OverlapScheduling, Speculation, PacedAdmission):
-    """The steps of the engine loop; schedule_ahead / commit_ahead / cancel_ahead (planning the next
-    decode step while one runs) are in engine/scheduling/overlap_schedule.py, the prefix cache's side (matching,
+    """The steps of the engine loop; schedule_ahead (planning the next decode step while one runs) is in
+    engine/scheduling/overlap_schedule.py, the prefix cache's side (matching,
     publishing, flushing, pinning) in engine/scheduling/prefix_reuse.py, when waiting requests join decode
     steps (holds_admission, report_step) in engine/scheduling/admission_pacing.py."""
 
@@ -268,7 +268,10 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation, PacedAdmission):
         now = time.monotonic()
         for entry in out.entries:
             request = entry.request
-            if entry.ghost or request.status is not RequestStatus.RUNNING:  # finished or aborted meanwhile
+            if request.status is not RequestStatus.RUNNING:  # finished or aborted meanwhile
+                if entry.ahead:  # scheduled before its request ended: a ghost, computed for nothing
+                    entry.ghost = True
+                    self.stats.computed_tokens -= 1
                 for _ in range(1 + entry.num_draft if entry.sample else 0):
                     next(sampled)
                 for _ in entry.score_targets or ():
