@@ -157,6 +157,20 @@ def test_add_rejects_rows_with_wrong_fields(tmp_path):
         writer.add(bad)
 
 
+def _written_through(tmp_path, data: pa.Table) -> pa.Table:
+    """`data` as a prompt file, each prompt written as a trajectory row with its passthrough columns; the
+    trajectories read back."""
+    pq.write_table(data, tmp_path / "in.parquet")
+    source = PromptSource(tmp_path / "in.parquet", None)
+    out = tmp_path / "out"
+    with TrajectoryWriter(out, source.passthrough_schema) as writer:
+        for prompt in source:
+            fixed = row(prompt.prompt_index)
+            del fixed["data_source"]
+            writer.add({**fixed, "prompt_token_ids": prompt.prompt_token_ids, **prompt.passthrough})
+    return pq.read_table(out / "trajectories")
+
+
 def test_nested_passthrough_round_trips_with_input_types(tmp_path):
     # verl's layout: chat messages plus reward_model / extra_info structs.
     reward = pa.struct([("ground_truth", pa.string()), ("style", pa.string())])
@@ -174,15 +188,7 @@ def test_nested_passthrough_round_trips_with_input_types(tmp_path):
             "level": pa.array([1, 2], pa.int8()),
         }
     )
-    pq.write_table(data, tmp_path / "in.parquet")
-    source = PromptSource(tmp_path / "in.parquet", None)
-    out = tmp_path / "out"
-    with TrajectoryWriter(out, source.passthrough_schema) as writer:
-        for prompt in source:
-            fixed = row(prompt.prompt_index)
-            del fixed["data_source"]
-            writer.add({**fixed, "prompt_token_ids": prompt.prompt_token_ids, **prompt.passthrough})
-    table = pq.read_table(out / "trajectories")
+    table = _written_through(tmp_path, data)
     for name in ["data_source", "reward_model", "extra_info", "level"]:
         assert table.schema.field(name).type == data.schema.field(name).type, name
         assert table[name].to_pylist() == data[name].to_pylist(), name
@@ -204,15 +210,7 @@ def test_nested_nanosecond_passthrough_round_trips_exactly(tmp_path):
         "by_name": pa.array([[("x", stamp)], [("y", None)]], pa.map_(pa.string(), ts)),
     }
     data = pa.table({"prompt": pa.array([[1, 2], [3]], pa.list_(pa.int64())), **columns})
-    pq.write_table(data, tmp_path / "in.parquet")
-    source = PromptSource(tmp_path / "in.parquet", None)
-    out = tmp_path / "out"
-    with TrajectoryWriter(out, source.passthrough_schema) as writer:
-        for prompt in source:
-            fixed = row(prompt.prompt_index)
-            del fixed["data_source"]
-            writer.add({**fixed, **prompt.passthrough})
-    table = pq.read_table(out / "trajectories")
+    table = _written_through(tmp_path, data)
     assert table.select(list(columns)).schema == data.select(list(columns)).schema
     assert nanoseconds_as_ints(table.select(list(columns))).to_pylist() == \
         nanoseconds_as_ints(data.select(list(columns))).to_pylist()
