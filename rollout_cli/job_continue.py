@@ -11,6 +11,12 @@ Nothing is ever lost: the continued row is written to a new shard first; only th
 row dropped, by rewriting the shard that holds it (routing shard first, then the trajectory shard,
 each atomically). A crash in between leaves both rows; the next --continue-aborted (or the end of
 this job) drops the aborted one, since a pair with a finished row is done.
+
+A continuation can itself be aborted (the daemon's abort again): the sample is written again with
+finish_reason "abort", its response the older row's plus what it sampled since. That newest aborted
+row supersedes the older ones of its pair, which go the same way, so a job leaves at most one row per
+pair (`rollout score` reads exactly one). Newest is the shard written last: aborted rows come only from
+jobs on one engine (a daemon job, a continuation), whose shards are numbered upward.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import pyarrow.parquet as pq
 
 from rollout_cli.engine.trajectory import PartialSample
 from rollout_cli.io.atomic_write import fsync_dir, write_temp, writing
-from rollout_cli.io.output_dir import ROUTING_SUBDIR, TRAJECTORIES_SUBDIR, part_files
+from rollout_cli.io.output_dir import ROUTING_SUBDIR, TRAJECTORIES_SUBDIR, part_files, shard_key
 from rollout_cli.io.trajectories import nanoseconds_as_ints
 
 KEY = ("prompt_index", "sample_index")
@@ -45,21 +51,32 @@ def _shard_status(out: Path) -> tuple[dict[str, set], set]:
     return aborted, finished
 
 
+def _stale_aborts(aborted: dict[str, set], finished: set) -> dict[str, set]:
+    """shard name -> its aborted pairs that another row supersedes: a finished row of the pair, or an
+    aborted row of the pair in a shard written later (a continuation aborted again)."""
+    newest: dict[tuple[int, int], str] = {}
+    for name in sorted(aborted, key=shard_key):  # write order: the last shard's row wins
+        newest.update(dict.fromkeys(aborted[name], name))
+    return {name: {pair for pair in pairs if pair in finished or newest[pair] != name}
+            for name, pairs in aborted.items()}
+
+
 def prepare_continuation(out: str | Path) -> dict[tuple[int, int], PartialSample]:
     """At the start of a --continue-aborted run, from one scan of OUT's shards: drop the aborted rows
-    a finished row supersedes (a crash after continued rows were written), and return the other
-    aborted samples, to continue."""
+    another row supersedes (a finished row after a crash, or a newer aborted row), and return the
+    other aborted samples, to continue."""
     out = Path(out)
     aborted, finished = _shard_status(out)
-    _drop_superseded(out, aborted, finished)
-    return _aborted_samples(out, aborted, finished)
+    stale = _stale_aborts(aborted, finished)
+    _drop_stale(out, stale)
+    return _aborted_samples(out, {name: pairs - stale[name] for name, pairs in aborted.items()})
 
 
-def _aborted_samples(out: Path, aborted: dict[str, set], finished: set) -> dict[tuple[int, int], PartialSample]:
-    """The aborted samples that no finished row supersedes, as samples to continue."""
+def _aborted_samples(out: Path, live: dict[str, set]) -> dict[tuple[int, int], PartialSample]:
+    """The aborted samples of `live` (shard name -> its aborted pairs that nothing supersedes), as
+    samples to continue."""
     samples: dict[tuple[int, int], PartialSample] = {}
-    for name, pairs in aborted.items():
-        wanted = pairs - finished
+    for name, wanted in live.items():
         if not wanted:
             continue
         rows = nanoseconds_as_ints(pq.read_table(part_files(out / TRAJECTORIES_SUBDIR)[name])).to_pylist()
@@ -76,22 +93,21 @@ def _aborted_samples(out: Path, aborted: dict[str, set], finished: set) -> dict[
 
 
 def drop_superseded_aborts(out: str | Path) -> int:
-    """Rewrite each shard holding an aborted row whose pair also has a finished row, without it
-    (its routing shard first). -> rows dropped."""
+    """Rewrite each shard holding an aborted row that another row of its pair supersedes (a finished
+    row, or an aborted row in a later shard) without it (its routing shard first). -> rows dropped."""
     out = Path(out)
-    return _drop_superseded(out, *_shard_status(out))
+    return _drop_stale(out, _stale_aborts(*_shard_status(out)))
 
 
-def _drop_superseded(out: Path, aborted: dict[str, set], finished: set) -> int:
+def _drop_stale(out: Path, stale: dict[str, set]) -> int:
     dropped = 0
-    for name, pairs in aborted.items():
-        stale = pairs & finished
-        if not stale:
+    for name, pairs in stale.items():
+        if not pairs:
             continue
         routing = part_files(out / ROUTING_SUBDIR).get(name) if (out / ROUTING_SUBDIR).is_dir() else None
         if routing is not None:
-            _rewrite_without(routing, stale, abort_only=False)
-        dropped += _rewrite_without(part_files(out / TRAJECTORIES_SUBDIR)[name], stale, abort_only=True)
+            _rewrite_without(routing, pairs, abort_only=False)
+        dropped += _rewrite_without(part_files(out / TRAJECTORIES_SUBDIR)[name], pairs, abort_only=True)
     return dropped
 
 

@@ -7,8 +7,10 @@ import json
 import threading
 
 import httpx
+import pyarrow.dataset as ds
 import pytest
 
+from rollout_cli.score_rows import superseded_aborts
 from test_daemon import MODEL, PROMPTS, Daemon, _cli, _ok, _rows, _save_variant
 
 MAX_NEW = 300  # long enough that the job is still running when the pause lands
@@ -29,11 +31,11 @@ def daemon(tmp_path_factory):
         proc.kill()
 
 
-def _job_paused_at_its_start(http, out, mode: str, new):
-    """Start a 32-sample job; at its first progress event try an update (refused: not paused), then
-    pause with `mode`. -> (the client thread, its events, the answers)."""
+def _job_paused_at_its_start(http, out, mode: str, new, **job):
+    """Start a 32-sample job (`job`: more fields of its body); at its first progress event try an update
+    (refused: not paused), then pause with `mode`. -> (the client thread, its events, the answers)."""
     body = {"data": str(PROMPTS), "out": str(out), "limit": 8,
-            "sampling_params": {"n": 4, "max_new_tokens": MAX_NEW, "ignore_eos": True, "seed": 1}}
+            "sampling_params": {"n": 4, "max_new_tokens": MAX_NEW, "ignore_eos": True, "seed": 1}, **job}
     events: list[dict] = []
     held = threading.Event()
     answers: dict = {}
@@ -145,3 +147,31 @@ def test_aborted_samples_are_continued_by_resume_continue_aborted(daemon, new_we
         assert row["response_logprobs"][:same] == pytest.approx(ref["response_logprobs"][:same], abs=1e-4)
         equal += same == MAX_NEW
     assert equal >= 0.9 * len(rows)
+
+
+def test_a_continuation_aborted_again_leaves_one_row_per_sample(daemon, new_weights):
+    """A job aborted, continued on the daemon (resume + continue_aborted) and aborted again: a sample aborted
+    twice wrote a second aborted row, and the older one stayed beside it (only a finished row superseded
+    it), so the run held two rows of one sample and `rollout score` refused it. The newest aborted row
+    (its response extends the older one's) replaces the older: one row per sample once the job ends."""
+    http, work = daemon["http"], daemon["work"]
+    out = work / "aborted_twice"
+    for job in ({}, {"resume": True, "continue_aborted": True}):
+        thread, events, _ = _job_paused_at_its_start(http, out, "abort", new_weights, **job)
+        thread.join(120)
+        _ok(_cli(["continue", "--engine", daemon["sock"]]))
+        assert events[-1]["event"] == "aborted", events[-1]
+        if not job:
+            first = {(r["prompt_index"], r["sample_index"]): r for r in _rows(out)}
+    rows = _rows(out)
+    pairs = [(r["prompt_index"], r["sample_index"]) for r in rows]
+    assert len(pairs) == len(set(pairs)), "a sample has two rows"
+    aborted_twice = [r for r in rows if r["finish_reason"] == "abort"
+                     and first.get((r["prompt_index"], r["sample_index"]), {}).get("finish_reason") == "abort"]
+    assert aborted_twice  # the second abort hit continued samples
+    for row in rows:  # a continued sample kept what it had
+        before = first.get((row["prompt_index"], row["sample_index"]))
+        if before is not None:
+            k = len(before["response_token_ids"])
+            assert row["response_token_ids"][:k] == before["response_token_ids"]
+    assert superseded_aborts(ds.dataset(out / "trajectories"), str(out)) == (frozenset(), 0)  # score reads it

@@ -45,6 +45,26 @@ def test_superseded_aborted_rows_and_their_routing_are_dropped_and_nothing_else(
     assert drop_superseded_aborts(tmp_path) == 0
 
 
+def test_a_newer_aborted_row_supersedes_the_older_and_is_the_one_continued(tmp_path):
+    """A continuation aborted again writes the pair's newest aborted row (its response extends the older
+    one's) in a later shard: the older row and its routing go, the newest is what the next run continues."""
+    _shard(tmp_path, "part-00000.parquet", [_row(0, 0, "abort", [7]), _row(0, 1, "abort", [4])])
+    _shard(tmp_path, "part-00000.parquet", [{"prompt_index": p, "sample_index": s, "num_tokens": 3}
+                                            for p, s in ((0, 0), (0, 1))], subdir="routing")
+    _shard(tmp_path, "part-00001.parquet", [_row(0, 0, "abort", [7, 8])])  # 0/0 continued, aborted again
+    _shard(tmp_path, "part-00002.parquet", [_row(0, 0, "abort", [7, 8, 9])])  # and once more
+    assert drop_superseded_aborts(tmp_path) == 2
+    rows = pq.read_table(tmp_path / "trajectories").to_pylist()
+    assert sorted((r["prompt_index"], r["sample_index"], r["response_token_ids"]) for r in rows) == [
+        (0, 0, [7, 8, 9]), (0, 1, [4])]
+    routing = pq.read_table(tmp_path / "routing" / "part-00000.parquet").to_pylist()
+    assert [(r["prompt_index"], r["sample_index"]) for r in routing] == [(0, 1)]
+    _shard(tmp_path, "part-00003.parquet", [_row(0, 1, "abort", [4, 5])])  # a crash before the drop
+    samples = prepare_continuation(tmp_path)
+    assert {pair: s.response_token_ids for pair, s in samples.items()} == {(0, 0): [7, 8, 9], (0, 1): [4, 5]}
+    assert len(pq.read_table(tmp_path / "trajectories")) == 2
+
+
 def test_continue_aborted_needs_resume(tmp_path):
     import pytest
 
