@@ -81,6 +81,8 @@ class PacedAdmission:
         """The step loop's report of a post-processed step `out` (whether it replayed a CUDA graph: such a
         step only decodes, so its entries need no reading)."""
         decode_only = graph_step or all(e.start >= e.request.num_prompt_tokens for e in out.entries)
+        if decode_only:
+            self.reserve.decode_step_done()  # the room kept since a preemption shrinks (decode_reserve.py)
         self.pacing.step_done(decode_only, graph_step, len(self.running), self._empty_seats(len(self.running)))
 
     def _empty_seats(self, running: int) -> int:

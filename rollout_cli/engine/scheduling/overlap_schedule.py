@@ -42,7 +42,7 @@ class OverlapScheduling:
         if not continuing or self.allocator.num_free < len(continuing):
             return None
         if self.waiting and (len(continuing) < len(live) or len(self.running) < self.max_running) \
-                and not self.holds_admission(len(continuing), ahead=True):
+                and not self.holds_admission(len(continuing), ahead=True) and self._head_fits_reserve():
             return None  # a finishing request frees room (or there is room): admit through schedule()
         slots = self.allocator.allocate(len(continuing))
         out = ScheduleOutput()
@@ -56,3 +56,15 @@ class OverlapScheduling:
         if self.linear is not None:
             out.state_copies = self.linear.take_copies()
         return out
+
+    def _head_fits_reserve(self) -> bool:
+        """Whether the first waiting request passes the decode reserve now (engine/scheduling/decode_reserve.py;
+        its cached prefix looked up, not taken): if not, schedule() would admit nothing and the step ahead
+        loses nothing."""
+        if self.reserve.ratio == 0.0 or not self.running:
+            return True
+        head = self.waiting[0]
+        cached = self.cache.cached_length(head.key_token_ids[: head.cacheable_prefix(head.num_tokens - 1)]) \
+            if self.cache is not None else 0
+        available = self._available_slots() - len(self.running)
+        return self.reserve.admits(head, head.num_tokens - cached, self.reserve.reserved(self.running), available)

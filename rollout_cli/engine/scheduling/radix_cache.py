@@ -99,6 +99,18 @@ class RadixCache:
             slots.extend(node.value)
         return slots, node
 
+    def cached_length(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` the tree holds: a look only (no split, no access time)."""
+        node, pos = self.root, 0
+        while pos < len(tokens) and tokens[pos] in node.children:
+            child = node.children[tokens[pos]]
+            length = _common_length(child.key, tokens[pos:])
+            pos += length
+            if length < len(child.key):
+                break
+            node = child
+        return pos
+
     def insert(self, tokens: list[int], slots: list[int]) -> int:
         """Add a computed sequence; return how many leading tokens were already cached.
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from itertools import repeat
 
 from rollout_cli.engine.scheduling.admission_pacing import AdmissionPacing, PacedAdmission
+from rollout_cli.engine.scheduling.decode_reserve import DecodeReserve
 from rollout_cli.engine.scheduling.kv_slots import SlotAllocator
 from rollout_cli.engine.scheduling.overlap_schedule import OverlapScheduling
 from rollout_cli.engine.scheduling.prefix_reuse import PrefixReuse
@@ -94,6 +95,7 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation, PacedAdmission):
         self.stats = SchedulerStats()
         self.cache_epoch = 0  # bumped by every flush: pins taken before it hold nothing
         self.pacing = AdmissionPacing(admission_pacing)  # when waiting requests join graph-replayed decodes
+        self.reserve = DecodeReserve()  # room kept for running requests' tokens once the pool ran short
 
     # ---- queue -------------------------------------------------------------
 
@@ -198,7 +200,9 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation, PacedAdmission):
                 return None
 
     def _admit(self, out: ScheduleOutput, budget: int) -> None:
-        # Keep one free slot per running request so the next decode step need not preempt.
+        # Keep one free slot per running request so the next decode step need not preempt (and, once a
+        # step had to preempt, room for the tokens they may still generate: decode_reserve.py).
+        reserved = self.reserve.reserved(self.running)
         for request in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_running:
                 return
@@ -210,6 +214,10 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation, PacedAdmission):
             if self.linear is not None and self.linear.num_available == 0:
                 return  # every state slot is held by a running request
             snapshot = self._match_cached_prefix(request)
+            available = self._available_slots() - len(self.running)
+            if self.running and not self.reserve.admits(request, request.num_uncomputed_tokens, reserved, available):
+                self._release_cached_prefix(request)
+                return
             # A prompt larger than the free pool starts with a smaller chunk; it grows
             # (preempting newer requests if needed) on later steps.
             count = min(request.num_uncomputed_tokens, budget, self._available_slots() - len(self.running))
@@ -230,6 +238,7 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation, PacedAdmission):
             self.running.append(request)
             out.entries.append(self._entry(request, count, slots))
             self.pacing.admitted()
+            reserved += self.reserve.reserved([request])
             budget -= count
 
     def _entry(self, request: Request, count: int, new_slots: list[int]) -> BatchEntry:
@@ -345,6 +354,7 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation, PacedAdmission):
         self._sample_gone(request)
 
     def preempt(self, request: Request) -> None:
+        self.reserve.preempted(self.running)
         request.computed_before_preemption = request.num_computed_tokens
         self._requeue(request, publish=True)
         self.stats.preemptions += 1
