@@ -62,11 +62,11 @@ def bench_command(
         rollout bench --model ckpt/ --load-format dummy --num-prompts 256 --tp 2
     """
     # heavy: torch and the model code
-    from rollout_cli.bench import BenchConfig, make_workload, run_hf_baseline
-    from rollout_cli.bench_limits import check_context_length, measure_hbm_bandwidth, measure_matmul_rates
+    from rollout_cli.bench import BenchConfig, run_hf_baseline
+    from rollout_cli.bench_limits import measure_hbm_bandwidth, measure_matmul_rates
+    from rollout_cli.cli.bench_workload import checked_workload
     from rollout_cli.engine.engine import Engine
-    from rollout_cli.models.build import (load_model_config, model_positions, resolve_device, resolve_dtype,
-                                          resolve_max_model_len)
+    from rollout_cli.models.build import load_model_config, resolve_device, resolve_dtype
 
     console = Console()
     with user_errors():
@@ -81,15 +81,12 @@ def bench_command(
         engine_config = opt.engine_config(model=model, **engine_options)
         hf_config = load_model_config(engine_config.model)  # a hub id's snapshot directory
         if tp != 1:
-            engine_config = _tensor_parallel_rank(engine_config, hf_config, tp, cfg)
+            engine_config = _tensor_parallel_rank(engine_config, hf_config, tp, cfg, lambda: checked_workload(
+                cfg, engine_config, hf_config, data, prompt_key))
             if engine_config is None:
                 return  # a follower: rank 0 ran the benchmark
         torch_device = resolve_device(engine_config.device)
-        data_prompts = _read_prompts(data, prompt_key, engine_config.model) if data else None
-        workload = make_workload(cfg, hf_config.vocab_size, data_prompts, hf_config)
-        check_context_length(cfg, [len(p) for p in workload.prompts],  # before any timing: the engine would cut
-                             resolve_max_model_len(hf_config, engine_config.max_model_len),
-                             model_positions(hf_config)[0], data, engine_config.max_model_len is not None)
+        workload = checked_workload(cfg, engine_config, hf_config, data, prompt_key)  # before any timing
         hbm = measure_hbm_bandwidth(torch_device)
         rates = measure_matmul_rates(torch_device, resolve_dtype(engine_config.dtype, torch_device),
                                      fp8_weights=engine_config.quantization == "fp8")
@@ -105,9 +102,11 @@ def bench_command(
             _bench_engine(engine, workload, cfg, hbm, report, json_path, profile, console, rates)
 
 
-def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg):
-    """--tp N: in the command typed, check and start the ranks (exits); in a rank, its engine config,
-    or None on the followers once they followed rank 0's benchmark to its end."""
+def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg, check_workload):
+    """--tp N: in the command typed, check the inputs (check_workload() too: refused on rank 0 after
+    the start, a workload left the other ranks waiting for it in the rendezvous) and start the ranks
+    (exits); in a rank, its engine config, or None on the followers once they followed rank 0's
+    benchmark to its end."""
     from rollout_cli.models.tensor_parallel_support import check_tensor_parallel  # heavy: torch
 
     if tp < 1:
@@ -116,6 +115,7 @@ def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg):
         raise RolloutError(f"--baseline {cfg.baseline} runs transformers in one process; compare it with --tp 1")
     if not is_rank():
         check_tensor_parallel(hf_config, tp)
+        check_workload()
         launch_ranks(tp, "bench", engine_config)
     engine_config, rank = rank_config(engine_config, tp, "bench")
     if rank != 0:
@@ -243,22 +243,6 @@ def _compare_speculation(engine, workload, cfg, console) -> dict:
             "speculation_runs": [{"speculative": on, "seconds": r["seconds"], "output_tokens_per_s": r["output_tokens_per_s"]}
                                  for on, r in zip((False, True, True, False), runs)],
             "speculation_speedup": plain_seconds / speculative_seconds, "abba_spread": abba_spread(runs)}
-
-
-def _read_prompts(path: str, prompt_key: str, model: str) -> list[list[int]]:
-    # heavy: transformers, pyarrow
-    from transformers import AutoTokenizer
-
-    from rollout_cli.io.prompts import PromptSource
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    except Exception:
-        tokenizer = None
-    prompts = [row.prompt_token_ids for row in PromptSource(path, tokenizer, prompt_key=prompt_key)]
-    if not prompts:  # the report's means would divide by zero after the timed run
-        raise RolloutError(f"--data {path} holds no prompts; give a Parquet file with at least one row")
-    return prompts
 
 
 def _write_report(path: str, report: dict) -> None:

@@ -302,3 +302,34 @@ def test_bad_bench_tp_is_one_line(tiny_checkpoints, extra, message):
                   command="bench")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [message]
+
+
+PAST_LENGTH = ["--num-prompts", "2", "--input-len", "10", "--output-len", "600", "--tp", "2"]
+PAST_LENGTH_ERROR = ("error: a sample of this workload needs 610 tokens (its longest prompt, 10, + --output-len 600), "
+                     "past the max model length 512 (max_position_embeddings in config.json), where the engine would "
+                     "cut it short; lower --output-len or lower --input-len (the model has no more positions)")
+
+
+def test_bench_tp2_refuses_a_workload_past_the_model_length_at_once(tiny_checkpoints):
+    """--output-len past max_position_embeddings (512) under --tp 2: one line and exit 2 from the command
+    typed. Refused on rank 0 after the start, the same line came only after ~49 s: the follower waited for
+    rank 0 in the rendezvous, deaf to the launcher's SIGTERM, until SIGKILL 30 s later."""
+    result = _run("--model", tiny_checkpoints["qwen3"], "--device", "cpu", *PAST_LENGTH, command="bench", timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [PAST_LENGTH_ERROR]
+
+
+def test_bench_tp2_checks_the_workload_before_starting_the_ranks(tiny_checkpoints, monkeypatch):
+    from typer.testing import CliRunner
+
+    import rollout_cli.cli.bench as bench_cli
+    from rollout_cli.cli.main import app
+
+    def launch_ranks(*args, **kwargs):
+        raise AssertionError("the ranks started")
+
+    monkeypatch.setattr(bench_cli, "launch_ranks", launch_ranks)
+    monkeypatch.delenv("RANK", raising=False)
+    result = CliRunner().invoke(app, ["bench", "--model", tiny_checkpoints["qwen3"], "--device", "cpu", *PAST_LENGTH])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [PAST_LENGTH_ERROR]
