@@ -12,7 +12,7 @@ from rich.table import Table
 
 from rollout_cli.cli import options as opt
 from rollout_cli.cli.errors import user_errors
-from rollout_cli.cli.tensor_parallel_run import follow_leader, is_rank, launch_ranks, leading, rank_config
+from rollout_cli.cli.tensor_parallel_run import exit_rank, follow_leader, is_rank, launch_ranks, leading, rank_config
 from rollout_cli.errors import RolloutError
 from rollout_cli.process_gc import freeze_long_lived_objects
 
@@ -100,6 +100,8 @@ def bench_command(
         freeze_long_lived_objects()
         with leading(engine):
             _bench_engine(engine, workload, cfg, hbm, report, json_path, profile, console, rates)
+    if tp != 1:
+        exit_rank()  # rank 0 as run's: skip interpreter finalization, which gloo's threads can abort
 
 
 def _tensor_parallel_rank(engine_config, hf_config, tp: int, cfg, check_workload):
