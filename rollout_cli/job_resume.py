@@ -9,6 +9,7 @@ the job itself (job.py), which only calls `fingerprints` and `check_resume`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,8 @@ if TYPE_CHECKING:
 # the weights are compared by content (the manifest's "fingerprints"), never by the paths as typed.
 RESUME_KEYS = ("prompt_key", "image_key", "limit", "sampling", "capture_routing", "deterministic", "quantization",
                "kv_cache_dtype", "env", "dtype", "max_model_len")
-SAMPLING_DEFAULTS = dataclasses.asdict(SamplingParams())
+# as a manifest holds them (JSON: --stop-token-ids' tuple comes back a list)
+SAMPLING_DEFAULTS = json.loads(json.dumps(dataclasses.asdict(SamplingParams())))
 # A manifest written before fingerprints were recorded: its paths are compared as typed, as they were then.
 LEGACY_RESUME_KEYS = ("model", "data", *RESUME_KEYS)
 
@@ -97,6 +99,7 @@ def check_resume(job: JobConfig, settings: dict, fingerprints: dict) -> None:
                 f"--resume: the prompt file {job.data} changed since {job.out} was made from it: {change}; "
                 "restore that file, or choose another --out"
             )
+    settings = json.loads(json.dumps(settings))  # compared as the manifest will hold them
     for key in RESUME_KEYS if recorded is not None else LEGACY_RESUME_KEYS:
         old = previous.get(key)
         if key == "sampling" and isinstance(old, dict):  # a manifest from before a setting existed ran at its default

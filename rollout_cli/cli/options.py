@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from rollout_cli.config import EngineConfig
+from rollout_cli.errors import RolloutError
 from rollout_cli.models.hub import resolve_engine_config
 
 ENGINE = "Engine"
@@ -133,3 +134,11 @@ EngineAddress = Annotated[Optional[str], typer.Option(
     "else the default socket of rollout serve.", rich_help_panel=CLIENT)]
 TokenFile = Annotated[Optional[str], typer.Option(
     help="File holding the bearer token of an http:// engine.", rich_help_panel=CLIENT)]
+
+
+def token_id_list(flag: str, text: str) -> tuple[int, ...]:
+    """A comma-separated flag of token ids ("151645,151643"; "" = none) -> its ids, or one line."""
+    parts = [part.strip() for part in text.split(",")] if text.strip() else []
+    if not all(part.isdigit() for part in parts):
+        raise RolloutError(f"{flag} takes comma-separated token ids such as 151645,151643; got {text!r}")
+    return tuple(int(part) for part in parts)

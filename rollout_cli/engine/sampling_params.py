@@ -21,6 +21,18 @@ def check_seed(seed: int, name: str = "--seed") -> None:
                            "give an integer in [0, 2^64 - 1]")
 
 
+MAX_STOP_TOKEN_IDS = 1024  # a request body or manifest never carries a megabyte of them
+
+
+def check_stop_token_ids(ids) -> tuple[int, ...]:
+    """--stop-token-ids as a tuple of non-negative ints (a JSON list or a manifest's becomes one), or one line."""
+    if isinstance(ids, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise RolloutError(f"--stop-token-ids must be token ids (integers >= 0), got {ids!r}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise RolloutError(f"--stop-token-ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+    return tuple(ids)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How responses are sampled; one set per job, shared by all its prompts."""
@@ -41,6 +53,9 @@ class SamplingParams:
     """Each sample's random stream is keyed by (seed, prompt_index, sample_index, position); in [0, 2^64)."""
     ignore_eos: bool = False
     """Keep generating past eos tokens until max_new_tokens."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Also end a sample (finish_reason stop) at any of these token ids, kept as its last token, with or
+    without ignore_eos (vLLM's stop_token_ids)."""
     logprobs_mode: str = "processed"
     """processed: log_softmax(logits / temperature) renormalised over the tokens top_k / top_p / min_p keep
     (the distribution the token was drawn from); raw: log_softmax(logits)."""
@@ -74,6 +89,7 @@ class SamplingParams:
             raise RolloutError("--sampling-mask records the tokens --top-k / --top-p / --min-p keep; set one of "
                                "them (without a filter every token is kept)")
         check_seed(self.seed)
+        object.__setattr__(self, "stop_token_ids", check_stop_token_ids(self.stop_token_ids))
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise RolloutError(f"unknown --logprobs-mode {self.logprobs_mode!r}; choose processed or raw")
 

@@ -159,7 +159,7 @@ class Request:
                 self.output_top_logprobs.append(top)
             if self.params.return_sampling_mask:
                 self.output_sampling_mask.append(mask)
-        if not self.params.ignore_eos and token_id in self.eos_token_ids:
+        if token_id in self.params.stop_token_ids or (not self.params.ignore_eos and token_id in self.eos_token_ids):
             self.finish_reason = "stop"
         elif len(self.output_token_ids) >= self.params.max_new_tokens or self.num_tokens >= self.max_model_len:
             self.finish_reason = "length"
