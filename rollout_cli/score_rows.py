@@ -15,8 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from rollout_cli.errors import RolloutError
-
-KEY = ("prompt_index", "sample_index")
+from rollout_cli.job_continue import KEY  # a sample's key, as the continuation reads it
 
 
 def superseded_aborts(dataset: ds.Dataset, data: str) -> tuple[frozenset, int]:
