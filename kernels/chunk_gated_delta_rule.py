@@ -98,7 +98,9 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     -> o [T, Hv, dv] in v's dtype. q/k/v may be row-strided views (a fused projection's output).
     tuning (for the benchmark's sweeps; None: the defaults below) may set inv_precision ("ieee" or
     "tf32x3"), warps (every kernel), state_warps, block_v (state and output kernels), sub_block (SB),
-    batched_diag (the inverse's diagonal blocks as batched dots; needs SB >= 16 on the GPU)."""
+    batched_diag (the inverse's diagonal blocks as batched dots; needs SB >= 16 on the GPU),
+    lowp_intermediates (half-precision inputs only: w, u / v_new and the chunk-start states in the
+    inputs' dtype, dots on those operands; chunk_gated_delta_rule_lowp_ref is its reference)."""
     assert triton is not None, "chunk_gated_delta_rule_varlen needs triton"
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
@@ -133,20 +135,22 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     inv_precision = knobs.get("inv_precision", "tf32x3" if low_precision else "ieee")
     warps = knobs.get("warps", 4 if low_precision or BK < 128 else 8)
     state_warps = knobs.get("state_warps", warps)
-    common = dict(GROUP=Hv // Hk, BT=BT, BK=BK, L2NORM=use_qk_l2norm, DOT_PRECISION=precision)
+    lowp = bool(knobs.get("lowp_intermediates", False)) and low_precision
+    inter = v.dtype if lowp else torch.float32  # w, u / v_new and the chunk-start states
+    common = dict(GROUP=Hv // Hk, BT=BT, BK=BK, L2NORM=use_qk_l2norm, DOT_PRECISION=precision, LOWP=lowp)
     gcum = torch.empty((T, Hv), dtype=torch.float32, device=device)
     block_h = min(triton.next_power_of_2(Hv), 64)
     _chunk_cumsum_kernel[(num_chunks, triton.cdiv(Hv, block_h))](g, gcum, starts, lens, g.stride(0), gcum.stride(0),
                                                                   Hv, BT=BT, BH=block_h)
-    w = torch.empty((T, Hv, dk), dtype=torch.float32, device=device)
-    u = torch.empty((T, Hv, dv), dtype=torch.float32, device=device)  # then v_new, in place
+    w = torch.empty((T, Hv, dk), dtype=inter, device=device)
+    u = torch.empty((T, Hv, dv), dtype=inter, device=device)  # then v_new, in place
     sub_block = min(knobs.get("sub_block", 16), BT)
     _chunk_wy_kernel[(num_chunks, Hv)](k, v, beta, gcum, w, u, starts, lens, k.stride(0), v.stride(0),
                                        beta.stride(0), gcum.stride(0), w.stride(0), u.stride(0), dk, dv,
                                        BV=BV, SB=sub_block, INV_PRECISION=inv_precision,
                                        BATCHED_DIAG=knobs.get("batched_diag", sub_block >= 16), **common,
                                        num_warps=warps)
-    hs = torch.empty((num_chunks, Hv, dk, dv), dtype=torch.float32, device=device)  # state at each chunk start
+    hs = torch.empty((num_chunks, Hv, dk, dv), dtype=inter, device=device)  # state at each chunk start
     _chunk_state_kernel[(B, Hv, triton.cdiv(dv, BV))](
         k, w, u, gcum, hs, ssm_states, state_indices, starts, lens, offsets,
         k.stride(0), w.stride(0), u.stride(0), gcum.stride(0), hs.stride(0),
@@ -189,5 +193,5 @@ def chunk_wy_repr(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gcum: to
             w.stride(0), u.stride(0), dk, dv, GROUP=Hv // Hk, BT=chunk_size, BK=max(16, triton.next_power_of_2(dk)),
             BV=min(max(16, triton.next_power_of_2(dv)), 64), SB=min(16, chunk_size), L2NORM=use_qk_l2norm,
             DOT_PRECISION="ieee" if v.dtype == torch.float32 else "tf32", INV_PRECISION="ieee",
-            BATCHED_DIAG=batched_diag, num_warps=4)
+            BATCHED_DIAG=batched_diag, LOWP=False, num_warps=4)
     return w, u

@@ -23,6 +23,13 @@ Four kernels, in the structure of flash-linear-attention's chunk_gated_delta_rul
                                 back to the slot                        grid (sequences, Hv, dv blocks)
   4. `_chunk_output_kernel`     o per chunk, all chunks in parallel     grid (chunks, Hv, dv blocks)
 
+LOWP (the launcher's `lowp_intermediates`): w, u / v_new and the chunk-start states h are stored
+in the inputs' dtype (bf16) and every dot but the inverse's takes operands in that dtype with float32
+accumulation (flash-linear-attention's precision policy; docs/gdn_bf16_intermediates.md measured its
+cost). The running state stays float32 in registers and the final state is float32. The roundings are
+those of `chunk_gated_delta_rule_lowp_ref.py`, the torch reference. Without LOWP every intermediate is
+float32 and the dots take DOT_PRECISION.
+
 Separate from the launcher: this module needs triton, which torch-only installs lack; the
 launcher's module (with the references) imports it only when triton is there.
 """
@@ -105,9 +112,10 @@ def _chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, start_ptr, le
                      sk0, sv0, sb0, sgc0, sw0, su0, DK, DV,
                      GROUP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      SB: tl.constexpr, L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     INV_PRECISION: tl.constexpr, BATCHED_DIAG: tl.constexpr):
+                     INV_PRECISION: tl.constexpr, BATCHED_DIAG: tl.constexpr, LOWP: tl.constexpr):
     # one program: chunk c, value head h. k [T, Hk, dk] (row stride sk0), v [T, Hv, dv], beta/gc [T, Hv]
-    # -> w [T, Hv, dk], u [T, Hv, dv] float32 (head stride = head dim: contiguous per row)
+    # -> w [T, Hv, dk], u [T, Hv, dv] in w's dtype (head stride = head dim: contiguous per row)
+    lowp = w_ptr.dtype.element_ty  # float32 unless LOWP
     c = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     start = tl.load(start_ptr + c).to(tl.int64)
@@ -121,26 +129,39 @@ def _chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, start_ptr, le
     gc = tl.load(gc_ptr + rows * sgc0 + h, mask=mask_r, other=0.0)  # [BT]
     strictly_lower = ri[:, None] > ri[None, :]
     decay = tl.exp(tl.where(strictly_lower, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT], 0 on/above diag
-    a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=DOT_PRECISION) * decay  # [BT, BT]
-    inv = _unit_lower_inverse(a, ri, BT, SB, INV_PRECISION, BATCHED_DIAG)  # (I + A)^-1 [BT, BT]
-    w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None], input_precision=DOT_PRECISION)  # [BT, BK]
-    tl.store(w_ptr + rows[:, None] * sw0 + h * DK + kcols[None, :], w, mask=mask_r[:, None] & (kcols[None, :] < DK))
+    if LOWP:
+        k_low = k.to(lowp)
+        a = tl.dot(k_low, tl.trans(k_low)) * beta[:, None] * decay  # [BT, BT]
+    else:
+        a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=DOT_PRECISION) * decay
+    inv = _unit_lower_inverse(a, ri, BT, SB, INV_PRECISION, BATCHED_DIAG)  # (I + A)^-1 [BT, BT] float32
+    if LOWP:
+        inv = inv.to(lowp)
+        w = tl.dot(inv, (k * (beta * tl.exp(gc))[:, None]).to(lowp))  # [BT, BK]
+    else:
+        w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None], input_precision=DOT_PRECISION)
+    tl.store(w_ptr + rows[:, None] * sw0 + h * DK + kcols[None, :], w.to(lowp),
+             mask=mask_r[:, None] & (kcols[None, :] < DK))
     for v0 in range(0, DV, BV):
         vcols = v0 + tl.arange(0, BV)
         mask_v = mask_r[:, None] & (vcols[None, :] < DV)
         v = tl.load(v_ptr + rows[:, None] * sv0 + h * DV + vcols[None, :], mask=mask_v, other=0.0).to(tl.float32)
-        u = tl.dot(inv, v * beta[:, None], input_precision=DOT_PRECISION)  # [BT, BV]
-        tl.store(u_ptr + rows[:, None] * su0 + h * DV + vcols[None, :], u, mask=mask_v)
+        if LOWP:
+            u = tl.dot(inv, (v * beta[:, None]).to(lowp))  # [BT, BV]
+        else:
+            u = tl.dot(inv, v * beta[:, None], input_precision=DOT_PRECISION)
+        tl.store(u_ptr + rows[:, None] * su0 + h * DV + vcols[None, :], u.to(lowp), mask=mask_v)
 
 
 @triton.jit
 def _chunk_state_kernel(k_ptr, w_ptr, u_ptr, gc_ptr, hs_ptr, state_ptr, index_ptr, start_ptr, len_ptr, off_ptr,
                         sk0, sw0, su0, sgc0, sh0, ss0, ss1, ss2, DK, DV,
                         GROUP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, LOWP: tl.constexpr):
     # one program: sequence b, value head h, state columns [vb * BV, vb * BV + BV) (columns are
     # independent). Walks the sequence's chunks in order: hs[chunk, h] = the state at the chunk start
-    # [dk, dv]; u is overwritten by v_new; the final state goes back to the sequence's slot.
+    # [dk, dv] (in hs's dtype); u is overwritten by v_new; the final float32 state goes back to the slot.
+    lowp = u_ptr.dtype.element_ty  # float32 unless LOWP
     b = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     vcols = tl.program_id(2).to(tl.int64) * BV + tl.arange(0, BV)
@@ -157,18 +178,25 @@ def _chunk_state_kernel(k_ptr, w_ptr, u_ptr, gc_ptr, hs_ptr, state_ptr, index_pt
         n = tl.load(len_ptr + c)
         mask_r = ri < n
         rows = start + ri.to(tl.int64)
-        tl.store(hs_ptr + c * sh0 + h * DK * DV + kcols[:, None] * DV + vcols[None, :], state, mask=mask_s)
+        tl.store(hs_ptr + c * sh0 + h * DK * DV + kcols[:, None] * DV + vcols[None, :], state.to(lowp), mask=mask_s)
         w = tl.load(w_ptr + rows[:, None] * sw0 + h * DK + kcols[None, :],
                     mask=mask_r[:, None] & (kcols[None, :] < DK), other=0.0)  # [BT, BK]
         mask_v = mask_r[:, None] & (vcols[None, :] < DV)
         u_ptrs = u_ptr + rows[:, None] * su0 + h * DV + vcols[None, :]
-        v_new = tl.load(u_ptrs, mask=mask_v, other=0.0) - tl.dot(w, state, input_precision=DOT_PRECISION)
-        tl.store(u_ptrs, v_new, mask=mask_v)  # [BT, BV]
+        if LOWP:  # w h with h as stored (the output kernel reads the same rounded h)
+            predicted = tl.dot(w, state.to(lowp))
+        else:
+            predicted = tl.dot(w, state, input_precision=DOT_PRECISION)
+        v_new = tl.load(u_ptrs, mask=mask_v, other=0.0).to(tl.float32) - predicted  # [BT, BV]
+        tl.store(u_ptrs, v_new.to(lowp), mask=mask_v)
         gc = tl.load(gc_ptr + rows * sgc0 + h, mask=mask_r, other=0.0)  # [BT]
         g_last = tl.load(gc_ptr + (start + n - 1) * sgc0 + h)
         k = _load_keys(k_ptr, rows, mask_r, sk0, h // GROUP, kcols, DK, L2NORM)  # [BT, BK], 0 past n
         k = k * tl.exp(g_last - gc)[:, None]  # decay from each position to the chunk end
-        state = state * tl.exp(g_last) + tl.dot(tl.trans(k), v_new, input_precision=DOT_PRECISION)
+        if LOWP:
+            state = state * tl.exp(g_last) + tl.dot(tl.trans(k.to(lowp)), v_new.to(lowp))
+        else:
+            state = state * tl.exp(g_last) + tl.dot(tl.trans(k), v_new, input_precision=DOT_PRECISION)
     tl.store(s_ptrs, state, mask=mask_s)
 
 
@@ -176,7 +204,7 @@ def _chunk_state_kernel(k_ptr, w_ptr, u_ptr, gc_ptr, hs_ptr, state_ptr, index_pt
 def _chunk_output_kernel(q_ptr, k_ptr, u_ptr, gc_ptr, hs_ptr, o_ptr, start_ptr, len_ptr,
                          sq0, sk0, su0, sgc0, sh0, so0, so1, scale, DK, DV,
                          GROUP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, LOWP: tl.constexpr):
     # one program: chunk c, value head h, output columns [vb * BV, vb * BV + BV); u holds v_new
     c = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -196,7 +224,13 @@ def _chunk_output_kernel(q_ptr, k_ptr, u_ptr, gc_ptr, hs_ptr, o_ptr, start_ptr, 
     v_new = tl.load(u_ptr + rows[:, None] * su0 + h * DV + vcols[None, :], mask=mask_v, other=0.0)  # [BT, BV]
     lower = ri[:, None] >= ri[None, :]
     decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT]
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay
-    out = tl.dot(q * tl.exp(gc)[:, None], state, input_precision=DOT_PRECISION)
-    out += tl.dot(scores, v_new, input_precision=DOT_PRECISION)  # [BT, BV]
+    if LOWP:  # state and v_new arrive in the inputs' dtype (o's)
+        lowp = o_ptr.dtype.element_ty
+        scores = tl.dot(q.to(lowp), tl.trans(k.to(lowp))) * decay
+        out = tl.dot((q * tl.exp(gc)[:, None]).to(lowp), state)
+        out += tl.dot(scores.to(lowp), v_new)  # [BT, BV]
+    else:
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay
+        out = tl.dot(q * tl.exp(gc)[:, None], state, input_precision=DOT_PRECISION)
+        out += tl.dot(scores, v_new, input_precision=DOT_PRECISION)
     tl.store(o_ptr + rows[:, None] * so0 + h * so1 + vcols[None, :], out.to(o_ptr.dtype.element_ty), mask=mask_v)

@@ -12,6 +12,8 @@ installs them into a directory of their own). Qwen3-Next's linear-layer shape: 1
   place) against FLA's fused_recurrent_gated_delta_rule (initial_state in, final state out);
   fraction of HBM bandwidth = (state read + write + q/k/v/o bytes) / time / the copy bandwidth
   `rollout bench` measures.
+- knobs: our prefill under each TUNINGS entry (LOWP: issue 25 item 5's bf16 intermediates), its time
+  and its output's distance from the default knobs'; the kernel split for the default and LOWP.
 """
 
 from __future__ import annotations
@@ -75,8 +77,10 @@ def prefill_row(seqs: int, seq_len: int) -> dict:
             "out_rel_err": rel_err(ours, theirs[0]), "state_rel_err": rel_err(ours_states, theirs_final)}
 
 
-TUNINGS = ({}, {"batched_diag": False}, {"inv_precision": "ieee", "warps": 8}, {"warps": 8}, {"state_warps": 8},
-           {"block_v": 32}, {"block_v": 128}, {"sub_block": 8}, {"sub_block": 32})
+LOWP = {"lowp_intermediates": True}  # w, u, v_new and the chunk-start states in bf16 (issue 25 item 5)
+TUNINGS = ({}, {"warps": 8}, {"block_v": 32}, LOWP, {**LOWP, "inv_precision": "tf32"}, {**LOWP, "block_v": 32},
+           {**LOWP, "block_v": 128}, {**LOWP, "warps": 8}, {**LOWP, "state_warps": 8},
+           {**LOWP, "inv_precision": "tf32", "block_v": 32}, {**LOWP, "sub_block": 32})
 
 
 def tuning_rows(seqs: int, seq_len: int) -> list[dict]:
@@ -102,16 +106,16 @@ def tuning_rows(seqs: int, seq_len: int) -> list[dict]:
     return rows
 
 
-def kernel_split(seqs: int, seq_len: int) -> dict:
+def kernel_split(seqs: int, seq_len: int, tuning: dict | None = None) -> dict:
     """CUDA time of each of our prefill's kernels (torch.profiler over 5 calls, per call)."""
     from rollout_kernels.chunk_gated_delta_rule import chunk_gated_delta_rule_varlen
 
     q, k, v, g, beta, states, cu, index = prefill_case(seqs, seq_len)
-    chunk_gated_delta_rule_varlen(q, k, v, g, beta, states, index, cu)
+    chunk_gated_delta_rule_varlen(q, k, v, g, beta, states, index, cu, tuning=tuning)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            chunk_gated_delta_rule_varlen(q, k, v, g, beta, states, index, cu)
+            chunk_gated_delta_rule_varlen(q, k, v, g, beta, states, index, cu, tuning=tuning)
         torch.cuda.synchronize()
     return {e.key: e.device_time_total / 5 for e in prof.key_averages() if e.device_time_total > 0}
 
@@ -159,10 +163,11 @@ def main() -> None:
         rows["prefill"].append(r)
         print(f"{seqs:>4} {seq_len:>5} {r['ours_us']:>9.1f} {r['fla_us']:>9.1f} {r['ours_tflops']:>9.1f} "
               f"{r['fla_tflops']:>8.1f} {r['out_rel_err']:>8.1e} {r['state_rel_err']:>8.1e}")
-    print("our prefill's kernels, 4 x 4096, us per call")
-    rows["kernel_split"] = kernel_split(4, 4096)
-    for name, us in sorted(rows["kernel_split"].items(), key=lambda kv: -kv[1]):
-        print(f"  {us:>9.1f}  {name[:90]}")
+    for key, tuning in (("kernel_split", None), ("kernel_split_lowp", LOWP)):
+        print(f"our prefill's kernels, 4 x 4096, us per call, {tuning or 'default'}")
+        rows[key] = kernel_split(4, 4096, tuning)
+        for name, us in sorted(rows[key].items(), key=lambda kv: -kv[1]):
+            print(f"  {us:>9.1f}  {name[:90]}")
     print("our prefill's knobs (error: relative distance of the output from the default knobs')")
     rows["tuning"] = []
     for seqs, seq_len in ((4, 4096), (16, 256)):

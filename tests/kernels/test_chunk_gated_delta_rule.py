@@ -16,6 +16,7 @@ from rollout_kernels.chunk_gated_delta_rule import (
     chunk_wy_repr,
     chunk_wy_repr_ref,
 )
+from rollout_kernels.chunk_gated_delta_rule_lowp_ref import chunk_gated_delta_rule_lowp_varlen_ref
 from rollout_kernels.gated_delta_rule import chunk_gated_delta_rule_varlen_ref, recurrent_gated_delta_rule_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,6 +105,30 @@ def test_varlen_half_precision(dtype):
     _, _, index, _, got, want, pool, want_pool = _run_both([65, 3], 2, 4, 32, 16, dtype, 32, seed=7)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(pool[index], want_pool[index], atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else []))
+def test_lowp_intermediates_round_where_their_reference_does(dtype):
+    """Intermediates in the inputs' dtype (the `lowp_intermediates` knob): the kernels equal their
+    reference, which rounds where they store, far closer than either is to the float32 path; so
+    the knob took effect and rounds at the stated points, across chunk boundaries and several sequences."""
+    lengths, chunk = [65, 3, 130], 16
+    cu, step, index, initial, exact, exact_out, _, exact_pool = _run_both(lengths, 2, 4, 32, 16, dtype, chunk, seed=5)
+    start = torch.zeros(len(lengths) + 3, 4, 32, 16, device=DEV)
+    start[index] = initial
+    got_pool, ref_pool = start.clone(), start.clone()
+    got = chunk_gated_delta_rule_varlen(*step, got_pool, index, cu, chunk, tuning={"lowp_intermediates": True})
+    ref = chunk_gated_delta_rule_lowp_varlen_ref(*step, ref_pool, index, cu, chunk)
+    assert got.dtype == dtype
+    out_gap, state_gap = _rel(ref, exact_out), _rel(ref_pool[index], exact_pool[index])
+    assert out_gap > 1e-4 and state_gap > 1e-5  # the rounding is visible at all
+    assert _rel(got, ref) < 0.25 * out_gap
+    assert _rel(got_pool[index], ref_pool[index]) < 0.05 * state_gap
+    assert _rel(exact, exact_out) < 0.25 * out_gap  # the float32-intermediate kernel: the other side
 
 
 @pytest.mark.parametrize("lengths,hk,hv,dk,dv,l2", [
