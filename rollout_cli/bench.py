@@ -116,12 +116,12 @@ class Workload:
 
 
 def make_workload(cfg: BenchConfig, vocab_size: int, data_prompts: list[list[int]] | None = None,
-                  hf_config=None) -> Workload:
+                  hf_config=None, pin_images: bool = False) -> Workload:
     """The prompts (random ids, or --data's) and output lengths; with cfg.images, images before each
-    prompt (`hf_config` says where: bench_vision.add_images)."""
+    prompt (`hf_config` says where: bench_vision.add_images; pin_images for a CUDA engine)."""
     workload = _text_workload(cfg, vocab_size, data_prompts)
     if cfg.images:
-        return add_images(workload, cfg, hf_config)
+        return add_images(workload, cfg, hf_config, pin_images)
     if data_prompts is None and getattr(hf_config, "vision_config", None) is not None:  # random ids, no images
         return dataclasses.replace(workload, prompts=without_vision_tokens(workload.prompts, hf_config))
     return workload

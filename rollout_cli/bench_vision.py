@@ -17,8 +17,9 @@ from rollout_cli.engine.multimodal import ImageInput
 from rollout_cli.errors import RolloutError
 
 
-def add_images(workload, cfg, hf_config):
-    """The workload with cfg.images images before each prompt (Workload.images set)."""
+def add_images(workload, cfg, hf_config, pin: bool = False):
+    """The workload with cfg.images images before each prompt (Workload.images set); pin: their rows in
+    page-locked memory, as `rollout run` keeps them for a CUDA engine (ImageInput.of)."""
     vision = getattr(hf_config, "vision_config", None)
     if vision is None:
         raise RolloutError("--images needs a vision-language checkpoint (Qwen3-VL, Qwen3.5); this one has no "
@@ -36,7 +37,7 @@ def add_images(workload, cfg, hf_config):
     generator = torch.Generator().manual_seed(cfg.seed)
     prompts, images = [], []
     for prompt in without_vision_tokens(workload.prompts, hf_config):
-        images.append(tuple(ImageInput.of(torch.randn(rows, row_width, generator=generator), grid)
+        images.append(tuple(ImageInput.of(torch.randn(rows, row_width, generator=generator), grid, pin=pin)
                             for _ in range(cfg.images)))
         prompts.append(placeholder * cfg.images + prompt)
     return dataclasses.replace(workload, prompts=prompts, images=images)

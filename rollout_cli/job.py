@@ -135,6 +135,8 @@ def _prompt_source(job: JobConfig, engine: Engine | None) -> PromptSource:
         return PromptSource(job.data, tokenizer=None, prompt_key=job.prompt_key, limit=job.limit,
                             image_key=job.image_key)
     vision = VisionPromptEncoder.from_checkpoint(engine.config.model, engine.tokenizer)
+    if vision is not None:
+        vision.pin_rows = engine.device.type == "cuda"
     return PromptSource(job.data, engine.tokenizer, prompt_key=job.prompt_key, limit=job.limit,
                         max_prompt_len=engine.requests.max_prompt_len, skip_invalid=job.skip_invalid,
                         vocab_size=engine.requests.vocab_size, image_key=job.image_key, vision=vision)

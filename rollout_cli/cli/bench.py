@@ -86,7 +86,8 @@ def bench_command(
             if engine_config is None:
                 return  # a follower: rank 0 ran the benchmark
         torch_device = resolve_device(engine_config.device)
-        workload = checked_workload(cfg, engine_config, hf_config, data, prompt_key)  # before any timing
+        workload = checked_workload(cfg, engine_config, hf_config, data, prompt_key,  # before any timing
+                                    pin_images=torch_device.type == "cuda")
         hbm = measure_hbm_bandwidth(torch_device)
         rates = measure_matmul_rates(torch_device, resolve_dtype(engine_config.dtype, torch_device),
                                      fp8_weights=engine_config.quantization == "fp8")

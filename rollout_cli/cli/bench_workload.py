@@ -17,11 +17,13 @@ from rollout_cli.io.prompts import PromptSource
 from rollout_cli.models.build import model_positions, resolve_max_model_len
 
 
-def checked_workload(cfg: BenchConfig, engine_config, hf_config, data: str | None, prompt_key: str) -> Workload:
+def checked_workload(cfg: BenchConfig, engine_config, hf_config, data: str | None, prompt_key: str,
+                     pin_images: bool = False) -> Workload:
     """The benchmark's workload; refused in one line when a sample would run past the max model length
-    (the engine would cut it short, and the run would time fewer tokens than asked)."""
+    (the engine would cut it short, and the run would time fewer tokens than asked). pin_images: image
+    rows in page-locked memory (the run's own workload on a CUDA device)."""
     data_prompts = read_prompts(data, prompt_key, engine_config.model) if data else None
-    workload = make_workload(cfg, hf_config.vocab_size, data_prompts, hf_config)
+    workload = make_workload(cfg, hf_config.vocab_size, data_prompts, hf_config, pin_images)
     check_context_length(cfg, [len(p) for p in workload.prompts],
                          resolve_max_model_len(hf_config, engine_config.max_model_len),
                          model_positions(hf_config)[0], data, engine_config.max_model_len is not None)

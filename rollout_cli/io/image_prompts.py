@@ -56,6 +56,8 @@ class VisionPromptEncoder:
         self.image_token_id = image_token_id
         self.merge_size = spatial_merge_size
         self.image_token = tokenizer.convert_ids_to_tokens(image_token_id) if tokenizer is not None else None
+        # the engine's device is CUDA: patch rows go to page-locked memory as they are made (ImageInput.of)
+        self.pin_rows = False
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path, tokenizer: Any = None) -> VisionPromptEncoder | None:
@@ -114,7 +116,7 @@ class VisionPromptEncoder:
         out = self._process(pictures)
         pixel_values, grids = out["pixel_values"], out["image_grid_thw"]  # [sum of t*h*w, patch dim], [images, 3]
         sizes = [int(g.prod()) for g in grids]
-        return tuple(ImageInput.of(rows, grid) for rows, grid in zip(pixel_values.split(sizes), grids))
+        return tuple(ImageInput.of(rows, grid, pin=self.pin_rows) for rows, grid in zip(pixel_values.split(sizes), grids))
 
     def token_counts(self, image_cell: Any, base_dir: Path | None = None) -> list[int]:
         """The image tokens each image of the cell takes, without its patch rows: what validation needs.

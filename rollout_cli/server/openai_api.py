@@ -67,6 +67,8 @@ class OpenAIRoutes:
         """A vision-language checkpoint's prompt encoder (on this side's tokenizer); None for a text-only one."""
         if not self._vision_loaded:
             self._vision = VisionPromptEncoder.from_checkpoint(self.worker.engine.config.model, self.tokenizer)
+            if self._vision is not None:
+                self._vision.pin_rows = self.worker.engine.device.type == "cuda"
             self._vision_loaded = True
         return self._vision
 

@@ -64,3 +64,20 @@ def test_graph_replay_equals_eager_decode_bfloat16(vlm):
         _, results = _run(model_dir, prompts, params, dtype="bfloat16", cuda_graphs=graphs)
         outputs.append([(r.response_token_ids, r.response_logprobs) for r in results])
     assert outputs[0] == outputs[1]
+
+
+def test_pinned_image_rows_give_the_same_samples(vlm):
+    """Rows in page-locked memory (what a CUDA engine's prompt reader makes, ImageInput.of(pin=True)):
+    the same digest, and the tower's asynchronous copies give the same tokens and logprobs."""
+    from rollout_cli.engine.multimodal import ImageInput
+
+    model_dir, prompts = vlm
+    pinned = []
+    for ids, images in prompts:
+        again = tuple(ImageInput.of(im.pixel_values, im.grid_thw, pin=True) for im in images)
+        assert all(a.pixel_values.is_pinned() and a.digest == b.digest for a, b in zip(again, images))
+        pinned.append((ids, again))
+    params = SamplingParams(n=2, temperature=1.0, seed=9, max_new_tokens=8, ignore_eos=True)
+    outputs = [[(r.response_token_ids, r.response_logprobs) for r in _run(model_dir, p, params, dtype="bfloat16")[1]]
+               for p in (prompts, pinned)]
+    assert outputs[0] == outputs[1]
