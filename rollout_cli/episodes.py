@@ -46,7 +46,7 @@ class ModelTurn:
 
     text: str  # the turn's tokens decoded (special tokens skipped)
     token_ids: list[int]
-    finish_reason: str  # "stop" (an eos token ended it: it is the last id) or "length"
+    finish_reason: str  # "stop" (eos, a stop token id or the completion of a --stop string: the last id) or "length"
     turn: int  # 0 for the first model turn
 
 
@@ -299,7 +299,7 @@ class EpisodeRunner:
                           list(row.episode["turn_cached_tokens"][:-1]), images=tuple(row.images))
         for k, (start, end) in enumerate(turns[:-1]):
             ids = response[start:end]
-            finish = "stop" if ids and ids[-1] in self.engine.eos_token_ids else "length"
+            finish = self.engine.requests.finish_of(ids, episode.params)  # as the turn ended: eos, stop rules
             step = _user_call(f"the environment's step on {where}", env.step,
                               ModelTurn(self.engine.decode(ids), ids, finish, k))
             reward, observation = _step_answer(step, f"the environment's step on {where}")

@@ -33,7 +33,7 @@ from rollout_cli.io.output_dir import (
 )
 from rollout_cli.io.image_prompts import VisionPromptEncoder
 from rollout_cli.io.prompts import PromptSource
-from rollout_cli.io.trajectories import TrajectoryWriter, trajectory_schema
+from rollout_cli.io.trajectories import TrajectoryWriter, shards_have_column, trajectory_schema
 from rollout_cli.job_manifest import (
     engine_settings,
     final_state,
@@ -167,6 +167,7 @@ def _run_job(engine: Engine, params: SamplingParams, job: JobConfig, on_progress
     leader = group.is_leader
     if job.env is not None:  # the daemon's /generate reaches here without the CLI's check
         check_episode_sampling(params)
+    engine.requests.stop_matcher(params)  # --stop without a tokenizer: refused before OUT is touched
     source = check_job_inputs(job, engine) if leader else _prompt_source(job, engine)
     skipped = source.validate()
     # before OUT is created: a dense model is refused with nothing written
@@ -234,7 +235,8 @@ def _run_job(engine: Engine, params: SamplingParams, job: JobConfig, on_progress
                               routing_shape=(len(engine.model.moe_layers), engine.model.top_k) if routing_dtype else (0, 0),
                               replica=None if group.alone else group.rank, episodes=job.env is not None,
                               top_logprobs=params.top_logprobs > 0, images=source.has_images,
-                              sampling_mask=params.return_sampling_mask)
+                              sampling_mask=params.return_sampling_mask,
+                              stop_reason=_stop_reason_column(job, params))
     episodes = EpisodeRunner(engine, load_environment(job.env), job.max_turns) if job.env is not None else None
     finish_reasons: Counter[str] = Counter()
     stats_before = dataclasses.replace(engine.scheduler.stats)
@@ -278,6 +280,12 @@ def _run_job(engine: Engine, params: SamplingParams, job: JobConfig, on_progress
     if leader:
         write_manifest(job.out, manifest)
     return manifest
+
+
+def _stop_reason_column(job: JobConfig, params: SamplingParams) -> bool:
+    """Rows get a stop_reason column with stop rules (not --env: an episode's turns each end their own way),
+    unless a resumed OUT holds shards without it (a --stop-token-ids run from before the column)."""
+    return bool(params.stop or params.stop_token_ids) and job.env is None and shards_have_column(job.out, "stop_reason")
 
 
 def _step_hook(writer: TrajectoryWriter) -> Callable[[], None]:

@@ -86,7 +86,8 @@ class Engine:
         self.step_in_flight = False  # True while on_step runs with a launched step not yet post-processed
         self._build_cache()
         eos = checkpoint_eos_token_ids(cfg.model, self.hf_config, self.tokenizer)
-        self.requests = RequestMaker(self.hf_config.vocab_size, eos, self.max_model_len, model_positions(self.hf_config)[0])
+        self.requests = RequestMaker(self.hf_config.vocab_size, eos, self.max_model_len, model_positions(self.hf_config)[0],
+                                     self.tokenizer)  # the tokenizer spells tokens as bytes for stop strings
         self.routing = RoutingCapture()  # off until enable_routing_capture
         self.weight_update_groups = {}  # group name -> engine.weight_group.WeightGroup
         # the control API; tensor parallelism is decided here, once: operations reach every rank or this one
@@ -254,9 +255,7 @@ class Engine:
             raise RolloutError(f"invalid prompt: {err}") from err
 
     def decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # ---- generation ----------------------------------------------------------
 
@@ -372,7 +371,7 @@ class Engine:
             response_logprobs=request.output_logprobs,
             **request.per_token_outputs(),  # response_top_logprobs, response_sampling_mask
             response_text=self.decode(request.output_token_ids),
-            finish_reason=request.finish_reason,
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
             # the version that sampled the last token (the current one for an empty response)
             weight_version=request.version_spans[-1][1] if request.version_spans else self.weight_version,
             response_weight_versions=request.response_weight_versions(self.weight_version),

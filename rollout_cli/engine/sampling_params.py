@@ -33,6 +33,37 @@ def check_stop_token_ids(ids) -> tuple[int, ...]:
     return tuple(ids)
 
 
+MAX_STOP_STRINGS = 64  # vLLM takes any number; a manifest, a request body, a per-token check stay small
+MAX_STOP_CHARS = 256
+
+
+def check_stop(stop) -> tuple[str, ...]:
+    """--stop as a tuple of strings (one string, a JSON list or a manifest's becomes one), or one line."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise RolloutError(f"--stop takes strings, got {_clip(repr(stop))}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RolloutError(f"--stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}; keep the ones the "
+                           "model writes")
+    for s in stop:
+        if not s:
+            raise RolloutError("--stop takes non-empty strings: an empty one would match before any token; drop it")
+        if len(s) > MAX_STOP_CHARS:
+            raise RolloutError(f"--stop {_clip(repr(s))} has {len(s)} characters; a stop string has at most "
+                               f"{MAX_STOP_CHARS}")
+        try:
+            s.encode("utf-8")  # matched as UTF-8 bytes (engine/scheduling/stop_strings.py)
+        except UnicodeEncodeError:
+            raise RolloutError(f"--stop {_clip(repr(s))} is not valid Unicode text (a lone surrogate); "
+                               "pass text the model can write") from None
+    return tuple(stop)
+
+
+def _clip(text: str, most: int = 60) -> str:
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How responses are sampled; one set per job, shared by all its prompts."""
@@ -56,6 +87,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Also end a sample (finish_reason stop) at any of these token ids, kept as its last token, with or
     without ignore_eos (vLLM's stop_token_ids)."""
+    stop: tuple[str, ...] = ()
+    """Also end a sample (finish_reason stop) with the token that completes any of these strings in the
+    response's text, kept as its last token (vLLM's stop; matched on bytes: engine/scheduling/stop_strings.py);
+    at most 64, each non-empty and at most 256 characters."""
     logprobs_mode: str = "processed"
     """processed: log_softmax(logits / temperature) renormalised over the tokens top_k / top_p / min_p keep
     (the distribution the token was drawn from); raw: log_softmax(logits)."""
@@ -90,6 +125,7 @@ class SamplingParams:
                                "them (without a filter every token is kept)")
         check_seed(self.seed)
         object.__setattr__(self, "stop_token_ids", check_stop_token_ids(self.stop_token_ids))
+        object.__setattr__(self, "stop", check_stop(self.stop))
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise RolloutError(f"unknown --logprobs-mode {self.logprobs_mode!r}; choose processed or raw")
 

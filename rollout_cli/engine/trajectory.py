@@ -47,12 +47,18 @@ class Trajectory:
     # filters kept, the set it was drawn from and its logprob renormalised over (None for tokens carried
     # over from a partial response; [] in the Parquet column); None otherwise (no column)
     response_sampling_mask: list | None = None
+    # with finish_reason stop: the stop string (SamplingParams.stop) or stop token id that ended it; None
+    # for eos and every other finish. A run with --stop or --stop-token-ids writes it as a column (as text)
+    stop_reason: str | int | None = None
 
     def to_row(self) -> dict[str, Any]:
         row = {k: v for k, v in self.__dict__.items() if k not in METRIC_FIELDS}
-        for optional in ("image_grid_thw", "response_sampling_mask"):  # columns of the runs that ask for them
+        # columns of the runs that ask for them (io.trajectories' writer fills stop_reason's nulls)
+        for optional in ("image_grid_thw", "response_sampling_mask", "stop_reason"):
             if row[optional] is None:
                 del row[optional]
+        if self.stop_reason is not None:  # io.trajectories.STOP_REASON_FIELDS: a token id as text
+            row["stop_reason"] = str(self.stop_reason)
         if self.response_sampling_mask is not None:  # io.trajectories.SAMPLING_MASK_FIELDS
             row["response_sampling_mask"] = [ids if ids is not None else [] for ids in self.response_sampling_mask]
         row.update(self.episode or {})

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from rollout_cli.errors import RolloutError
 from rollout_cli.io.atomic_write import OutputWriteError, fsync_dir, write_temp, writing
@@ -56,6 +57,12 @@ EPISODE_FIELDS: tuple[pa.Field, ...] = (
     pa.field("turn_cached_tokens", pa.list_(pa.int32())),  # per model turn: prompt tokens the prefix cache served
 )
 
+# `rollout run --stop` / `--stop-token-ids`: the stop string, or the stop token id as text, that ended the
+# row (finish_reason stop); null for eos and every other finish (vLLM's stop_reason)
+STOP_REASON_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("stop_reason", pa.string()),
+)
+
 # a run over an image column (vision-language models): per row, each image's [t, h, w] patch grid in
 # prompt order ([] for a row without images), which a trainer needs with prompt_token_ids to rebuild the
 # vision inputs (the image processor's image_grid_thw)
@@ -65,12 +72,13 @@ IMAGE_FIELDS: tuple[pa.Field, ...] = (
 
 
 def trajectory_schema(passthrough_schema: pa.Schema, episodes: bool = False, top_logprobs: bool = False,
-                      images: bool = False, sampling_mask: bool = False) -> pa.Schema:
+                      images: bool = False, sampling_mask: bool = False, stop_reason: bool = False) -> pa.Schema:
     """The fixed columns in order (then the episode columns, the top-logprob columns, the image columns, the
-    sampling-mask column, as asked), then the input's passthrough columns in input order."""
+    sampling-mask column, the stop-reason column, as asked), then the input's passthrough columns in input order."""
     fields = (list(FIXED_FIELDS) + (list(EPISODE_FIELDS) if episodes else [])
               + (list(TOP_LOGPROB_FIELDS) if top_logprobs else []) + (list(IMAGE_FIELDS) if images else [])
-              + (list(SAMPLING_MASK_FIELDS) if sampling_mask else []))
+              + (list(SAMPLING_MASK_FIELDS) if sampling_mask else [])
+              + (list(STOP_REASON_FIELDS) if stop_reason else []))
     names = [f.name for f in fields]
     for name in passthrough_schema.names:
         if name in names:
@@ -81,6 +89,14 @@ def trajectory_schema(passthrough_schema: pa.Schema, episodes: bool = False, top
     # pa.schema(fields) carries no schema metadata: the input's pandas metadata
     # would describe columns the output does not have.
     return pa.schema(fields + list(passthrough_schema))
+
+
+def shards_have_column(out_dir: str | Path, name: str) -> bool:
+    """Whether every trajectory shard already in OUT has the column `name` (True for none): a resumed run
+    writes its rows as the run's first shards were written, since reading the folder takes the first
+    shard's schema (a column that only later shards have would be dropped). Reads Parquet footers only."""
+    folder = Path(out_dir) / TRAJECTORIES_SUBDIR
+    return not folder.is_dir() or all(name in pq.read_schema(path).names for path in part_files(folder).values())
 
 
 def nanoseconds_as_ints(batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch | pa.Table:
@@ -240,6 +256,8 @@ class TrajectoryWriter(ShardWriter):
     """ShardWriter over trajectory_schema(passthrough_schema).
 
     With `images` the rows get an image_grid_thw column; a row without it (a text prompt of the run) gets [].
+    With `stop_reason` the rows get a stop_reason column; a row without it (no stop rule ended it) gets null.
+    Without, a row's stop_reason is left out (shards_have_column: the run's shards were written without it).
 
     With `routing_dtype` ("uint8" or "int16") every row comes with its routing (`add(row, routing)`,
     routing a numpy array [num_tokens, num_layers, top_k]) and each flush also writes
@@ -262,10 +280,11 @@ class TrajectoryWriter(ShardWriter):
         top_logprobs: bool = False,
         images: bool = False,
         sampling_mask: bool = False,
+        stop_reason: bool = False,
     ) -> None:
         super().__init__(
             out_dir,
-            trajectory_schema(passthrough_schema, episodes, top_logprobs, images, sampling_mask),
+            trajectory_schema(passthrough_schema, episodes, top_logprobs, images, sampling_mask, stop_reason),
             shard_rows=shard_rows,
             flush_seconds=flush_seconds,
             subdir=subdir,
@@ -273,6 +292,7 @@ class TrajectoryWriter(ShardWriter):
             replica=replica,
         )
         self.images = images
+        self.stop_reason = stop_reason
         self.routing_dtype = routing_dtype
         self.routing_shape = routing_shape  # (num_layers, top_k): the shape of an empty routing
         if routing_dtype is not None:
@@ -284,6 +304,10 @@ class TrajectoryWriter(ShardWriter):
     def add(self, row: dict[str, Any], routing: np.ndarray | None = None) -> None:
         if self.images and "image_grid_thw" not in row:
             row = {**row, "image_grid_thw": []}
+        if self.stop_reason and "stop_reason" not in row:
+            row = {**row, "stop_reason": None}
+        elif not self.stop_reason and "stop_reason" in row:  # a resumed OUT's shards have no such column
+            row = {name: value for name, value in row.items() if name != "stop_reason"}
         if self.routing_dtype is not None:
             if routing is None:  # e.g. a sample aborted before any token was computed
                 routing = np.zeros((0, *self.routing_shape), dtype=self.routing_dtype)

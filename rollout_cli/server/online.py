@@ -4,8 +4,10 @@ together by one engine stream while any is in flight (continuous batching across
 The HTTP side builds an OnlineRequest (its prompts' token ids, sampling settings, stop rules) and hands
 it to the engine thread (EngineWorker.submit_online). The engine thread keeps the requests in flight in
 LiveRequests: their prompts wait in `inbox` until the stream's source takes them, every step feeds the
-running samples of a streaming or stop-string request to their SampleText, and every finished sample
-goes back to its request. Events reach the request's asyncio loop thread-safely:
+running samples of a streaming request to their SampleText, and every finished sample goes back to its
+request. Stop strings and stop token ids end samples inside the engine (SamplingParams.stop,
+stop_token_ids); SampleText cuts the text before a stop string and, streaming, ends a sample whose text
+met one first. Events reach the request's asyncio loop thread-safely:
     ("delta", index, token_ids, logprobs, text, tops)   new tokens of one sample (streaming requests only)
     ("finish", Choice)                            one sample ended; its whole response
     ("error", message)                            the engine cannot serve the request
@@ -59,7 +61,9 @@ class OnlineRequest:
         self.images = images  # per prompt, its images (engine.multimodal.ImageInput); None: text only
         self.params = params
         self.stream = stream
-        self.watch = stream or bool(stop) or bool(stop_token_ids)  # fed after every step, not only at the end
+        # fed after every step only to stream: the engine ends samples at the stop rules (params.stop,
+        # params.stop_token_ids), and the whole response's text is cut at the end (finish)
+        self.watch = stream
         self.samples = [[SampleText(tokenizer, stop, frozenset(stop_token_ids)) for _ in range(params.n)]
                         for _ in prompts]
         self.num_finished = 0
@@ -101,9 +105,10 @@ class OnlineRequest:
 
     def finish(self, prompt: int, sample: int, token_ids: list[int], logprobs: list[float], finish_reason: str,
                weight_versions: list[str], cached_prompt_tokens: int = 0, session_turn=None,
-               tops: list | None = None, masks: list | None = None) -> None:
-        """The sample ended (in the engine, by a stop rule, or aborted) with these tokens.
-        `session_turn(request, choice) -> statistics` records a session's turn before the answer goes out."""
+               tops: list | None = None, masks: list | None = None, stop_reason: str | int | None = None) -> None:
+        """The sample ended (in the engine, by a stop rule, or aborted) with these tokens (`stop_reason`: the
+        stop rule that ended it in the engine, if one did). `session_turn(request, choice) -> statistics`
+        records a session's turn before the answer goes out."""
         text = self.samples[prompt][sample]
         start = len(text.token_ids)
         text.feed(token_ids[start:], logprobs[start:], tops[start:] if tops else None)
@@ -111,7 +116,8 @@ class OnlineRequest:
         index = prompt * self.params.n + sample
         count = len(text.token_ids)
         choice = Choice(index, prompt, list(text.token_ids), list(text.logprobs), text.visible_text(final=True),
-                        "stop" if text.stopped else finish_reason, text.stop_reason, list(weight_versions[:count]),
+                        "stop" if text.stopped else finish_reason, text.stop_reason if text.stopped else stop_reason,
+                        list(weight_versions[:count]),
                         cached_prompt_tokens, top_logprobs=list(text.tops),
                         sampling_mask=None if masks is None else masks[:count])  # a stop string may cut tokens
         if session_turn is not None and self.session_id is not None:
@@ -147,7 +153,7 @@ class LiveRequests:
         self.session_turn = session_turn
         self.by_id: dict[str, OnlineRequest] = {}
         self.inbox: deque[PromptInput] = deque()  # prompts not yet taken by the stream
-        self.num_watched = 0  # requests fed after every step (streaming or with stop rules)
+        self.num_watched = 0  # requests fed after every step (streaming ones)
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -215,7 +221,7 @@ class LiveRequests:
         request.finish(prompt, trajectory.sample_index, trajectory.response_token_ids,
                        trajectory.response_logprobs, trajectory.finish_reason, trajectory.response_weight_versions,
                        trajectory.cached_prompt_tokens, self.session_turn, trajectory.response_top_logprobs,
-                       trajectory.response_sampling_mask)
+                       trajectory.response_sampling_mask, trajectory.stop_reason)
         self._forget_if_done(request)
 
     def abort_queued(self, request_id: str | None = None) -> int:

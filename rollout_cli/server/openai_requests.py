@@ -150,13 +150,17 @@ def sampling_params(body: SamplingKeys, max_tokens: int) -> SamplingParams:
         seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
         ignore_eos=body.ignore_eos, logprobs_mode=body.logprobs_mode, top_logprobs=top_logprobs_of(body),
         return_sampling_mask=body.return_sampling_mask,
+        # the engine ends a sample at its stop rules itself (no token past them is generated); the request's
+        # SampleText still applies them to the text, which ends before a stop string (server/text_stream.py)
+        stop=stop_strings(body), stop_token_ids=tuple(body.stop_token_ids),
     )
 
 
 def stop_strings(body: SamplingKeys) -> tuple[str, ...]:
+    """The body's stop strings; an empty one (which ends nothing in OpenAI's API) is dropped."""
     if body.stop is None:
         return ()
-    return (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+    return tuple(s for s in ((body.stop,) if isinstance(body.stop, str) else body.stop) if s)
 
 
 def chat_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[ImagePart]]:

@@ -1,8 +1,10 @@
 """One sample's response turned into text token by token, with an OpenAI request's stop rules.
 
 The daemon's online requests (the OpenAI API) stream text as it is generated and may end a sample
-at a stop string or a stop token id. The engine knows neither: it samples tokens. `SampleText` is
-fed the sample's tokens as the engine commits them and keeps
+at a stop string or a stop token id. The engine ends the sample there itself (SamplingParams.stop,
+matched on the tokens' bytes: engine/scheduling/stop_strings.py); the text is this module's.
+`SampleText` is fed the sample's tokens as the engine commits them (every step while streaming, else
+once at the end) and keeps
   - the text so far: each token's text appears once its bytes make whole characters (a byte-level
     BPE token may end inside a UTF-8 character; "\\ufffd" at the end means "wait for more");
   - where a stop rule matched: the sample ends with the token that completed the stop string (its

@@ -39,6 +39,9 @@ class Request:
     output_sampling_mask: list = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: eos, length)
+    # with params.stop: stop_strings.StopMatcher, the response's last bytes (RequestMaker sets it)
+    stop_matcher: object = None
     num_computed_tokens: int = 0
     # KV slot of every computed token, in order; the first `num_cached_tokens`
     # belong to the radix cache (locked through `cache_node`), the rest to us.
@@ -159,8 +162,12 @@ class Request:
                 self.output_top_logprobs.append(top)
             if self.params.return_sampling_mask:
                 self.output_sampling_mask.append(mask)
-        if token_id in self.params.stop_token_ids or (not self.params.ignore_eos and token_id in self.eos_token_ids):
+        if not self.params.ignore_eos and token_id in self.eos_token_ids:
             self.finish_reason = "stop"
+        elif token_id in self.params.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token_id
+        elif self.stop_matcher is not None and (matched := self.stop_matcher.push(token_id)) is not None:
+            self.finish_reason, self.stop_reason = "stop", matched
         elif len(self.output_token_ids) >= self.params.max_new_tokens or self.num_tokens >= self.max_model_len:
             self.finish_reason = "length"
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduling.request import Request
+from rollout_cli.engine.scheduling.stop_strings import StopMatcher, TokenBytes
 from rollout_cli.engine.trajectory import PartialSample, PromptInput, ScoreInput
 from rollout_cli.errors import RolloutError
 
@@ -56,11 +57,13 @@ class RequestMaker:
     assert that kills the whole engine), a sequence past --max-model-len has no KV row to live in."""
 
     def __init__(self, vocab_size: int, eos_token_ids: frozenset[int], max_model_len: int,
-                 model_positions: int | None = None):
+                 model_positions: int | None = None, tokenizer=None):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.model_positions = model_positions  # how far --max-model-len may go (None: unknown)
+        # each token's bytes, for stop strings (built on the first request that has some); None: no tokenizer
+        self.token_bytes = None if tokenizer is None else TokenBytes(tokenizer, vocab_size)
         self._ids = itertools.count()
 
     @property
@@ -81,7 +84,8 @@ class RequestMaker:
             request = Request(request_id=next(self._ids), prompt_index=prompt.prompt_index, sample_index=sample_index,
                               prompt_token_ids=list(prompt.prompt_token_ids), params=params,
                               eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                              group_leader=leader, payload=prompt.passthrough, conversation=prompt.conversation)
+                              group_leader=leader, payload=prompt.passthrough, conversation=prompt.conversation,
+                              stop_matcher=self.stop_matcher(params))
             leader = leader or request
             requests.append(request)
         return requests
@@ -105,11 +109,34 @@ class RequestMaker:
                           payload=sample.passthrough, conversation=sample.conversation, output_token_ids=response,
                           output_logprobs=list(sample.response_logprobs),
                           output_top_logprobs=[None] * len(response) if params.top_logprobs else [],
-                          output_sampling_mask=self._carried_masks(sample, params, where))
+                          output_sampling_mask=self._carried_masks(sample, params, where),
+                          stop_matcher=self.stop_matcher(params, response))
         for i, version in enumerate(sample.response_weight_versions):
             if not request.version_spans or request.version_spans[-1][1] != version:
                 request.version_spans.append((i, version))
         return request
+
+    def stop_matcher(self, params: SamplingParams, response: Sequence[int] = ()) -> StopMatcher | None:
+        """A new sample's stop-string matcher (None without params.stop), having read `response` (a
+        continued sample's tokens so far) as context."""
+        if not params.stop:
+            return None
+        if self.token_bytes is None:
+            raise RolloutError("stop strings (--stop) are matched on the tokens' text, and this checkpoint has no "
+                               "tokenizer files; add them, or pass --stop-token-ids")
+        return self.token_bytes.matcher(params.stop, response)
+
+    def finish_of(self, token_ids: Sequence[int], params: SamplingParams) -> str:
+        """How a sample with these response tokens ended if it ended at its last token: "stop" where that token
+        meets a stop rule (eos unless ignore_eos, a stop token id, the completion of a stop string: append_token's
+        rules), else "length". Replaying a finished model turn of an episode (episodes.py) needs it."""
+        last = token_ids[-1] if token_ids else None
+        if last is None:
+            return "length"
+        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+            return "stop"
+        matcher = self.stop_matcher(params, token_ids[:-1])
+        return "stop" if matcher is not None and matcher.push(last) is not None else "length"
 
     @staticmethod
     def _carried_masks(sample: PartialSample, params: SamplingParams, where: str) -> list:
