@@ -4,7 +4,9 @@ Same contract as `gated_delta_rule.chunk_gated_delta_rule_varlen_ref`: several
 sequences packed in one flat batch (rows cu_seqlens[b]:cu_seqlens[b+1]), each
 starting from its slot of ssm_states [S, Hv, dk, dv] (float32, updated in place),
 q/k L2-normalised in the kernels (`use_qk_l2norm`), q scaled by dk^-0.5, key
-head h // (Hv // Hk) serving value head h, all math in float32.
+head h // (Hv // Hk) serving value head h. Float32 inputs: all math in float32. Half-precision
+inputs: the intermediates in their dtype by default (`lowp_intermediates`, reference
+`chunk_gated_delta_rule_lowp_ref.py`); the running and final states stay float32.
 
 This module checks the inputs, plans the chunks and launches the four kernels of
 `chunk_gated_delta_rule_kernels.py` (the chunked math is in its docstring); kernels 1
@@ -99,8 +101,8 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     tuning (for the benchmark's sweeps; None: the defaults below) may set inv_precision ("ieee" or
     "tf32x3"), warps (every kernel), state_warps, block_v (state and output kernels), sub_block (SB),
     batched_diag (the inverse's diagonal blocks as batched dots; needs SB >= 16 on the GPU),
-    lowp_intermediates (half-precision inputs only: w, u / v_new and the chunk-start states in the
-    inputs' dtype, dots on those operands; chunk_gated_delta_rule_lowp_ref is its reference)."""
+    lowp_intermediates (half-precision inputs only, on by default: w, u / v_new and the chunk-start states
+    in the inputs' dtype, dots on those operands; chunk_gated_delta_rule_lowp_ref is its reference)."""
     assert triton is not None, "chunk_gated_delta_rule_varlen needs triton"
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
@@ -126,16 +128,21 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     num_chunks = starts.shape[0]
     BT, BK = chunk_size, max(16, triton.next_power_of_2(dk))
     knobs = tuning or {}
-    BV = knobs.get("block_v", min(max(16, triton.next_power_of_2(dv)), 64))
     precision = "ieee" if v.dtype == torch.float32 else "tf32"
-    # bf16/fp16 inputs: the inverse on tensor cores (tf32x3) with 4 warps per program: 6.0 -> 3.5 ms at
-    # 4 x 4096 tokens on the H200 (scripts/bench_gdn_vs_fla.py), 1e-4 from the "ieee" output; float32
-    # inputs (the CPU reference runs) keep full float32 with 8 warps at dk 128
+    # bf16/fp16 inputs take the half-precision intermediates by default (flash-linear-attention's precision,
+    # docs/gdn_bf16_intermediates.md: acceptable for the default mode; the on-policy mode prefills with the
+    # recurrent kernel instead), the inverse in one tf32 pass (it is rounded to bf16 after), 128-wide
+    # value blocks and 8 warps for the state walk: 2,896 -> 1,276 us at 4 x 4096 tokens, 883 -> 471 us at
+    # 16 x 256 on the H200 (scripts/bench_gdn_vs_fla.py, session 32). With lowp_intermediates False: float32
+    # intermediates, tf32 dots, the inverse in tf32x3, 4 warps. Float32 inputs (the CPU reference runs)
+    # keep full float32 with 8 warps at dk 128.
     low_precision = v.dtype != torch.float32
-    inv_precision = knobs.get("inv_precision", "tf32x3" if low_precision else "ieee")
+    lowp_default = low_precision and knobs.get("lowp_intermediates", True)
+    inv_precision = knobs.get("inv_precision", "tf32" if lowp_default else "tf32x3" if low_precision else "ieee")
     warps = knobs.get("warps", 4 if low_precision or BK < 128 else 8)
-    state_warps = knobs.get("state_warps", warps)
-    lowp = bool(knobs.get("lowp_intermediates", False)) and low_precision
+    state_warps = knobs.get("state_warps", 8 if lowp_default else warps)
+    BV = knobs.get("block_v", min(max(16, triton.next_power_of_2(dv)), 128 if lowp_default else 64))
+    lowp = bool(knobs.get("lowp_intermediates", True)) and low_precision
     inter = v.dtype if lowp else torch.float32  # w, u / v_new and the chunk-start states
     common = dict(GROUP=Hv // Hk, BT=BT, BK=BK, L2NORM=use_qk_l2norm, DOT_PRECISION=precision, LOWP=lowp)
     gcum = torch.empty((T, Hv), dtype=torch.float32, device=device)

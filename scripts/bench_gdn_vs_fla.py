@@ -78,9 +78,9 @@ def prefill_row(seqs: int, seq_len: int) -> dict:
 
 
 LOWP = {"lowp_intermediates": True}  # w, u, v_new and the chunk-start states in bf16 (issue 25 item 5)
-TUNINGS = ({}, {"warps": 8}, {"block_v": 32}, LOWP, {**LOWP, "inv_precision": "tf32"}, {**LOWP, "block_v": 32},
-           {**LOWP, "block_v": 128}, {**LOWP, "warps": 8}, {**LOWP, "state_warps": 8},
-           {**LOWP, "inv_precision": "tf32", "block_v": 32}, {**LOWP, "sub_block": 32})
+TUNINGS = ({}, LOWP, {**LOWP, "inv_precision": "tf32"}, {**LOWP, "inv_precision": "tf32", "block_v": 128},
+           {**LOWP, "inv_precision": "tf32", "state_warps": 8},
+           {**LOWP, "inv_precision": "tf32", "block_v": 128, "state_warps": 8})
 
 
 def tuning_rows(seqs: int, seq_len: int) -> list[dict]:
