@@ -23,7 +23,8 @@
 # long-tailed with carry-over, 256 ten-turn episodes), fp8kvtests (FP8 KV cache kernels' GPU tests, decode
 # attention over an e4m3 pool against bf16), reason8 / reason06 (issue 25's long-output workload: 1024 in,
 # U[1024, 16384] out; preemptions, recomputed tokens, peak batch, the last 10%'s time), pace (admission pacing against
-# --no-admission-pacing, ABBA, on 1,024 mixed-length requests through 256 seats: finishes staggered), controlfp8 (control, FP8 weights: reloads re-quantize), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
+# --no-admission-pacing, ABBA, on 1,024 mixed-length requests through 256 seats: finishes staggered), controlfp8 (control, FP8 weights: reloads re-quantize; run it with control in one call), kvsweep (decode attention's stage-1
+# tiles over bf16 and e4m3 pools at the 8B's heads: which tile each pool dtype wants), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
 # modes, HF bf16 teacher forcing), fidelitymoe / fidelitynext (the same table on 4 layers of the 30B-A3B / Qwen3-Next
 # shapes, dummy weights, no HF; fidelitynext32: the Next slice in float32), fp8price06 / fp8pricemoe / fp8pricenext (issue 20's price in
 # fidelity per model family: FP8 weights, KV cache, both, scored in bf16; random weights, 4 layers of the MoE / Next), recipe06 (recipes/grpo_loop.sh --deterministic on a random Qwen3-0.6B-shaped
@@ -145,6 +146,13 @@ for kv in (None, torch.float8_e4m3fn):
     for batch, ctx in ((256, 1024), (256, 4096), (64, 8192)):
         r = b(batch=batch, context=ctx, num_heads=32, num_kv_heads=8, kv_dtype=kv, num_kv_splits=1 if batch == 256 else 4, hbm_bytes_per_s=4.8e12)
         print(r['kv_dtype'], batch, ctx, round(r['time_us'], 1), 'us', round(r['hbm_fraction'], 3))" 2>&1 | tee "$OUT/fp8kv_decode.log" ;;
+    kvsweep) python3 -c "import torch; from rollout_kernels.decode_attention import benchmark_decode_attention as b
+for kv in (None, torch.float8_e4m3fn):  # the 8B's heads; stage 1 tiles for each pool dtype (issue 20: e4m3 ran at ~50% of its limit)
+    for batch, ctx in ((256, 512), (256, 3072), (64, 8192)):
+        for cfg in ((64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 4, 4), (128, 4, 4), (256, 8, 3)):
+            r = b(batch=batch, context=ctx, num_heads=32, num_kv_heads=8, kv_dtype=kv, num_kv_splits=1 if batch == 256 else 4,
+                  hbm_bytes_per_s=4.8e12, stage1_config=cfg)
+            print(r['kv_dtype'], batch, ctx, cfg, round(r['time_us'], 1), 'us', round(r['hbm_fraction'], 3))" 2>&1 | tee "$OUT/kvsweep.log" ;;
     fp8kv8) bench b8_long_bf16kv 280 --model $Q8 --num-prompts 256 --input-len 1024 --output-len 4096
            bench b8_long_fp8kv 280 --model $Q8 --num-prompts 256 --input-len 1024 --output-len 4096 --kv-cache-dtype fp8 ;;
     reason8|reason06) model=$Q8; [ $part = reason06 ] && model=$Q06  # issue 25's long reasoning outputs
