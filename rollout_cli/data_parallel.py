@@ -28,6 +28,11 @@ from rollout_cli.errors import INTERRUPTED, RolloutError
 # (a file per rank, cli/errors.fail) and the launcher prints each distinct one once, instead of N
 # replicas printing the same bad row N times.
 REPLICA_ERRORS_ENV = "ROLLOUT_REPLICA_ERRORS"
+# A tensor-parallel rank that left because another rank failed first exits with PEER_FAILED, silently;
+# the rank that failed first writes its exit code into CLAIMED_EXIT_FILE of that folder: the code the
+# launcher returns, whichever exit torchrun saw first (cli/rank_failure.py)
+PEER_FAILED = 3
+CLAIMED_EXIT_FILE = "claimed_exit_code"
 
 
 @dataclass(frozen=True)
@@ -135,20 +140,28 @@ def launch_replicas(count: int, run_args: list[str], what: str = "data-parallel 
         return 128 + int(err.sigval)
     except Exception as err:  # torch's ChildFailedError
         failures = getattr(err, "failures", None) or {}
-        # the failing replica's code, not a sibling's that the launcher stopped then (130, or -15: SIGTERM)
-        codes = sorted({f.exitcode for f in failures.values()})
-        codes = [c for c in codes if c > 0 and c != 130] or [c for c in codes if c > 0] or [1]
+        code = _failing_code([f.exitcode for f in failures.values()], errors)
         messages = replica_errors(errors)
         for message in messages:  # the replicas' own one-line errors (a bad row: the same line from each)
             print(f"error: {message}", file=sys.stderr)
         if not messages:  # a crash: its traceback is above
             hint = " Finished rows are kept: fix the cause and run again with --resume" if command == "run" else ""
-            print(f"error: a {what} failed (exit {codes[0]}); its error is above.{hint}", file=sys.stderr)
-        return codes[0]
+            print(f"error: a {what} failed (exit {code}); its error is above.{hint}", file=sys.stderr)
+        return code
     finally:
         os.environ.pop(REPLICA_ERRORS_ENV, None)
         shutil.rmtree(errors, ignore_errors=True)
     return 0
+
+
+def _failing_code(codes: list[int], folder: str) -> int:
+    """The command's exit code: the claimed one (the rank that failed first), else the failing processes'
+    own, not that of a peer that left after it (PEER_FAILED) or that the launcher stopped (130, or -15)."""
+    claimed = Path(folder) / CLAIMED_EXIT_FILE
+    if claimed.is_file():
+        return int(claimed.read_text())
+    codes = sorted({c for c in codes if c != PEER_FAILED})
+    return ([c for c in codes if c > 0 and c != 130] or [c for c in codes if c > 0] or [1])[0]
 
 
 def replica_errors(folder: str) -> list[str]:

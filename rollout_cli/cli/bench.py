@@ -12,6 +12,7 @@ from rich.table import Table
 
 from rollout_cli.cli import options as opt
 from rollout_cli.cli.errors import user_errors
+from rollout_cli.cli.rank_failure import rank_failures
 from rollout_cli.cli.tensor_parallel_run import exit_rank, follow_leader, is_rank, launch_ranks, leading, rank_config
 from rollout_cli.errors import RolloutError
 from rollout_cli.process_gc import freeze_long_lived_objects
@@ -69,7 +70,7 @@ def bench_command(
     from rollout_cli.models.build import load_model_config, resolve_device, resolve_dtype
 
     console = Console()
-    with user_errors():
+    with user_errors(), rank_failures():  # rank_failures: a no-op in the command typed
         _check_json_path(json_path)  # before the model loads: the report is written only after the whole run
         cfg = BenchConfig(num_prompts=num_prompts, input_len=input_len, output_len=output_len,
                           input_len_range=input_len_range, output_len_range=output_len_range, n=n,

@@ -18,21 +18,26 @@ EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 
 
-def _launcher_folder() -> str | None:
+def launcher_folder() -> str | None:
     """In a process that `rollout run --dp N` (or --tp N) started: the folder its launcher reads errors from."""
     folder, rank = os.environ.get(REPLICA_ERRORS_ENV), os.environ.get("RANK")
     return folder if folder and rank is not None and os.path.isdir(folder) else None
 
 
-def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
-    """One line on stderr and exit `code`; in a process a launcher started, the line goes to the launcher,
-    which prints each distinct one once (data_parallel.launch_replicas)."""
-    folder = _launcher_folder()
+def say(message: str) -> None:
+    """One line on stderr; in a process a launcher started, the line goes to the launcher, which prints
+    each distinct one once (data_parallel.launch_replicas)."""
+    folder = launcher_folder()
     if folder is not None:
         with open(os.path.join(folder, f"{int(os.environ['RANK'])}.txt"), "w") as handle:
             handle.write(message)
     else:
         typer.echo(f"error: {message}", err=True)
+
+
+def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
+    """One line on stderr (`say`) and exit `code`."""
+    say(message)
     raise typer.Exit(code)
 
 
@@ -61,7 +66,7 @@ def user_errors():
     except RolloutError as err:
         fail(str(err))
     except KeyboardInterrupt:
-        if _launcher_folder() is None:  # a launcher's processes: it says this once (a sibling's failure stops them too)
+        if launcher_folder() is None:  # a launcher's processes: it says this once (a sibling's failure stops them too)
             typer.echo(INTERRUPTED, err=True)
         raise typer.Exit(EXIT_INTERRUPTED)
     finally:

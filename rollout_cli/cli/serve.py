@@ -9,6 +9,7 @@ import typer
 
 from rollout_cli.cli import options as opt
 from rollout_cli.cli.errors import fail
+from rollout_cli.cli.rank_failure import closing_files, rank_failures
 from rollout_cli.cli.tensor_parallel_run import follow_leader, is_rank, launch_ranks, rank_config
 from rollout_cli.engine.scheduling.sessions import DEFAULT_RETENTION_SECONDS
 from rollout_cli.errors import RolloutError
@@ -46,21 +47,25 @@ def serve_command(
     from rollout_cli.models.build import load_model_config  # heavy: torch
 
     try:
-        _check_port(port)  # before the model loads and --tp starts ranks
-        engine_config = dataclasses.replace(opt.engine_config(model=model, **engine_options),
-                                            weights_cpu_backup=weights_cpu_backup)
-        hf_config = load_model_config(engine_config.model)  # a bad --model fails here, before the socket is claimed
-        if host is None and port is None and socket is None:
-            socket = default_socket_path()
-        if tp != 1:
-            engine_config = _tensor_parallel_rank(engine_config, hf_config, tp, socket)
-            if engine_config is None:
-                raise typer.Exit(0)  # a follower: rank 0 served and stopped it
-        code = serve(engine_config, socket, host, port, token_file, max_request_bytes=max_request_bytes,
-                     served_model_name=served_model_name, session_retention_seconds=session_retention_seconds)
+        with rank_failures():  # a no-op in the command typed; in a rank, inside: it sees the RolloutError
+            _check_port(port)  # before the model loads and --tp starts ranks
+            engine_config = dataclasses.replace(opt.engine_config(model=model, **engine_options),
+                                                weights_cpu_backup=weights_cpu_backup)
+            hf_config = load_model_config(engine_config.model)  # a bad --model fails here, before the socket is claimed
+            if host is None and port is None and socket is None:
+                socket = default_socket_path()
+            if tp != 1:
+                engine_config = _tensor_parallel_rank(engine_config, hf_config, tp, socket)
+                if engine_config is None:
+                    raise typer.Exit(0)  # a follower: rank 0 served and stopped it
+            with closing_files():  # rank 0 of --tp: a follower's failure leaves the daemon's jobs to close first
+                code = serve(engine_config, socket, host, port, token_file, max_request_bytes=max_request_bytes,
+                             served_model_name=served_model_name,
+                             session_retention_seconds=session_retention_seconds)
+            # in rank_failures: a daemon that failed (its engine did not load: said already) ends the followers
+            raise typer.Exit(code)
     except RolloutError as err:
         fail(str(err))
-    raise typer.Exit(code)
 
 
 def _check_port(port: int | None) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 import signal
 import sys
@@ -21,6 +20,7 @@ from rollout_cli.cli import options as opt
 from rollout_cli.cli.display import RunProgressBar, run_summary_table
 from rollout_cli.cli.embedded_run import load_engine
 from rollout_cli.cli.errors import user_errors
+from rollout_cli.cli.rank_failure import closing_files, exit_process, rank_failures, watching
 from rollout_cli.data_parallel import ReplicaGroup, launch_replicas, replica_device
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.errors import RolloutError
@@ -58,14 +58,16 @@ def rank_config(config, tp: int, command: str | None = None):
 def follow_leader(config, daemon: bool = False) -> None:
     """A rank other than 0: build its shard of the engine, then follow rank 0 until it sends stop.
 
-    Under a daemon (serve) SIGINT and SIGTERM are left to rank 0, which ends the job, answers its
-    clients and then stops the followers; a follower dies on its own only if rank 0 disappears."""
+    SIGINT and SIGTERM (torchrun passes them to every rank) are left to rank 0, which ends the job (and a
+    daemon's clients) and then stops the followers: under a daemon (serve), and wherever rank_failures
+    watches (the follower leaves on rank 0's claim; rank_failure's docstring). On an error under
+    rank_failures the follower leaves with no collective: rank 0 may be gone, or waiting in the forward's
+    all-reduce for this rank."""
     # heavy: torch and the model code
     from rollout_cli.engine.engine import Engine
     from rollout_cli.engine.tensor_parallel import follow
-    from rollout_cli.models.tensor_parallel import close_tensor_parallel
 
-    if daemon:
+    if daemon or watching():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
     engine = None
@@ -73,33 +75,45 @@ def follow_leader(config, daemon: bool = False) -> None:
         engine = Engine(config)
         freeze_long_lived_objects()
         follow(engine)
-    finally:
-        if engine is not None:
-            engine.control.close()  # this rank's weight update groups, then the process group
-        else:
-            close_tensor_parallel()
+    except BaseException:
+        if not watching():  # watched, the other ranks learn it from this rank's claim, with no collective
+            _leave_group(engine)
+        raise
+    _leave_group(engine)
     exit_rank()
+
+
+def _leave_group(engine) -> None:
+    """This rank's weight update groups, then the process group (also when its engine was never built)."""
+    from rollout_cli.models.tensor_parallel import close_tensor_parallel  # heavy: torch
+
+    if engine is not None:
+        engine.control.close()
+    else:
+        close_tensor_parallel()
 
 
 def exit_rank() -> None:
     """End a rank's process once its work is done and its files are closed, skipping interpreter
-    finalization: gloo's worker threads can still hold tensors then, and freeing them without a live
-    interpreter aborts the process ("terminate called without an active exception", exit -6; seen in CI
-    on a follower after a weight-update group was used, and on rank 0 of `run --tp 2` on a loaded
-    machine), which torch.distributed.run reports as a failed command."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finalization (rank_failure.exit_process; seen in CI on a follower after a weight-update group was
+    used, and on rank 0 of `run --tp 2` on a loaded machine: exit -6, which torch.distributed.run
+    reports as a failed command)."""
+    exit_process(0)
 
 
 @contextlib.contextmanager
 def leading(engine):
-    """Rank 0's engine for the length of the command: the followers are released at the end, also on errors."""
-    try:
-        yield engine
-    finally:
-        engine.control.close()
+    """Rank 0's engine for the length of the command: the followers are released at the end. On an error
+    under rank_failures, they leave when it claims the failure: a "stop" sent now could wait forever
+    (a follower stuck in the forward's all-reduce, or gone)."""
+    with closing_files():
+        try:
+            yield engine
+        except BaseException:
+            if not watching():
+                engine.control.close()
+            raise
+    engine.control.close()
 
 
 def tensor_parallel_run(job_fields: dict, params: SamplingParams, quiet: bool, *, model: str, engine_options: dict,
@@ -111,7 +125,7 @@ def tensor_parallel_run(job_fields: dict, params: SamplingParams, quiet: bool, *
     from rollout_cli.models.build import load_model_config  # heavy: torch
     from rollout_cli.models.tensor_parallel_support import check_tensor_parallel  # heavy: torch
 
-    with user_errors():
+    with user_errors(), rank_failures():  # rank_failures: a no-op in the command typed
         job = JobConfig(**job_fields)
         if not is_rank():
             check_job_inputs(job)  # before a hub id is downloaded
