@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rollout_cli import Engine, SamplingParams
+from rollout_cli.engine.multimodal import ImageInput
 from rollout_cli.engine.trajectory import PromptInput
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -69,8 +70,6 @@ def test_graph_replay_equals_eager_decode_bfloat16(vlm):
 def test_pinned_image_rows_give_the_same_samples(vlm):
     """Rows in page-locked memory (what a CUDA engine's prompt reader makes, ImageInput.of(pin=True)):
     the same digest, and the tower's asynchronous copies give the same tokens and logprobs."""
-    from rollout_cli.engine.multimodal import ImageInput
-
     model_dir, prompts = vlm
     pinned = []
     for ids, images in prompts:
