@@ -137,12 +137,11 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     # intermediates, tf32 dots, the inverse in tf32x3, 4 warps. Float32 inputs (the CPU reference runs)
     # keep full float32 with 8 warps at dk 128.
     low_precision = v.dtype != torch.float32
-    lowp_default = low_precision and knobs.get("lowp_intermediates", True)
-    inv_precision = knobs.get("inv_precision", "tf32" if lowp_default else "tf32x3" if low_precision else "ieee")
+    lowp = low_precision and bool(knobs.get("lowp_intermediates", True))
+    inv_precision = knobs.get("inv_precision", "tf32" if lowp else "tf32x3" if low_precision else "ieee")
     warps = knobs.get("warps", 4 if low_precision or BK < 128 else 8)
-    state_warps = knobs.get("state_warps", 8 if lowp_default else warps)
-    BV = knobs.get("block_v", min(max(16, triton.next_power_of_2(dv)), 128 if lowp_default else 64))
-    lowp = bool(knobs.get("lowp_intermediates", True)) and low_precision
+    state_warps = knobs.get("state_warps", 8 if lowp else warps)
+    BV = knobs.get("block_v", min(max(16, triton.next_power_of_2(dv)), 128 if lowp else 64))
     inter = v.dtype if lowp else torch.float32  # w, u / v_new and the chunk-start states
     common = dict(GROUP=Hv // Hk, BT=BT, BK=BK, L2NORM=use_qk_l2norm, DOT_PRECISION=precision, LOWP=lowp)
     gcum = torch.empty((T, Hv), dtype=torch.float32, device=device)
