@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_fp8_ref import check_pool_dtype, from_pool_ref
+from .kv_fp8_ref import KV_FP8_DTYPE, check_pool_dtype, from_pool_ref
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -36,7 +36,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @triton.jit
 def _decode_attention_stage1_kernel(
-    Q, K, V, ReqToToken, Rows, SeqLens, MidO, MidLse, Out,
+    Q, K, V, ReqToToken, Rows, SeqLens, KeyStarts, MidO, MidLse, Out,
     sm_scale_log2,  # softmax scale * k_scale * log2(e): the kernel works in base 2
     v_scale,  # an FP8 pool's v scale (1.0 otherwise): the output is sum(p * v_pool) * v_scale
     stride_qb, stride_qh,
@@ -47,7 +47,8 @@ def _decode_attention_stage1_kernel(
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr = False,
+    HAS_KEY_STARTS: tl.constexpr = False, SPLIT_BASE: tl.constexpr = 0,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -55,8 +56,11 @@ def _decode_attention_stage1_kernel(
 
     seq_len = tl.load(SeqLens + b)
     row = tl.load(Rows + b).to(tl.int64)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
+    key_start = 0
+    if HAS_KEY_STARTS:  # keys [0, key_start) are another kernel's (kernels/shared_prefix_decode_attention.py)
+        key_start = tl.load(KeyStarts + b)
+    split_len = tl.cdiv(tl.maximum(seq_len - key_start, 0), NUM_SPLITS)
+    start = key_start + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -65,6 +69,8 @@ def _decode_attention_stage1_kernel(
     offs_d = tl.arange(0, D)
     q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None], other=0.0)  # [BLOCK_H, D]
+    if F16_DOTS:  # e4m3 pool: e4m3 -> f16 is one conversion per 2 values, e4m3 -> bf16 goes through f16 and f32
+        q = q.to(tl.float16)
 
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
@@ -77,7 +83,7 @@ def _decode_attention_stage1_kernel(
         mask_n = offs_n < end
         slots = tl.load(rt_base + offs_n, mask=mask_n, other=0).to(tl.int64)  # [BLOCK_N]
         k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0).to(Q.dtype.element_ty)  # [BLOCK_N, D] (e4m3 -> q's: exact)
+                    mask=mask_n[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D] (e4m3 -> q's: exact)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -85,19 +91,19 @@ def _decode_attention_stage1_kernel(
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0).to(Q.dtype.element_ty)  # [BLOCK_N, D]
+                    mask=mask_n[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:  # the whole sequence: normalise and store the output (seq_len 0: zeros)
+    if NUM_SPLITS == 1 and not HAS_KEY_STARTS:  # the whole sequence: normalise, store the output (seq_len 0: zeros)
         out = tl.where(l_i[:, None] > 0.0, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale, 0.0)
         tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_h[:, None])
         return
-    mid_lse = MidLse + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split
+    mid_lse = MidLse + b.to(tl.int64) * stride_mlb + heads * stride_mlh + SPLIT_BASE + split
     if end > start:
         mid_o = (MidO + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh
-                 + split * stride_mos + offs_d[None, :])
+                 + (SPLIT_BASE + split) * stride_mos + offs_d[None, :])
         tl.store(mid_o, acc / l_i[:, None] * v_scale, mask=mask_h[:, None])
         tl.store(mid_lse, m_i + tl.math.log2(l_i), mask=mask_h)
     else:  # empty split (seq_len < num_kv_splits): stage 2 skips it
@@ -161,8 +167,8 @@ def _check_common(q, k_pool, v_pool, req_to_token, rows, seq_lens):
     return _check_pool(q, k_pool, v_pool, req_to_token, rows, seq_lens)
 
 
-def _decode_config(dtype, head_dim: int) -> tuple[int, int, int]:
-    """Stage 1 BLOCK_N, num_warps, num_stages."""
+def _decode_config(dtype, head_dim: int, kv_dtype=None) -> tuple[int, int, int]:
+    """Stage 1 BLOCK_N, num_warps, num_stages for q's dtype and the pool's (`kv_dtype`, default q's)."""
     # H200, batch 64 x 4096 keys, 16/8 heads, D 128, bf16: 64/4/3 reads at ~93% of copy bandwidth
     # (64/4/2: 83%, 64/4/1: 73%; 128/4/2 and 32/2/3 are as good). Decode is memory bound.
     if dtype == torch.float32:
@@ -170,10 +176,17 @@ def _decode_config(dtype, head_dim: int) -> tuple[int, int, int]:
     return 64, 4, 3
 
 
+def _f16_dots(dtype, kv_dtype) -> bool:
+    """Whether stage 1 takes its dots in fp16 (q, k, v and p cast to fp16, float32 sums): for a bf16 model
+    reading an e4m3 pool, where e4m3 -> f16 is a single conversion and e4m3 -> bf16 is not. Exact for the
+    pool (every e4m3 value is an f16); q and p get f16's 10 mantissa bits, more than bf16's 7."""
+    return dtype == torch.bfloat16 and kv_dtype == KV_FP8_DTYPE
+
+
 def decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: float,
                      num_kv_splits: int = 16, out: torch.Tensor | None = None,
                      stage1_config: tuple[int, int, int] | None = None,
-                     k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                     k_scale: float = 1.0, v_scale: float = 1.0, f16_dots: bool | None = None) -> torch.Tensor:
     """Attention of one new token per request over its keys [0, seq_len) in the pool.
 
     q [B, H, D] (any strides with a contiguous last dim, e.g. a slice of qkv);
@@ -181,7 +194,8 @@ def decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: flo
     (kernels/kv_store.py); req_to_token [max_rows, max_len] int32;
     rows [B] int32/int64: table row of each request; seq_lens [B] int32 (>= 1;
     0 gives zeros). Returns out [B, H, D] in q.dtype (written into `out` if given).
-    `stage1_config` (BLOCK_N, num_warps, num_stages) overrides `_decode_config` (benchmark sweeps).
+    `stage1_config` (BLOCK_N, num_warps, num_stages) overrides `_decode_config` and `f16_dots`
+    `_f16_dots` (benchmark sweeps).
     """
     assert q.dim() == 3, f"q {tuple(q.shape)}: want [batch, num_heads, head_dim]"
     num_heads, num_kv_heads, head_dim = _check_common(q, k_pool, v_pool, req_to_token, rows, seq_lens)
@@ -196,14 +210,15 @@ def decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: flo
 
     group = num_heads // num_kv_heads
     block_h = max(16, triton.next_power_of_2(group))
-    block_n, num_warps, num_stages = stage1_config or _decode_config(q.dtype, head_dim)
+    block_n, num_warps, num_stages = stage1_config or _decode_config(q.dtype, head_dim, k_pool.dtype)
+    f16_dots = _f16_dots(q.dtype, k_pool.dtype) if f16_dots is None else f16_dots
     # scratch sized from shapes only: fine under CUDA graph capture (one split: unused, one element)
     parts = (batch, num_heads, num_kv_splits) if num_kv_splits > 1 else (1, 1, 1)
     mid_o = torch.empty((*parts, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
 
     _decode_attention_stage1_kernel[(batch, num_kv_heads, num_kv_splits)](
-        q, k_pool, v_pool, req_to_token, rows, seq_lens, mid_o, mid_lse, out,
+        q, k_pool, v_pool, req_to_token, rows, seq_lens, seq_lens, mid_o, mid_lse, out,
         scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
@@ -213,7 +228,7 @@ def decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: flo
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         G=group, BLOCK_H=block_h, D=head_dim, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", F16_DOTS=f16_dots,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_kv_splits == 1:
@@ -248,7 +263,8 @@ def decode_attention_ref(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale:
 def benchmark_decode_attention(batch: int = 64, context: int = 4096, num_heads: int = 16, num_kv_heads: int = 8,
                                head_dim: int = 128, dtype=torch.bfloat16, num_kv_splits: int = 16,
                                hbm_bytes_per_s: float | None = None,
-                               stage1_config: tuple[int, int, int] | None = None, kv_dtype=None) -> dict:
+                               stage1_config: tuple[int, int, int] | None = None, kv_dtype=None,
+                               f16_dots: bool | None = None) -> dict:
     """Time decode_attention on CUDA (triton.testing.do_bench, median) for one decode step.
 
     Every request has `context` keys in scattered slots (a random permutation of
@@ -272,7 +288,7 @@ def benchmark_decode_attention(batch: int = 64, context: int = 4096, num_heads: 
 
     def step():
         decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale, num_kv_splits, out=out,
-                         stage1_config=stage1_config)
+                         stage1_config=stage1_config, f16_dots=f16_dots)
 
     step()
     seconds = triton.testing.do_bench(step, return_mode="median") * 1e-3
@@ -283,7 +299,8 @@ def benchmark_decode_attention(batch: int = 64, context: int = 4096, num_heads: 
         "batch": batch, "context": context, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
         "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."), "num_kv_splits": num_kv_splits,
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
-        "stage1_config": list(stage1_config or _decode_config(dtype, head_dim)),
+        "stage1_config": list(stage1_config or _decode_config(dtype, head_dim, kv_dtype)),
+        "f16_dots": _f16_dots(dtype, kv_dtype) if f16_dots is None else f16_dots,
         "time_us": seconds * 1e6, "bytes": total, "gb_per_s": total / seconds / 1e9,
     }
     if hbm_bytes_per_s is not None:

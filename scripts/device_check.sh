@@ -23,8 +23,9 @@
 # long-tailed with carry-over, 256 ten-turn episodes), fp8kvtests (FP8 KV cache kernels' GPU tests, decode
 # attention over an e4m3 pool against bf16), reason8 / reason06 (issue 25's long-output workload: 1024 in,
 # U[1024, 16384] out; preemptions, recomputed tokens, peak batch, the last 10%'s time), pace (admission pacing against
-# --no-admission-pacing, ABBA, on 1,024 mixed-length requests through 256 seats: finishes staggered), controlfp8 (control, FP8 weights: reloads re-quantize; run it with control in one call), kvsweep (decode attention's stage-1
-# tiles over bf16 and e4m3 pools at the 8B's heads: which tile each pool dtype wants), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
+# --no-admission-pacing, ABBA, on 1,024 mixed-length requests through 256 seats: finishes staggered), controlfp8 (control, FP8 weights: reloads re-quantize; run it with control in one call), cascade (issue 25 item 1: decode attention reading a GRPO group's shared prompt once, against plain decode,
+# kernel alone, GPU tests first), kvsweep (decode attention's stage-1
+# tiles over bf16 and e4m3 pools at the 8B's heads, e4m3 with q-dtype and fp16 dots: which tile each pool dtype wants), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
 # modes, HF bf16 teacher forcing), fidelitymoe / fidelitynext (the same table on 4 layers of the 30B-A3B / Qwen3-Next
 # shapes, dummy weights, no HF; fidelitynext32: the Next slice in float32), fp8price06 / fp8pricemoe / fp8pricenext (issue 20's price in
 # fidelity per model family: FP8 weights, KV cache, both, scored in bf16; random weights, 4 layers of the MoE / Next), recipe06 (recipes/grpo_loop.sh --deterministic on a random Qwen3-0.6B-shaped
@@ -147,12 +148,26 @@ for kv in (None, torch.float8_e4m3fn):
         r = b(batch=batch, context=ctx, num_heads=32, num_kv_heads=8, kv_dtype=kv, num_kv_splits=1 if batch == 256 else 4, hbm_bytes_per_s=4.8e12)
         print(r['kv_dtype'], batch, ctx, round(r['time_us'], 1), 'us', round(r['hbm_fraction'], 3))" 2>&1 | tee "$OUT/fp8kv_decode.log" ;;
     kvsweep) python3 -c "import torch; from rollout_kernels.decode_attention import benchmark_decode_attention as b
-for kv in (None, torch.float8_e4m3fn):  # the 8B's heads; stage 1 tiles for each pool dtype (issue 20: e4m3 ran at ~50% of its limit)
-    for batch, ctx in ((256, 512), (256, 3072), (64, 8192)):
-        for cfg in ((64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 4, 4), (128, 4, 4), (256, 8, 3)):
+hbm = 4.8e12 if 'H200' in torch.cuda.get_device_name() else 3.35e12
+for kv, f16 in ((None, False), (torch.float8_e4m3fn, False), (torch.float8_e4m3fn, True)):  # f16: e4m3 -> f16 dots
+    for batch, ctx in ((256, 3072), (64, 8192)):  # the 8B's heads; issue 20: e4m3 ran at ~50% of its limit
+        for cfg in ((64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 8, 4)):
             r = b(batch=batch, context=ctx, num_heads=32, num_kv_heads=8, kv_dtype=kv, num_kv_splits=1 if batch == 256 else 4,
-                  hbm_bytes_per_s=4.8e12, stage1_config=cfg)
-            print(r['kv_dtype'], batch, ctx, cfg, round(r['time_us'], 1), 'us', round(r['hbm_fraction'], 3))" 2>&1 | tee "$OUT/kvsweep.log" ;;
+                  hbm_bytes_per_s=hbm, stage1_config=cfg, f16_dots=f16)
+            print(r['kv_dtype'], 'f16' if f16 else 'q', batch, ctx, cfg, round(r['time_us'], 1), 'us', round(r['hbm_fraction'], 3))" 2>&1 | tee "$OUT/kvsweep.log" ;;
+    cascade) timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_shared_prefix_decode_attention.py 2>&1 \
+               | tee "$OUT/gpu_cascade_tests.log" | grep -E "^FAILED|passed|failed" | tail -4
+           python3 -c "import torch; from rollout_kernels.shared_prefix_decode_attention import benchmark_shared_prefix as b
+hbm = 4.8e12 if 'H200' in torch.cuda.get_device_name() else 3.35e12
+for heads in (16, 32):  # the 0.6B's and the 8B's heads, 8 kv heads; GRPO: 16 groups of n 16, 512-token prompts
+    for kv in (None, torch.float8_e4m3fn):
+        for suffix in (64, 512, 1024):
+            for ps in (2, 4):
+                r = b(num_groups=16, group_size=16, prefix_len=512, suffix_len=suffix, num_heads=heads, num_kv_heads=8,
+                      kv_dtype=kv, prefix_splits=ps, hbm_bytes_per_s=hbm)
+                print(heads, r['kv_dtype'], 'suffix', suffix, 'prefix splits', ps, 'plain', round(r['plain_us'], 1),
+                      'us', round(r['plain_fraction'], 3), 'shared', round(r['shared_us'], 1), 'us',
+                      round(r['shared_fraction'], 3), 'x', round(r['plain_us'] / r['shared_us'], 2))" 2>&1 | tee "$OUT/cascade.log" ;;
     fp8kv8) bench b8_long_bf16kv 280 --model $Q8 --num-prompts 256 --input-len 1024 --output-len 4096
            bench b8_long_fp8kv 280 --model $Q8 --num-prompts 256 --input-len 1024 --output-len 4096 --kv-cache-dtype fp8 ;;
     reason8|reason06) model=$Q8; [ $part = reason06 ] && model=$Q06  # issue 25's long reasoning outputs

@@ -122,6 +122,25 @@ def test_decode_over_an_fp8_pool_matches_the_reference(dtype, num_kv_splits):
                                                        rows, lens, scale))
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_decode_over_an_fp8_pool_with_f16_dots_matches_the_reference(num_kv_splits):
+    """The dots a bf16 model takes over an e4m3 pool (decode_attention._f16_dots), forced here on a float32
+    q (the interpreter has no bf16 dot): q and p in fp16, the pool exact, within fp16's rounding."""
+    seq_lens, h, kvh, d = [2, 70, 129], 8, 2, 64
+    gen = torch.Generator().manual_seed(9)
+    k_pool, v_pool, req_to_token, rows = make_slot_pool(seq_lens, kvh, d, torch.float32, DEV, gen)
+    q = torch.randn((len(seq_lens), h, d), generator=gen).to(DEV)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    k8, v8 = _fp8_pools(k_pool, v_pool, 0.02, 0.5)
+    args = (q, k8, v8, req_to_token, rows, lens, 1.0 / math.sqrt(d))
+    ref = decode_attention_ref(*args, k_scale=0.02, v_scale=0.5)
+    f16 = decode_attention(*args, num_kv_splits=num_kv_splits, k_scale=0.02, v_scale=0.5, f16_dots=True)
+    exact = decode_attention(*args, num_kv_splits=num_kv_splits, k_scale=0.02, v_scale=0.5, f16_dots=False)
+    torch.testing.assert_close(f16, ref, atol=TOL[torch.float16], rtol=TOL[torch.float16])
+    assert not torch.equal(f16, exact)  # the flag reaches the kernel: fp16 dots round where float32 ones do not
+    torch.testing.assert_close(exact, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", Q_DTYPES)
 def test_extend_over_an_fp8_pool_matches_the_reference(dtype):
     prefix_lens, q_lens, h, kvh, d = [0, 40, 3], [33, 5, 70], 4, 1, 32

@@ -1,0 +1,241 @@
+"""Decode attention that reads a shared prefix once per group of requests (cascade decode).
+
+The n samples of a GRPO prompt share the prompt's KV slots (the prefix cache hands every sample the
+same slots), yet plain decode attention (kernels/decode_attention.py) has each sample read them
+again: at 64 prompts x n 16 with 512-token prompts that is up to half of a step's KV traffic
+(issue 25). Here the batch is cut into groups of consecutive requests that share their first
+prefix_len keys, and attention runs in three launches:
+
+  prefix, grid (num_groups, num_kv_heads, PREFIX_SPLITS): a program owns one kv head of one group
+    and stacks every member's G query heads into one [BLOCK_M, D] block (BLOCK_M >= members * G),
+    so each prefix K/V row is read once for the whole group and the dots are real matrix work. It
+    writes each member's partial output and log-sum-exp into mid slots [0, PREFIX_SPLITS).
+  suffix: decode_attention's stage 1 over keys [prefix_len, seq_len) of each request (KeyStarts),
+    its splits in mid slots [PREFIX_SPLITS, PREFIX_SPLITS + num_kv_splits).
+  merge: decode_attention's stage 2 over all the slots (empty ones carry lse = -inf and are skipped).
+
+The result is the same attention as decode_attention's up to float32 summation order. A group's
+prefix slots are read from its FIRST member's req_to_token row: callers guarantee the members'
+rows agree there. A request alone (a group of one, prefix 0) gets plain decode through the suffix
+launch. Everything is sized from shapes and host ints: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_attention import (_LOG2E, _check_common, _decode_attention_stage1_kernel,
+                               _decode_attention_stage2_kernel, _decode_config, _f16_dots, decode_attention,
+                               decode_attention_ref)
+from .kv_fp8_ref import from_pool_ref
+
+MAX_BLOCK_M = 128  # query rows of one prefix program: members * G (acc [128, D] float32 is 8 warps' registers)
+
+
+@triton.jit
+def _shared_prefix_kernel(
+    Q, K, V, ReqToToken, Rows, GroupStarts, PrefixLens, MidO, MidLse,
+    sm_scale_log2, v_scale,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREFIX_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
+):
+    g = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    first = tl.load(GroupStarts + g)
+    members = tl.load(GroupStarts + g + 1) - first
+    if members <= 0:  # an empty group slot (padding for a fixed-size graph)
+        return
+    prefix_len = tl.load(PrefixLens + g)
+    split_len = tl.cdiv(prefix_len, PREFIX_SPLITS)
+    start = split * split_len
+    end = tl.minimum(start + split_len, prefix_len)
+
+    offs_m = tl.arange(0, BLOCK_M)  # row r: member r // G, query head kvh * G + r % G
+    member = offs_m // G
+    mask_m = member < members
+    reqs = (first + member).to(tl.int64)  # [BLOCK_M] batch index of each row
+    heads = (kvh * G + offs_m % G).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + reqs[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None], other=0.0)  # [BLOCK_M, D]
+    if F16_DOTS:  # as decode_attention's stage 1 (bf16 model over an e4m3 pool)
+        q = q.to(tl.float16)
+
+    row = tl.load(Rows + first).to(tl.int64)  # the first member's table row holds the group's prefix slots
+    rt_base = ReqToToken + row * stride_rt
+    k_base = K + kvh.to(tl.int64) * stride_kh
+    v_base = V + kvh.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slots = tl.load(rt_base + offs_n, mask=mask_n, other=0).to(tl.int64)  # [BLOCK_N]
+        k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :],
+                    mask=mask_n[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :],
+                    mask=mask_n[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    mid_lse = MidLse + reqs * stride_mlb + heads * stride_mlh + split
+    if end > start:
+        mid_o = MidO + reqs[:, None] * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+        tl.store(mid_o, acc / l_i[:, None] * v_scale, mask=mask_m[:, None])
+        tl.store(mid_lse, m_i + tl.math.log2(l_i), mask=mask_m)
+    else:  # no prefix keys in this split (prefix 0, or shorter than the split count): stage 2 skips it
+        tl.store(mid_lse, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=mask_m)
+
+
+def prefix_block_m(max_group_size: int, group: int) -> int:
+    """Query rows of a prefix program for groups of up to `max_group_size` members."""
+    return max(16, triton.next_power_of_2(max_group_size * group))
+
+
+def shared_prefix_decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, group_starts, prefix_lens,
+                                   scale: float, max_group_size: int, prefix_splits: int = 4,
+                                   num_kv_splits: int = 1, out: torch.Tensor | None = None,
+                                   k_scale: float = 1.0, v_scale: float = 1.0,
+                                   stage1_config: tuple[int, int, int] | None = None,
+                                   f16_dots: bool | None = None) -> torch.Tensor:
+    """decode_attention's result for q [B, H, D], reading each group's shared prefix once.
+
+    group_starts [NG + 1] int32, non-decreasing from 0 to B: group i is requests
+    [group_starts[i], group_starts[i + 1]) (repeated entries: empty groups, so NG can be fixed);
+    prefix_lens [NG] int32: keys [0, prefix_lens[i]) of every member sit in the same slots (read from
+    the first member's row), prefix_lens[i] <= each member's seq_len. max_group_size: a host bound on
+    members per group (sets the prefix programs' rows; members * G <= MAX_BLOCK_M). Other arguments
+    as decode_attention's.
+    """
+    num_heads, num_kv_heads, head_dim = _check_common(q, k_pool, v_pool, req_to_token, rows, seq_lens)
+    assert group_starts.device == q.device and prefix_lens.device == q.device, "group tensors on another device"
+    batch, group = q.shape[0], num_heads // num_kv_heads
+    num_groups = prefix_lens.shape[0]
+    assert group_starts.dtype == torch.int32 and prefix_lens.dtype == torch.int32
+    assert group_starts.shape == (num_groups + 1,), "group_starts must have one entry more than prefix_lens"
+    block_m = prefix_block_m(max_group_size, group)
+    assert block_m <= MAX_BLOCK_M, f"{max_group_size} members x {group} heads > {MAX_BLOCK_M} rows: split the group"
+    assert prefix_splits >= 1 and num_kv_splits >= 1
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    if batch == 0:
+        return out
+    block_n, num_warps, num_stages = stage1_config or _decode_config(q.dtype, head_dim, k_pool.dtype)
+    f16_dots = _f16_dots(q.dtype, k_pool.dtype) if f16_dots is None else f16_dots
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    splits = prefix_splits + num_kv_splits
+    mid_o = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
+    # each request's first own key: its group's prefix length (searchsorted: no host read)
+    member_of = torch.searchsorted(group_starts[1:], torch.arange(batch, dtype=torch.int32, device=q.device),
+                                   right=True).clamp_(max=num_groups - 1)
+    key_starts = prefix_lens[member_of].contiguous()  # [B] int32
+    sm_scale_log2 = scale * k_scale * _LOG2E
+
+    _shared_prefix_kernel[(num_groups, num_kv_heads, prefix_splits)](
+        q, k_pool, v_pool, req_to_token, rows, group_starts, prefix_lens, mid_o, mid_lse,
+        sm_scale_log2, v_scale,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        G=group, BLOCK_M=block_m, D=head_dim, BLOCK_N=block_n, PREFIX_SPLITS=prefix_splits,
+        DOT_PRECISION=dot_precision, F16_DOTS=f16_dots, num_warps=8 if block_m > 64 else 4, num_stages=num_stages,
+    )
+    _decode_attention_stage1_kernel[(batch, num_kv_heads, num_kv_splits)](
+        q, k_pool, v_pool, req_to_token, rows, seq_lens, key_starts, mid_o, mid_lse, out,
+        sm_scale_log2, v_scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        G=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=block_n,
+        NUM_SPLITS=num_kv_splits, DOT_PRECISION=dot_precision, F16_DOTS=f16_dots,
+        HAS_KEY_STARTS=True, SPLIT_BASE=prefix_splits, num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_attention_stage2_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        D=head_dim, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+        num_warps=4 if head_dim >= 128 else 2,
+    )
+    return out
+
+
+def shared_prefix_decode_attention_ref(q, k_pool, v_pool, req_to_token, rows, seq_lens, group_starts,
+                                       prefix_lens, scale: float, k_scale: float = 1.0,
+                                       v_scale: float = 1.0) -> torch.Tensor:
+    """Plain torch, float32 math: each request attends to its group's first member's prefix slots, then
+    its own slots from prefix_len on; same arguments (less the tuning ones) and result."""
+    num_heads, num_kv_heads = q.shape[1], k_pool.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    starts = [int(s) for s in group_starts]
+    for g, prefix_len in enumerate(int(p) for p in prefix_lens):
+        first_row = int(rows[starts[g]]) if starts[g] < starts[g + 1] else 0
+        for b in range(starts[g], starts[g + 1]):
+            own = req_to_token[int(rows[b]), prefix_len:int(seq_lens[b])]
+            slots = torch.cat([req_to_token[first_row, :prefix_len], own]).long()
+            k = from_pool_ref(k_pool[slots], k_scale, torch.float32).repeat_interleave(group, dim=1)  # [L, H, D]
+            v = from_pool_ref(v_pool[slots], v_scale, torch.float32).repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale  # [H, L]
+            out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+    return out
+
+
+def benchmark_shared_prefix(num_groups: int = 16, group_size: int = 16, prefix_len: int = 512,
+                            suffix_len: int = 512, num_heads: int = 16, num_kv_heads: int = 8, head_dim: int = 128,
+                            dtype=torch.bfloat16, kv_dtype=None, prefix_splits: int = 4,
+                            hbm_bytes_per_s: float | None = None) -> dict:
+    """Time plain decode_attention against the shared-prefix path on CUDA, one decode step of
+    num_groups x group_size requests of prefix_len shared + suffix_len own keys (slots scattered).
+    Bytes that must move: each group's prefix once, every request's suffix, q and out."""
+    assert torch.cuda.is_available(), "benchmark_shared_prefix needs a CUDA device"
+    device, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
+    batch, seq_len = num_groups * group_size, prefix_len + suffix_len
+    num_slots = num_groups * prefix_len + batch * suffix_len
+    kv_dtype = kv_dtype or dtype
+    k_pool = torch.randn((num_slots, num_kv_heads, head_dim), device=device, generator=gen).to(kv_dtype)
+    v_pool = torch.randn((num_slots, num_kv_heads, head_dim), device=device, generator=gen).to(kv_dtype)
+    perm = torch.randperm(num_slots, device=device, generator=gen).to(torch.int32)
+    prefixes = perm[: num_groups * prefix_len].view(num_groups, 1, prefix_len).expand(-1, group_size, -1)
+    suffixes = perm[num_groups * prefix_len:].view(num_groups, group_size, suffix_len)
+    req_to_token = torch.cat([prefixes, suffixes], dim=2).reshape(batch, seq_len).contiguous()
+    q = torch.randn((batch, num_heads, head_dim), dtype=dtype, device=device, generator=gen)
+    rows = torch.arange(batch, dtype=torch.int32, device=device)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
+    group_starts = torch.arange(0, batch + 1, group_size, dtype=torch.int32, device=device)
+    prefix_lens = torch.full((num_groups,), prefix_len, dtype=torch.int32, device=device)
+    scale, out = 1.0 / math.sqrt(head_dim), torch.empty_like(q)
+    plain_splits = 1 if batch * num_kv_heads >= 512 else 4
+    runs = {
+        "plain": lambda: decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale, plain_splits, out=out),
+        "shared": lambda: shared_prefix_decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, group_starts,
+                                                         prefix_lens, scale, group_size, prefix_splits, out=out),
+    }
+    ref = decode_attention_ref(q[:2], k_pool, v_pool, req_to_token, rows[:2], seq_lens[:2], scale)
+    row_bytes = 2 * num_kv_heads * head_dim * k_pool.element_size()  # K and V of one token
+    must_move = (num_groups * prefix_len + batch * suffix_len) * row_bytes + 2 * q.numel() * q.element_size()
+    result = {"batch": batch, "group_size": group_size, "prefix_len": prefix_len, "suffix_len": suffix_len,
+              "kv_dtype": str(kv_dtype).removeprefix("torch."), "bytes_must_move": must_move}
+    for name, fn in runs.items():
+        fn()
+        torch.testing.assert_close(out[:2].float(), ref.float(), atol=3e-2, rtol=3e-2)  # both paths right
+        seconds = triton.testing.do_bench(fn, return_mode="median") * 1e-3
+        result[f"{name}_us"] = seconds * 1e6
+        if hbm_bytes_per_s is not None:
+            result[f"{name}_fraction"] = must_move / seconds / hbm_bytes_per_s
+    return result
