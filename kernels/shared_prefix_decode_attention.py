@@ -38,7 +38,7 @@ MAX_BLOCK_M = 128  # query rows of one prefix program: members * G (acc [128, D]
 
 @triton.jit
 def _shared_prefix_kernel(
-    Q, K, V, ReqToToken, Rows, GroupStarts, PrefixLens, MidO, MidLse,
+    Q, K, V, ReqToToken, Rows, Order, GroupStarts, PrefixLens, MidO, MidLse,
     sm_scale_log2, v_scale,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
@@ -60,7 +60,7 @@ def _shared_prefix_kernel(
     offs_m = tl.arange(0, BLOCK_M)  # row r: member r // G, query head kvh * G + r % G
     member = offs_m // G
     mask_m = member < members
-    reqs = (first + member).to(tl.int64)  # [BLOCK_M] batch index of each row
+    reqs = tl.load(Order + first + member, mask=mask_m, other=0).to(tl.int64)  # [BLOCK_M] batch index of each row
     heads = (kvh * G + offs_m % G).to(tl.int64)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + reqs[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -68,7 +68,7 @@ def _shared_prefix_kernel(
     if F16_DOTS:  # as decode_attention's stage 1 (bf16 model over an e4m3 pool)
         q = q.to(tl.float16)
 
-    row = tl.load(Rows + first).to(tl.int64)  # the first member's table row holds the group's prefix slots
+    row = tl.load(Rows + tl.load(Order + first)).to(tl.int64)  # the first member's row holds the prefix slots
     rt_base = ReqToToken + row * stride_rt
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
@@ -107,15 +107,16 @@ def prefix_block_m(max_group_size: int, group: int) -> int:
 
 
 def shared_prefix_decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, group_starts, prefix_lens,
-                                   scale: float, max_group_size: int, prefix_splits: int = 4,
+                                   scale: float, max_group_size: int, order: torch.Tensor | None = None, prefix_splits: int = 4,
                                    num_kv_splits: int = 1, out: torch.Tensor | None = None,
                                    k_scale: float = 1.0, v_scale: float = 1.0,
                                    stage1_config: tuple[int, int, int] | None = None,
                                    f16_dots: bool | None = None) -> torch.Tensor:
     """decode_attention's result for q [B, H, D], reading each group's shared prefix once.
 
+    order [B] int32: the batch indices listed group by group (default: the batch order);
     group_starts [NG + 1] int32, non-decreasing from 0 to B: group i is requests
-    [group_starts[i], group_starts[i + 1]) (repeated entries: empty groups, so NG can be fixed);
+    order[group_starts[i]:group_starts[i + 1]] (repeated entries: empty groups, so NG can be fixed);
     prefix_lens [NG] int32: keys [0, prefix_lens[i]) of every member sit in the same slots (read from
     the first member's row), prefix_lens[i] <= each member's seq_len. max_group_size: a host bound on
     members per group (sets the prefix programs' rows; members * G <= MAX_BLOCK_M). Other arguments
@@ -141,14 +142,16 @@ def shared_prefix_decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_le
     splits = prefix_splits + num_kv_splits
     mid_o = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
-    # each request's first own key: its group's prefix length (searchsorted: no host read)
-    member_of = torch.searchsorted(group_starts[1:], torch.arange(batch, dtype=torch.int32, device=q.device),
-                                   right=True).clamp_(max=num_groups - 1)
-    key_starts = prefix_lens[member_of].contiguous()  # [B] int32
+    positions = torch.arange(batch, dtype=torch.int32, device=q.device)
+    order = positions if order is None else order
+    assert order.dtype == torch.int32 and order.shape == (batch,) and order.device == q.device
+    # each request's first own key: its group's prefix length (searchsorted, scatter: no host read)
+    group_of = torch.searchsorted(group_starts[1:], positions, right=True).clamp_(max=num_groups - 1)
+    key_starts = torch.empty_like(positions).index_put_((order.long(),), prefix_lens[group_of])  # [B] int32
     sm_scale_log2 = scale * k_scale * _LOG2E
 
     _shared_prefix_kernel[(num_groups, num_kv_heads, prefix_splits)](
-        q, k_pool, v_pool, req_to_token, rows, group_starts, prefix_lens, mid_o, mid_lse,
+        q, k_pool, v_pool, req_to_token, rows, order, group_starts, prefix_lens, mid_o, mid_lse,
         sm_scale_log2, v_scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
@@ -176,17 +179,19 @@ def shared_prefix_decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_le
 
 
 def shared_prefix_decode_attention_ref(q, k_pool, v_pool, req_to_token, rows, seq_lens, group_starts,
-                                       prefix_lens, scale: float, k_scale: float = 1.0,
-                                       v_scale: float = 1.0) -> torch.Tensor:
+                                       prefix_lens, scale: float, order: torch.Tensor | None = None,
+                                       k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Plain torch, float32 math: each request attends to its group's first member's prefix slots, then
     its own slots from prefix_len on; same arguments (less the tuning ones) and result."""
     num_heads, num_kv_heads = q.shape[1], k_pool.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     starts = [int(s) for s in group_starts]
+    order = list(range(q.shape[0])) if order is None else [int(i) for i in order]
     for g, prefix_len in enumerate(int(p) for p in prefix_lens):
-        first_row = int(rows[starts[g]]) if starts[g] < starts[g + 1] else 0
-        for b in range(starts[g], starts[g + 1]):
+        members = order[starts[g]:starts[g + 1]]
+        first_row = int(rows[members[0]]) if members else 0
+        for b in members:
             own = req_to_token[int(rows[b]), prefix_len:int(seq_lens[b])]
             slots = torch.cat([req_to_token[first_row, :prefix_len], own]).long()
             k = from_pool_ref(k_pool[slots], k_scale, torch.float32).repeat_interleave(group, dim=1)  # [L, H, D]

@@ -24,10 +24,11 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def make_groups(group_sizes, prefix_lens, suffix_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0,
-                poison_shared=False, empty_groups=0):
+                poison_shared=False, empty_groups=0, shuffle=False):
     """A poisoned slot pool whose groups share their prefix slots: the first member's slots, copied
     into the other members' rows (or, with poison_shared, left pointing at the NaN slot there: only
-    a kernel that reads the prefix from the first member's row stays finite)."""
+    a kernel that reads the prefix from the first member's row stays finite). With shuffle the
+    requests sit in the batch in random order and `order` lists them group by group."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + s for p, size, sufs in zip(prefix_lens, group_sizes, suffix_lens, strict=True)
                 for s in sufs[:size]]
@@ -42,9 +43,15 @@ def make_groups(group_sizes, prefix_lens, suffix_lens, num_heads, num_kv_heads, 
     starts = torch.cat([starts, starts[-1:].repeat(empty_groups)])  # padding groups, as a fixed-size graph has
     prefixes = torch.tensor(list(prefix_lens) + [0] * empty_groups, dtype=torch.int32)
     q = torch.randn((len(seq_lens), num_heads, head_dim), generator=gen).to(dtype)
-    return dict(q=q.to(DEV), k_pool=k_pool.to(DEV), v_pool=v_pool.to(DEV), req_to_token=req_to_token.to(DEV),
-                rows=rows.to(DEV), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    case = dict(k_pool=k_pool.to(DEV), v_pool=v_pool.to(DEV), req_to_token=req_to_token.to(DEV),
                 group_starts=starts.to(DEV), prefix_lens=prefixes.to(DEV), scale=1.0 / math.sqrt(head_dim))
+    order = torch.randperm(len(seq_lens), generator=gen) if shuffle else torch.arange(len(seq_lens))
+    for name, grouped in (("q", q), ("rows", rows), ("seq_lens", lens)):  # request j at batch position order[j]
+        case[name] = torch.empty_like(grouped).index_put_((order,), grouped).to(DEV)
+    if shuffle:
+        case["order"] = order.to(DEV, torch.int32)
+    return case
 
 
 def plain_ref(case):
@@ -53,10 +60,10 @@ def plain_ref(case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("prefix_splits,num_kv_splits", [(1, 1), (4, 1), (2, 3)])
-def test_matches_plain_decode_attention(dtype, prefix_splits, num_kv_splits):
+@pytest.mark.parametrize("prefix_splits,num_kv_splits,shuffle", [(1, 1, False), (4, 1, True), (2, 3, True)])
+def test_matches_plain_decode_attention(dtype, prefix_splits, num_kv_splits, shuffle):
     # a group of 3 (one member with no keys past the prefix), a request alone, a group of 4
-    case = make_groups([3, 1, 4], [37, 0, 64], [[5, 0, 19], [23], [1, 40, 2, 9]], 8, 2, 32, dtype)
+    case = make_groups([3, 1, 4], [37, 0, 64], [[5, 0, 19], [23], [1, 40, 2, 9]], 8, 2, 32, dtype, shuffle=shuffle)
     out = shared_prefix_decode_attention(**case, max_group_size=4, prefix_splits=prefix_splits,
                                          num_kv_splits=num_kv_splits)
     assert out.dtype == dtype and not out.isnan().any()
@@ -65,8 +72,9 @@ def test_matches_plain_decode_attention(dtype, prefix_splits, num_kv_splits):
 
 def test_reads_the_prefix_from_the_first_member_only():
     case = make_groups([4, 2], [48, 17], [[3, 8, 1, 30], [6, 2]], 4, 1, 16, torch.float32, seed=1,
-                       poison_shared=True)
-    assert plain_ref(case)[1:4].isnan().all()  # the other members' rows really are poisoned
+                       poison_shared=True, shuffle=True)
+    poisoned = case["order"][[1, 2, 3, 5]].long()  # every member but the first of each group
+    assert plain_ref(case)[poisoned].isnan().all()  # their rows really are poisoned
     out = shared_prefix_decode_attention(**case, max_group_size=4, prefix_splits=2)
     ref = shared_prefix_decode_attention_ref(**case)
     assert not out.isnan().any()
