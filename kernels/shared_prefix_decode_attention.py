@@ -49,65 +49,68 @@ def _shared_prefix_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     first = tl.load(GroupStarts + g)
-    members = tl.load(GroupStarts + g + 1) - first
-    if members <= 0:  # an empty group slot (padding for a fixed-size graph)
-        return
+    members = tl.load(GroupStarts + g + 1) - first  # 0: an empty group slot (padding for a fixed-size graph)
     prefix_len = tl.load(PrefixLens + g)
     split_len = tl.cdiv(prefix_len, PREFIX_SPLITS)
     start = split * split_len
     end = tl.minimum(start + split_len, prefix_len)
 
-    offs_m = tl.arange(0, BLOCK_M)  # row r: member r // G, query head kvh * G + r % G
-    member = offs_m // G
-    mask_m = member < members
-    reqs = tl.load(Order + first + member, mask=mask_m, other=0).to(tl.int64)  # [BLOCK_M] batch index of each row
+    MEMBERS_PER_BLOCK: tl.constexpr = BLOCK_M // G
+    offs_m = tl.arange(0, BLOCK_M)  # row r: member r // G of the chunk, query head kvh * G + r % G
     heads = (kvh * G + offs_m % G).to(tl.int64)
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + reqs[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None], other=0.0)  # [BLOCK_M, D]
-    if F16_DOTS:  # as decode_attention's stage 1 (bf16 model over an e4m3 pool)
-        q = q.to(tl.float16)
-
-    row = tl.load(Rows + tl.load(Order + first)).to(tl.int64)  # the first member's row holds the prefix slots
-    rt_base = ReqToToken + row * stride_rt
+    row = tl.load(Rows + tl.load(Order + first, mask=members > 0, other=0)).to(tl.int64)
+    rt_base = ReqToToken + row * stride_rt  # the first member's row holds the group's prefix slots
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        slots = tl.load(rt_base + offs_n, mask=mask_n, other=0).to(tl.int64)  # [BLOCK_N]
-        k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # members in chunks of BLOCK_M // G (one chunk for groups up to that size; a larger group, or the
+    # group of prefix 0 that collects the requests alone, reads the prefix once per chunk)
+    for chunk in range(0, members, MEMBERS_PER_BLOCK):
+        member = chunk + offs_m // G
+        mask_m = (offs_m // G < MEMBERS_PER_BLOCK) & (member < members)
+        reqs = tl.load(Order + first + member, mask=mask_m, other=0).to(tl.int64)  # [BLOCK_M] batch index
+        q = tl.load(Q + reqs[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_m[:, None], other=0.0)  # [BLOCK_M, D]
+        if F16_DOTS:  # as decode_attention's stage 1 (bf16 model over an e4m3 pool)
+            q = q.to(tl.float16)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            slots = tl.load(rt_base + offs_n, mask=mask_n, other=0).to(tl.int64)  # [BLOCK_N]
+            k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :],
+                        mask=mask_n[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D]
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :],
+                        mask=mask_n[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
 
-    mid_lse = MidLse + reqs * stride_mlb + heads * stride_mlh + split
-    if end > start:
-        mid_o = MidO + reqs[:, None] * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
-        tl.store(mid_o, acc / l_i[:, None] * v_scale, mask=mask_m[:, None])
-        tl.store(mid_lse, m_i + tl.math.log2(l_i), mask=mask_m)
-    else:  # no prefix keys in this split (prefix 0, or shorter than the split count): stage 2 skips it
-        tl.store(mid_lse, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=mask_m)
+        mid_lse = MidLse + reqs * stride_mlb + heads * stride_mlh + split
+        if end > start:
+            mid_o = (MidO + reqs[:, None] * stride_mob + heads[:, None] * stride_moh + split * stride_mos
+                     + offs_d[None, :])
+            tl.store(mid_o, acc / l_i[:, None] * v_scale, mask=mask_m[:, None])
+            tl.store(mid_lse, m_i + tl.math.log2(l_i), mask=mask_m)
+        else:  # no prefix keys in this split (prefix 0, or shorter than the split count): stage 2 skips it
+            tl.store(mid_lse, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=mask_m)
 
 
 def prefix_block_m(max_group_size: int, group: int) -> int:
-    """Query rows of a prefix program for groups of up to `max_group_size` members."""
-    return max(16, triton.next_power_of_2(max_group_size * group))
+    """Query rows of a prefix program: one chunk holds `max_group_size` members, within MAX_BLOCK_M."""
+    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(max_group_size * group)))
 
 
 def shared_prefix_decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, group_starts, prefix_lens,
-                                   scale: float, max_group_size: int, order: torch.Tensor | None = None, prefix_splits: int = 4,
+                                   scale: float, max_group_size: int, order: torch.Tensor | None = None,
+                                   prefix_splits: int = 4,
                                    num_kv_splits: int = 1, out: torch.Tensor | None = None,
                                    k_scale: float = 1.0, v_scale: float = 1.0,
                                    stage1_config: tuple[int, int, int] | None = None,
@@ -118,9 +121,9 @@ def shared_prefix_decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_le
     group_starts [NG + 1] int32, non-decreasing from 0 to B: group i is requests
     order[group_starts[i]:group_starts[i + 1]] (repeated entries: empty groups, so NG can be fixed);
     prefix_lens [NG] int32: keys [0, prefix_lens[i]) of every member sit in the same slots (read from
-    the first member's row), prefix_lens[i] <= each member's seq_len. max_group_size: a host bound on
-    members per group (sets the prefix programs' rows; members * G <= MAX_BLOCK_M). Other arguments
-    as decode_attention's.
+    the first member's row), prefix_lens[i] <= each member's seq_len. max_group_size: members a prefix
+    program takes at once (its rows: members * G, at most MAX_BLOCK_M; a larger group is walked in
+    chunks). Other arguments as decode_attention's.
     """
     num_heads, num_kv_heads, head_dim = _check_common(q, k_pool, v_pool, req_to_token, rows, seq_lens)
     assert group_starts.device == q.device and prefix_lens.device == q.device, "group tensors on another device"
@@ -129,7 +132,7 @@ def shared_prefix_decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_le
     assert group_starts.dtype == torch.int32 and prefix_lens.dtype == torch.int32
     assert group_starts.shape == (num_groups + 1,), "group_starts must have one entry more than prefix_lens"
     block_m = prefix_block_m(max_group_size, group)
-    assert block_m <= MAX_BLOCK_M, f"{max_group_size} members x {group} heads > {MAX_BLOCK_M} rows: split the group"
+    assert block_m >= group, f"{group} query heads a kv head > {MAX_BLOCK_M} rows"
     assert prefix_splits >= 1 and num_kv_splits >= 1
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)

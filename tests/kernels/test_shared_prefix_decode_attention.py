@@ -98,7 +98,10 @@ def test_over_an_fp8_pool():
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_rejects_a_group_too_large_for_one_program():
-    case = make_groups([2], [4], [[1, 1]], 32, 1, 16, torch.float32)  # G = 32 heads a kv head
-    with pytest.raises(AssertionError, match="split the group"):
-        shared_prefix_decode_attention(**case, max_group_size=5)
+@pytest.mark.parametrize("max_group_size", [1, 2])
+def test_groups_larger_than_one_program_chunk(max_group_size):
+    # a group of 5 walked in chunks, and the requests alone collected into one group of prefix 0
+    case = make_groups([5, 4], [29, 0], [[3, 1, 0, 8, 2], [7, 1, 12, 30]], 4, 2, 16, torch.float32, seed=4,
+                       shuffle=True)
+    out = shared_prefix_decode_attention(**case, max_group_size=max_group_size, prefix_splits=3)
+    torch.testing.assert_close(out, plain_ref(case), atol=1e-4, rtol=1e-4)
