@@ -67,6 +67,10 @@ class EngineConfig:
     as much work as the eager step that admits them costs (engine/scheduling/admission_pacing.py), not one
     eager step per freed seat. Off: admit at every step that has room. Which step a request starts at
     changes, not its tokens in exact arithmetic (nor in bf16 in the on-policy mode)."""
+    shared_prefix_attention: bool = False
+    """Decode steps read a prompt's KV once for all of its samples running at the time (--n), not once per
+    sample (kernels/shared_prefix_decode_attention.py; Triton backend, default mode): the same attention
+    up to float32 summation order."""
     deterministic: bool = False
     """On-policy mode: a sample's tokens, logprobs and routing are bit for bit the same whatever runs
     beside it (batch, chunking, prefix-cache hits). Today on the torch path, one token per forward."""

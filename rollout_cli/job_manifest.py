@@ -121,6 +121,7 @@ def engine_settings(engine: Engine) -> dict:
         "kv_cache_tokens": engine.num_kv_slots - 1,
         "enable_prefix_cache": cfg.enable_prefix_cache,
         "admission_pacing": cfg.admission_pacing,
+        "shared_prefix_attention": engine.runner.shared_prefix_attention,
         "tensor_parallel": cfg.tensor_parallel_size,
         "attention_backend": engine.attention_backend,
         "speculative": cfg.speculative and {"method": cfg.speculative, "num_draft_tokens": cfg.num_draft_tokens,

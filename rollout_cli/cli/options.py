@@ -36,6 +36,7 @@ NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="Disable 
 AttentionBackend = Annotated[str, typer.Option(help="torch, or triton (kernels + CUDA graphs; CUDA only); auto = triton on CUDA, torch on the CPU.", rich_help_panel=ENGINE)]
 NoOverlapSchedule = Annotated[bool, typer.Option("--no-overlap-schedule", help="Plan each step after the previous one finished, instead of while it runs on the GPU.", rich_help_panel=ENGINE)]
 NoAdmissionPacing = Annotated[bool, typer.Option("--no-admission-pacing", help="Admit waiting requests at every step that has room, instead of gathering them until the seats left empty cost as much as the eager step that admits them (with CUDA graphs only; see README).", rich_help_panel=ENGINE)]
+SharedPrefixAttention = Annotated[bool, typer.Option("--shared-prefix-attention", help="Decode steps read a prompt's KV once for all of its samples running at the time (--n), not once per sample (Triton backend; see README).", rich_help_panel=ENGINE)]
 NoCudaGraphs = Annotated[bool, typer.Option("--no-cuda-graphs", help="Run decode steps eagerly instead of replaying CUDA graphs.", rich_help_panel=ENGINE)]
 Quantization = Annotated[Optional[str], typer.Option(help="fp8: linear layers in blockwise FP8 e4m3 (weights quantized at load and at every update, activations per token group; the LM head, embeddings, norms, routers and MoE experts stay in --dtype; see README).", rich_help_panel=ENGINE)]
 KvCacheDtype = Annotated[str, typer.Option(help="auto (the model's dtype) or fp8: the KV cache in e4m3, per-tensor scale 1.0; twice the tokens in the same memory (see README).", rich_help_panel=ENGINE)]
@@ -68,6 +69,7 @@ ENGINE_OPTIONS = (
     ("no_cuda_graphs", NoCudaGraphs, False),
     ("no_overlap_schedule", NoOverlapSchedule, False),
     ("no_admission_pacing", NoAdmissionPacing, False),
+    ("shared_prefix_attention", SharedPrefixAttention, False),
     ("deterministic", Deterministic, False),
     ("quantization", Quantization, None),
     ("kv_cache_dtype", KvCacheDtype, "auto"),
@@ -112,7 +114,7 @@ def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_
                   weight_version="0", linear_state_memory_ratio=0.5, no_overlap_schedule=False, deterministic=False,
                   quantization=None, kv_cache_dtype="auto", revision=None, quiet=False, speculative=None,
                   num_draft_tokens=None, speculative_max_batch=None, speculative_always=False,
-                  no_admission_pacing=False):
+                  no_admission_pacing=False, shared_prefix_attention=False):
     """The EngineConfig of the flags, a hub id already resolved to its snapshot directory (fetched
     here, before any spinner or replica starts; `quiet` silences the download bars)."""
     return resolve_engine_config(EngineConfig(
@@ -124,6 +126,7 @@ def engine_config(*, model, device, dtype, max_model_len, max_batch_tokens, max_
         deterministic=deterministic, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
         speculative=speculative, num_draft_tokens=num_draft_tokens, speculative_max_batch=speculative_max_batch,
         speculative_gate=not speculative_always, admission_pacing=not no_admission_pacing,
+        shared_prefix_attention=shared_prefix_attention,
     ), quiet=quiet)
 
 

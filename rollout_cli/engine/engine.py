@@ -126,7 +126,8 @@ class Engine:
             self.kv = KVCache(num_layers, num_slots, num_kv_heads, head_dim, self.kv_dtype, self.device)
         runner_class = ModelRunner if self.tp is None else TensorParallelRunner
         self.runner = runner_class(self.model, self.kv, cfg.max_running, self.max_model_len, self.device,
-                                  self.attention_backend, self.linear_states, deterministic=cfg.deterministic)
+                                  self.attention_backend, self.linear_states, deterministic=cfg.deterministic,
+                                  shared_prefix_attention=cfg.shared_prefix_attention and self.tp is None)
         self.scheduler = Scheduler(num_slots, cfg.max_running, cfg.max_batch_tokens, cfg.enable_prefix_cache,
                                    linear_state_slots=state_slots, admission_pacing=cfg.admission_pacing)
         self.set_speculation(cfg.speculative is not None)

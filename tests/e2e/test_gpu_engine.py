@@ -241,3 +241,33 @@ def test_fp8_decode_graphs_of_128_rows_run_cublas_where_it_works(fp8_groups_chec
     if not fp8_blockwise.probe_cublas_blockwise(torch.device("cuda")):
         pytest.skip("this torch / cuBLAS build or GPU has no blockwise-scaled _scaled_mm (the engine's probe says so)")
     assert calls.count(True) > 1  # captured by a decode graph, besides the probe's own captured call
+
+
+def test_shared_prefix_graphs_sample_what_the_plain_kernel_does(tiny_checkpoints, monkeypatch):
+    """--shared-prefix-attention: replayed decode steps read each prompt's KV once for its n samples (the
+    groups go to the graph through a static buffer) and sample what plain decode attention does."""
+    import rollout_cli.engine.execution.cuda_graphs as cuda_graphs
+
+    grouped, real = [], cuda_graphs.group_shared_prefixes
+
+    def spy(requests, **kwargs):
+        groups = real(requests, **kwargs)
+        grouped.append(groups is not None and max(groups.prefix_lens) >= 32)
+        return groups
+
+    monkeypatch.setattr(cuda_graphs, "group_shared_prefixes", spy)
+    rng = random.Random(6)
+    runs = []
+    for shared in (False, True):
+        engine = _engine(tiny_checkpoints["qwen3"], dtype="float32", attention_backend="triton",
+                         shared_prefix_attention=shared)
+        prompts = [[rng.randrange(engine.hf_config.vocab_size) for _ in range(rng.randint(3, 90))] for _ in range(8)]
+        rng = random.Random(6)  # the same prompts for the second engine
+        params = SamplingParams(n=4, temperature=1.0, seed=3, max_new_tokens=20, ignore_eos=True)
+        runs.append({(r.prompt_index, r.sample_index): r for r in engine.generate(prompts, params)})
+        assert engine.runner.graphs.replays > 0 and engine.runner.graphs.shared_prefix == shared
+    assert sum(grouped) > 5  # replays with groups of a long shared prompt
+    for key, plain in runs[0].items():
+        assert runs[1][key].response_token_ids == plain.response_token_ids, key
+        gaps = [abs(a - b) for a, b in zip(runs[1][key].response_logprobs, plain.response_logprobs, strict=True)]
+        assert max(gaps) < 1e-4, (key, max(gaps))

@@ -25,11 +25,12 @@ import time
 import torch
 
 from rollout_cli.engine.execution.linear_state import HybridBatch, LinearBatch
+from rollout_cli.engine.execution.prefix_groups import group_shared_prefixes
 from rollout_cli.engine.execution.routing_pool import GraphRoutingBuffer
 from rollout_cli.engine.execution.sampler import FLOAT_PADDING, NUM_FLOAT_ROWS, NUM_INT_ROWS, SamplingRows, sample_rows
 from rollout_cli.engine.execution.token_table import TokenTable
-from rollout_cli.engine.execution.triton_attention import (TritonAttentionBatch, invariant_decode_attention,
-                                                           warm_decode_splits)
+from rollout_cli.engine.execution.triton_attention import (SharedPrefixMetadata, TritonAttentionBatch,
+                                                           invariant_decode_attention, warm_decode_splits)
 from rollout_cli.models.moe import routing_recorder_swapped
 
 
@@ -47,6 +48,14 @@ _TOKEN, _POSITION, _ROW, _SLOT, _STATE_SLOT, _ROPE_POSITION = range(6)
 _SAMPLING = 6
 _NUM_INT_ROWS = _SAMPLING + NUM_INT_ROWS
 # the float32 input buffer is the sampler's float table (SamplingRows.float_rows)
+# --shared-prefix-attention: rows of the int32 group buffer (order, group starts, prefix lengths)
+_ORDER, _GROUP_STARTS, _PREFIX_LENS = range(3)
+MAX_SHARED_GROUPS = 64  # groups of a replay that share a prefix; more stay alone (64 prompts x n 4 at batch 256)
+
+
+def group_slots(bucket: int) -> int:
+    """Group slots of a bucket's graph: groups of two or more, and the group of requests alone."""
+    return min(bucket // 2, MAX_SHARED_GROUPS) + 1
 
 
 def _attention_heads(model) -> int:
@@ -61,7 +70,8 @@ class DecodeGraphs:
     and the host-to-device copies that would otherwise sit between the forward and the read."""
 
     def __init__(self, model, kv, req_to_token: torch.Tensor, tokens: TokenTable, pad_row: int, scale: float,
-                 max_batch: int, linear_states=None, deterministic: bool = False, keep_hidden: bool = False):
+                 max_batch: int, linear_states=None, deterministic: bool = False, keep_hidden: bool = False,
+                 shared_prefix: bool = False):
         self.model = model
         self.tokens = tokens  # each row's last sampled token: read for PENDING inputs, written by every replay
         self.kv = kv
@@ -84,6 +94,12 @@ class DecodeGraphs:
                                for _ in range(2)]
         self.staging_seq_lens = [torch.ones(self.max_batch, dtype=torch.int32).pin_memory() for _ in range(2)]
         self.results = [torch.zeros(2 * self.max_batch, dtype=torch.float64).pin_memory() for _ in range(2)]
+        # shared-prefix decode attention (triton_attention.SharedPrefixMetadata): each replay's groups
+        self.shared_prefix = shared_prefix and not deterministic
+        if self.shared_prefix:
+            self.groups = torch.zeros((3, self.max_batch + 1), dtype=torch.int32, device=device)
+            self.staging_groups = [torch.zeros((3, self.max_batch + 1), dtype=torch.int32).pin_memory()
+                                   for _ in range(2)]
         self._parity = 0  # which of the two buffer sets this replay uses
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # --speculative mtp: each graph's final hidden states [bucket, H], which the MTP head's pass reads
@@ -103,8 +119,13 @@ class DecodeGraphs:
         if self.deterministic:  # the same kernel as eager steps, so a replayed token equals an eager one
             attn = invariant_decode_attention(self.kv, self.req_to_token, slots, rows, positions, self.scale)
         else:
+            shared = None
+            if self.shared_prefix:
+                num_groups = group_slots(batch)
+                shared = SharedPrefixMetadata(self.groups[_ORDER, :batch], self.groups[_GROUP_STARTS, :num_groups + 1],
+                                              self.groups[_PREFIX_LENS, :num_groups])
             attn = TritonAttentionBatch(self.kv, self.req_to_token, slots, rows, self.seq_lens[:batch], None,
-                                        self.scale)
+                                        self.scale, shared_prefix=shared)
         if self.linear_states is not None:  # hybrid: state slots from the static buffer, filled before each replay
             linear = LinearBatch(self.linear_states, self.ints[_STATE_SLOT, :batch], triton_kernels=True)
             attn = HybridBatch(attn, linear)
@@ -133,6 +154,8 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # compiles the kernels, initialises cuBLAS, settles the allocator
                 for batch in self.buckets:
+                    if self.shared_prefix:  # every row alone: one group of prefix 0
+                        self.groups.copy_(self._group_rows(None, batch, self.groups.shape[1]))
                     self._forward(batch)
                 # eager mixed steps use split counts no bucket has; q is the model's dtype (the pool's may be e4m3)
                 warm_decode_splits(self.kv, self.req_to_token, self.pad_row, self.scale,
@@ -178,6 +201,11 @@ class DecodeGraphs:
             *sampling.int_rows(pad=len(pad)),
         ], dtype=torch.int64)
         floats[:, :bucket] = torch.tensor(sampling.float_rows(pad=len(pad)), dtype=torch.float32)
+        if self.shared_prefix:
+            groups = group_shared_prefixes([e.request for e in entries], max_groups=group_slots(bucket))
+            staged = self.staging_groups[self._parity]
+            staged[:, :bucket + 1] = self._group_rows(groups, bucket, bucket + 1)
+            self.groups.copy_(staged, non_blocking=True)
         seq_lens[:bucket] = torch.tensor([e.start + 1 for e in entries] + [1] * len(pad), dtype=torch.int32)
         # Whole buffers (columns past the bucket are stale and never read): a column slice of a
         # [rows, max_batch] buffer is strided, and torch would stage a strided host-to-device copy
@@ -190,6 +218,21 @@ class DecodeGraphs:
         self.replays += 1
         self._last_replay = (packed, batch)
         return packed[:, :batch]
+
+    @staticmethod
+    def _group_rows(groups, bucket: int, width: int) -> torch.Tensor:
+        """The group buffer's rows [3, width] for a replay of `bucket` rows: `groups` (PrefixGroups, or
+        None: every row alone) padded to the bucket's group slots."""
+        slots = group_slots(bucket)
+        if groups is None:
+            order, starts, prefixes = list(range(bucket)), [0] + [bucket] * slots, [0] * slots
+        else:
+            order, starts, prefixes = groups.padded(bucket, slots)
+        rows = torch.zeros((3, width), dtype=torch.int32)
+        rows[_ORDER, :bucket] = torch.tensor(order, dtype=torch.int32)
+        rows[_GROUP_STARTS, :slots + 1] = torch.tensor(starts, dtype=torch.int32)
+        rows[_PREFIX_LENS, :slots] = torch.tensor(prefixes, dtype=torch.int32)
+        return rows
 
     def last_sampled(self) -> torch.Tensor:
         """The last replay's sampled tokens [batch] int64 on the device, until the next replay."""

@@ -8,6 +8,7 @@ padding row of CUDA-graph batches) and, on CUDA, the decode graphs.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -84,8 +85,11 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, max_running: int, max_model_len: int, device: torch.device,
-                 attention_backend: str = "torch", linear_states=None, deterministic: bool = False):
+                 attention_backend: str = "torch", linear_states=None, deterministic: bool = False,
+                 shared_prefix_attention: bool = False):
         self.model = model
+        # decodes sharing prefix-cache slots read them once per group (Triton backend, default mode)
+        self.shared_prefix_attention = shared_prefix_attention and attention_backend == "triton"
         self.kv = kv
         self.linear_states = linear_states  # hybrid models: engine.linear_state.LinearStatePool
         self.device = device
@@ -129,7 +133,8 @@ class ModelRunner:
             from rollout_cli.engine.execution.triton_attention import (prepare_invariant_attention,
                                                                        prepare_triton_attention)
 
-            self._prepare = prepare_invariant_attention if deterministic else prepare_triton_attention
+            self._prepare = prepare_invariant_attention if deterministic else functools.partial(
+                prepare_triton_attention, shared_prefix=self.shared_prefix_attention)
         else:
             self._prepare = prepare_attention
 
@@ -148,7 +153,8 @@ class ModelRunner:
         assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
         self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.tokens, self.pad_row, self.scale,
                                    max_batch, self.linear_states, deterministic=self.deterministic,
-                                   keep_hidden=self.mtp_step is not None)
+                                   keep_hidden=self.mtp_step is not None,
+                                   shared_prefix=self.shared_prefix_attention and not self.deterministic)
         self.graphs.capture(warm_up)
         self._graph_max_batch = max_batch
         self.graphs_dropped = False

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from rollout_cli.engine.execution.attention import KVCache
+from rollout_cli.engine.execution.prefix_groups import group_shared_prefixes
 from rollout_kernels.batch_invariant_attention import batch_invariant_attention, block_rows, query_blocks
 from rollout_kernels.decode_attention import decode_attention
 from rollout_kernels.extend_attention import extend_attention
 from rollout_kernels.kv_store import store_kv
 from rollout_kernels.qk_norm_rope_store import qk_norm_rope_store
+from rollout_kernels.shared_prefix_decode_attention import shared_prefix_decode_attention
 
 
 # Decode programs wanted in flight: about four per SM of the H100/H200's 132. More KV splits only
@@ -52,6 +54,21 @@ def warm_decode_splits(kv: KVCache, req_to_token: torch.Tensor, pad_row: int, sc
     for splits in DECODE_SPLIT_COUNTS:
         decode_attention(q, kv.k[0], kv.v[0], req_to_token, rows, seq_lens, scale, num_kv_splits=splits,
                          **kv.scales(0))
+
+
+# Shared-prefix decode attention (--shared-prefix-attention): query rows of one prefix program (members x
+# query heads a kv head) and the prefix's KV splits; fixed per engine so each compiles once.
+PREFIX_ROWS = 64
+PREFIX_SPLITS = 4
+
+
+@dataclass
+class SharedPrefixMetadata:
+    """The decode part's groups (engine/execution/prefix_groups.py) as the kernel takes them."""
+
+    order: torch.Tensor  # [Bd] int32: decode indices, group by group
+    group_starts: torch.Tensor  # [NG + 1] int32
+    prefix_lens: torch.Tensor  # [NG] int32
 
 
 @dataclass
@@ -104,8 +121,9 @@ class TritonAttentionBatch(_PoolAttention):
 
     def __init__(self, kv: KVCache, req_to_token: torch.Tensor, store_slots: torch.Tensor,
                  decode_rows: torch.Tensor, decode_seq_lens: torch.Tensor, extend: ExtendMetadata | None,
-                 scale: float):
+                 scale: float, shared_prefix: SharedPrefixMetadata | None = None):
         super().__init__(kv, req_to_token, store_slots, scale)
+        self.shared_prefix = shared_prefix  # None: every decode reads its whole context itself
         self.decode_rows = decode_rows  # [Bd] int64
         self.decode_seq_lens = decode_seq_lens  # [Bd] int32
         self.num_decode = decode_rows.shape[0]
@@ -117,7 +135,14 @@ class TritonAttentionBatch(_PoolAttention):
         k_pool, v_pool = self.kv.k[layer_idx], self.kv.v[layer_idx]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd, scales = self.num_decode, self.kv.scales(layer_idx)
-        if nd:
+        if nd and self.shared_prefix is not None:
+            g = self.shared_prefix
+            shared_prefix_decode_attention(q[:nd], k_pool, v_pool, self.req_to_token, self.decode_rows,
+                                           self.decode_seq_lens, g.group_starts, g.prefix_lens, self.scale,
+                                           max_group_size=max(1, PREFIX_ROWS // (q.shape[1] // k_pool.shape[1])),
+                                           order=g.order, prefix_splits=PREFIX_SPLITS,
+                                           num_kv_splits=self.num_kv_splits, out=out[:nd], **scales)
+        elif nd:
             decode_attention(q[:nd], k_pool, v_pool, self.req_to_token, self.decode_rows, self.decode_seq_lens,
                              self.scale, num_kv_splits=self.num_kv_splits, out=out[:nd], **scales)
         if self.extend is not None:
@@ -150,9 +175,10 @@ class InvariantAttentionBatch(_PoolAttention):
 
 
 def prepare_triton_attention(entries, req_to_token: torch.Tensor, kv: KVCache, scale: float,
-                             store_slots: torch.Tensor) -> TritonAttentionBatch:
+                             store_slots: torch.Tensor, shared_prefix: bool = False) -> TritonAttentionBatch:
     """Entries must be ordered decodes (one new token) first, then prefill chunks; store_slots
-    [T] int64 holds the KV slot of every new token, in entry order."""
+    [T] int64 holds the KV slot of every new token, in entry order. shared_prefix: decodes that share
+    prefix slots read them once per group (when any do)."""
     device = req_to_token.device
     decodes = [e for e in entries if e.num_new_tokens == 1]
     prefills = entries[len(decodes):]
@@ -173,11 +199,15 @@ def prepare_triton_attention(entries, req_to_token: torch.Tensor, kv: KVCache, s
             seq_lens=ints([e.start + e.num_new_tokens for e in prefills], torch.int32),
             max_q_len=max(e.num_new_tokens for e in prefills),
         )
+    groups = group_shared_prefixes([e.request for e in decodes]) if shared_prefix and decodes else None
     return TritonAttentionBatch(
         kv, req_to_token, store_slots,
         decode_rows=ints([e.table_row for e in decodes], torch.int64),
         decode_seq_lens=ints([e.start + 1 for e in decodes], torch.int32),
         extend=extend, scale=scale,
+        shared_prefix=None if groups is None else SharedPrefixMetadata(
+            ints(groups.order, torch.int32), ints(groups.group_starts, torch.int32),
+            ints(groups.prefix_lens, torch.int32)),
     )
 
 
