@@ -44,7 +44,7 @@ EPISODE_RETENTION_SECONDS = float("inf")
 class ModelTurn:
     """What the environment sees of one model turn."""
 
-    text: str  # the turn's tokens decoded (special tokens skipped)
+    text: str  # the turn's tokens decoded (special tokens skipped), cut at its stop rule (stop_text.py)
     token_ids: list[int]
     finish_reason: str  # "stop" (eos, a stop token id or the completion of a --stop string: the last id) or "length"
     turn: int  # 0 for the first model turn
@@ -299,9 +299,8 @@ class EpisodeRunner:
                           list(row.episode["turn_cached_tokens"][:-1]), images=tuple(row.images))
         for k, (start, end) in enumerate(turns[:-1]):
             ids = response[start:end]
-            finish = self.engine.requests.finish_of(ids, episode.params)  # as the turn ended: eos, stop rules
-            step = _user_call(f"the environment's step on {where}", env.step,
-                              ModelTurn(self.engine.decode(ids), ids, finish, k))
+            finish, text = self.engine.requests.replayed_turn(ids, episode.params, self.engine.decode)  # as it ended
+            step = _user_call(f"the environment's step on {where}", env.step, ModelTurn(text, ids, finish, k))
             reward, observation = _step_answer(step, f"the environment's step on {where}")
             if step.done or self._observation_ids(observation) != response[end:turns[k + 1][0]]:
                 raise RolloutError(f"--continue-aborted: the environment answered model turn {k} of {where} "

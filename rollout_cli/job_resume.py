@@ -103,7 +103,11 @@ def check_resume(job: JobConfig, settings: dict, fingerprints: dict) -> None:
     for key in RESUME_KEYS if recorded is not None else LEGACY_RESUME_KEYS:
         old = previous.get(key)
         if key == "sampling" and isinstance(old, dict):  # a manifest from before a setting existed ran at its default
-            old = {**SAMPLING_DEFAULTS, **old}
+            # except the text rule: a run from before include_stop_str_in_output kept a stop rule's text in
+            # response_text (as the flag does, but for characters of the last token past a stop string);
+            # resumed without the flag, one OUT would hold both kinds of text
+            kept = {"include_stop_str_in_output": bool(old.get("stop") or old.get("stop_token_ids"))}
+            old = {**SAMPLING_DEFAULTS, **kept, **old}
         if key in previous and old != settings[key]:
             name, old, new = _difference(key, old, settings[key])
             raise RolloutError(

@@ -42,7 +42,8 @@ def run_command(
     seed: opt.Seed = 0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Generate past eos tokens until --max-new-tokens.", rich_help_panel=opt.SAMPLING)] = False,
     stop_token_ids: Annotated[str, typer.Option(help="Comma-separated token ids that also end a sample (finish_reason stop, the id kept as its last token), with or without --ignore-eos.", rich_help_panel=opt.SAMPLING)] = "",
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="A string that also ends a sample, with the token that completes it in the response's text (kept as its last token; finish_reason stop, stop_reason names it); repeat for several (at most 64, each at most 256 characters).", rich_help_panel=opt.SAMPLING)] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="A string that also ends a sample, with the token that completes it in the response's text (kept as its last token; finish_reason stop, stop_reason names it; response_text ends before the string, as vLLM's); repeat for several (at most 64, each at most 256 characters).", rich_help_panel=opt.SAMPLING)] = None,
+    include_stop_str_in_output: Annotated[bool, typer.Option("--include-stop-str-in-output", help="Keep the --stop string (through its end) and a stop token's or eos's text in response_text, as vLLM's flag of that name; by default the text ends before them (the token ids keep every token either way).", rich_help_panel=opt.SAMPLING)] = False,
     logprobs_mode: Annotated[str, typer.Option(help="processed: log_softmax(logits / temperature) over the tokens top-k / top-p / min-p keep; raw: before temperature and filters.", rich_help_panel=opt.SAMPLING)] = "processed",
     prompt_key: Annotated[str, typer.Option(help="Column with the prompt: text, chat messages, or token ids.", rich_help_panel=DATA)] = "prompt",
     image_key: Annotated[Optional[str], typer.Option(help="Vision-language models: column with each row's images ({bytes, path} structs, a list of them, bytes or paths; paths relative to the Parquet file's folder), placed at the prompt's <image> placeholders or image parts; default: images, else image, if the file has one. Rows gain image_grid_thw.", rich_help_panel=DATA)] = None,
@@ -81,7 +82,7 @@ def run_command(
         params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, min_p=min_p, seed=seed, ignore_eos=ignore_eos,
                                 stop_token_ids=opt.token_id_list("--stop-token-ids", stop_token_ids),
-                                stop=tuple(stop or ()),
+                                stop=tuple(stop or ()), include_stop_str_in_output=include_stop_str_in_output,
                                 logprobs_mode=logprobs_mode, top_logprobs=top_logprobs,
                                 return_sampling_mask=sampling_mask)
         if env is not None:

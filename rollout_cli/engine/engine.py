@@ -371,7 +371,7 @@ class Engine:
             response_token_ids=request.output_token_ids,
             response_logprobs=request.output_logprobs,
             **request.per_token_outputs(),  # response_top_logprobs, response_sampling_mask
-            response_text=self.decode(request.output_token_ids),
+            response_text=request.text(self.decode),  # cut at its stop rule (scheduling/stop_text.py)
             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
             # the version that sampled the last token (the current one for an empty response)
             weight_version=request.version_spans[-1][1] if request.version_spans else self.weight_version,

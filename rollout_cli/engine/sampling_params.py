@@ -91,6 +91,10 @@ class SamplingParams:
     """Also end a sample (finish_reason stop) with the token that completes any of these strings in the
     response's text, kept as its last token (vLLM's stop; matched on bytes: engine/scheduling/stop_strings.py);
     at most 64, each non-empty and at most 256 characters."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string (through its end) in the response's text, and the text of a stop token id or
+    eos, as vLLM's flag of that name; by default the text ends before them (scheduling/stop_text.py).
+    The token ids keep the token either way."""
     logprobs_mode: str = "processed"
     """processed: log_softmax(logits / temperature) renormalised over the tokens top_k / top_p / min_p keep
     (the distribution the token was drawn from); raw: log_softmax(logits)."""

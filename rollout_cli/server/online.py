@@ -6,8 +6,9 @@ it to the engine thread (EngineWorker.submit_online). The engine thread keeps th
 LiveRequests: their prompts wait in `inbox` until the stream's source takes them, every step feeds the
 running samples of a streaming request to their SampleText, and every finished sample goes back to its
 request. Stop strings and stop token ids end samples inside the engine (SamplingParams.stop,
-stop_token_ids); SampleText cuts the text before a stop string and, streaming, ends a sample whose text
-met one first. Events reach the request's asyncio loop thread-safely:
+stop_token_ids), which says which rule ended each (its stop_reason); SampleText cuts the text there by
+the rule `rollout run`'s rows follow (engine/scheduling/stop_text.py) and, streaming, holds back what
+could begin a stop string. Events reach the request's asyncio loop thread-safely:
     ("delta", index, token_ids, logprobs, text, tops)   new tokens of one sample (streaming requests only)
     ("finish", Choice)                            one sample ended; its whole response
     ("error", message)                            the engine cannot serve the request
@@ -52,8 +53,7 @@ class OnlineRequest:
     its event loop); from submission on, only the engine thread changes it."""
 
     def __init__(self, request_id: str, prompts: list[list[int]], params: SamplingParams, tokenizer: Any,
-                 stop: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (), stream: bool = False,
-                 session_id: str | None = None, images: list[tuple] | None = None):
+                 stream: bool = False, session_id: str | None = None, images: list[tuple] | None = None):
         self.request_id = request_id
         self.session_id = session_id  # one turn of this conversation (one prompt, n = 1)
         self.conversation: int | None = None  # with a session: the previous turn's prompt length (set on admission)
@@ -64,8 +64,8 @@ class OnlineRequest:
         # fed after every step only to stream: the engine ends samples at the stop rules (params.stop,
         # params.stop_token_ids), and the whole response's text is cut at the end (finish)
         self.watch = stream
-        self.samples = [[SampleText(tokenizer, stop, frozenset(stop_token_ids)) for _ in range(params.n)]
-                        for _ in prompts]
+        self.samples = [[SampleText(tokenizer, params.stop, params.include_stop_str_in_output)
+                         for _ in range(params.n)] for _ in prompts]
         self.num_finished = 0
         self.events: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
@@ -89,37 +89,31 @@ class OnlineRequest:
     # ---- engine thread -------------------------------------------------------------
 
     def progress(self, prompt: int, sample: int, token_ids: list[int], logprobs: list[float],
-                 tops: list | None = None) -> bool:
+                 tops: list | None = None) -> None:
         """The running sample's tokens so far (the engine request's own lists, read, not kept); streams
-        what is new. -> True when a stop rule ended the sample (the caller aborts its engine request)."""
+        what is new."""
         text = self.samples[prompt][sample]
         start = len(text.token_ids)
-        if text.stopped or len(token_ids) == start:
-            return False
+        if len(token_ids) == start:
+            return
         text.feed(token_ids[start:], logprobs[start:], tops[start:] if tops else None)
-        if text.stopped:
-            return True
         if self.stream:
             self._send_delta(prompt * self.params.n + sample, text, final=False)
-        return False
 
     def finish(self, prompt: int, sample: int, token_ids: list[int], logprobs: list[float], finish_reason: str,
                weight_versions: list[str], cached_prompt_tokens: int = 0, session_turn=None,
                tops: list | None = None, masks: list | None = None, stop_reason: str | int | None = None) -> None:
         """The sample ended (in the engine, by a stop rule, or aborted) with these tokens (`stop_reason`: the
-        stop rule that ended it in the engine, if one did). `session_turn(request, choice) -> statistics`
-        records a session's turn before the answer goes out."""
+        stop rule that ended it in the engine, if one did: the text is cut there). `session_turn(request,
+        choice) -> statistics` records a session's turn before the answer goes out."""
         text = self.samples[prompt][sample]
-        start = len(text.token_ids)
-        text.feed(token_ids[start:], logprobs[start:], tops[start:] if tops else None)
-        text.finish()
+        text.finish(token_ids, logprobs, tops, finish_reason, stop_reason)
         index = prompt * self.params.n + sample
         count = len(text.token_ids)
         choice = Choice(index, prompt, list(text.token_ids), list(text.logprobs), text.visible_text(final=True),
-                        "stop" if text.stopped else finish_reason, text.stop_reason if text.stopped else stop_reason,
-                        list(weight_versions[:count]),
+                        finish_reason, stop_reason, list(weight_versions[:count]),
                         cached_prompt_tokens, top_logprobs=list(text.tops),
-                        sampling_mask=None if masks is None else masks[:count])  # a stop string may cut tokens
+                        sampling_mask=None if masks is None else masks[:count])
         if session_turn is not None and self.session_id is not None:
             choice.session = session_turn(self, choice)
         self._emit(("finish", choice))
@@ -172,29 +166,18 @@ class LiveRequests:
         request = self.by_id.get(key[0]) if key else None
         return None if request is None else (request, key[1])
 
-    def on_step(self, running) -> list:
-        """Feed the running samples of watched requests; -> the engine requests a stop rule ended."""
+    def after_step(self, running) -> None:
+        """Between engine steps: feed the running samples of watched requests (the engine ends samples at
+        their stop rules itself: a finished sample comes back through `finish`)."""
         if not self.num_watched:
-            return []
-        stopped = []
+            return
         for engine_request in running:
             found = self.owner(engine_request.payload)
             if found is None or not found[0].watch:
                 continue
             request, prompt = found
-            if request.progress(prompt, engine_request.sample_index, engine_request.output_token_ids,
-                                engine_request.output_logprobs, engine_request.output_top_logprobs):
-                stopped.append(engine_request)
-        return stopped
-
-    def after_step(self, control, running) -> None:
-        """Between engine steps: feed the watched samples; those a stop rule ended leave the engine now
-        (their slots freed) and go back to their requests."""
-        stopped = self.on_step(running)
-        if stopped:
-            chosen = set(map(id, stopped))
-            for trajectory in control.abort(lambda r: id(r) in chosen):
-                self.finish(trajectory)
+            request.progress(prompt, engine_request.sample_index, engine_request.output_token_ids,
+                             engine_request.output_logprobs, engine_request.output_top_logprobs)
 
     def abort(self, control, request_id: str | None = None) -> int:
         """End online requests now (one, or all): samples in the engine come back with their tokens so

@@ -84,7 +84,7 @@ class OnlineCommands:
                     return
 
         def step_hook():
-            live.after_step(self.control, engine.scheduler.running)
+            live.after_step(engine.scheduler.running)
             self.between_steps(None)
 
         try:

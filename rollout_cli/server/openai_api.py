@@ -3,8 +3,8 @@
 Agent frameworks and RL environment libraries drive an engine through the official `openai` client;
 these routes take its requests unchanged, with the extensions RL needs (vLLM's names where it has
 them): `return_token_ids` (the prompt's and each choice's token ids, and the weight version of every
-token), token ids as the completions prompt, `stop_token_ids`, `top_k`, `min_p`, `ignore_eos`,
-`request_id` (abort it with POST /abort_request {"request_id": ...}), `session_id` (one turn of a
+token), token ids as the completions prompt, `stop_token_ids`, `include_stop_str_in_output`, `top_k`, `min_p`,
+`ignore_eos`, `request_id` (abort it with POST /abort_request {"request_id": ...}), `session_id` (one turn of a
 multi-turn conversation whose KV stays pinned for the next turn, engine/scheduling/sessions.py),
 `return_sampling_mask` (SGLang's name: each choice's `sampling_mask`, per token the ids top_k / top_p /
 min_p kept; whole responses only) and `chat_template_kwargs`. Vision-language checkpoints take image parts in chat messages (openai_images.py).
@@ -155,9 +155,8 @@ async def _serve(routes: OpenAIRoutes, body: SamplingKeys, http: Request, chat: 
         if stop_strings(body) and routes.tokenizer is None:
             raise RolloutError("stop strings need the model's tokenizer files; pass stop_token_ids instead")
         request_id = body.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        request = OnlineRequest(request_id, prompts, params, worker.engine.tokenizer, stop_strings(body),
-                                tuple(body.stop_token_ids), stream=body.stream, session_id=body.session_id,
-                                images=prompt_images)
+        request = OnlineRequest(request_id, prompts, params, worker.engine.tokenizer, stream=body.stream,
+                                session_id=body.session_id, images=prompt_images)
         await asyncio.wrap_future(worker.submit_online(request))
     except Conflict as err:
         return _error(409, str(err))

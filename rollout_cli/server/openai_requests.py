@@ -47,6 +47,7 @@ class SamplingKeys(OpenAIBody):
     min_p: float = 0.0
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) stays in the text
     return_token_ids: bool = False
     request_id: Optional[str] = Field(None, max_length=256)
     session_id: Optional[str] = Field(None, max_length=256)
@@ -150,9 +151,10 @@ def sampling_params(body: SamplingKeys, max_tokens: int) -> SamplingParams:
         seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
         ignore_eos=body.ignore_eos, logprobs_mode=body.logprobs_mode, top_logprobs=top_logprobs_of(body),
         return_sampling_mask=body.return_sampling_mask,
-        # the engine ends a sample at its stop rules itself (no token past them is generated); the request's
-        # SampleText still applies them to the text, which ends before a stop string (server/text_stream.py)
+        # the engine ends a sample at its stop rules itself (no token past them is generated) and names the
+        # rule; the text is cut there as `rollout run`'s rows are (scheduling/stop_text.py, text_stream.py)
         stop=stop_strings(body), stop_token_ids=tuple(body.stop_token_ids),
+        include_stop_str_in_output=body.include_stop_str_in_output,
     )
 
 

@@ -1,8 +1,9 @@
 """`rollout run --stop STR`: a sample ends inside the engine with the token that completes a stop string
 (finish_reason stop, stop_reason names it, the token kept as its last), so its row is the unstopped row
-cut right after the token where the decoded text first holds the string. The expectation is computed
-here with tokenizer.decode, independently of the engine's byte table. Also: bad lists are one line,
---resume compares the strings, episode turns honour them.
+cut right after the token where the decoded text first holds the string; its response_text ends before
+the string (before a stop token's text), through it with --include-stop-str-in-output (vLLM's rule).
+The expectation is computed here with tokenizer.decode, independently of the engine's byte table. Also:
+bad lists are one line, --resume compares the strings and the text rule, episode turns honour them.
 
 The example model's greedy rows are all newlines, so most checks run seeded samples at temperature 1:
 a sample's random stream is keyed by (seed, prompt, sample, position), never by the batch, so in
@@ -69,6 +70,14 @@ def _first_hit(tokenizer, ids: list[int], stop: str) -> int | None:
     return next((i for i in range(len(ids)) if stop in _text(tokenizer, ids[: i + 1])), None)
 
 
+def _expected_text(tokenizer, ids: list[int], reason: str, stop_id: int, include: bool = False) -> str:
+    """vLLM's text of a row that `reason` (a stop string, or str(stop_id)) ended at its last token."""
+    if reason == str(stop_id):  # the stop token's text is left out, or decoded as any other token's
+        return _text(tokenizer, ids if include else ids[:-1])
+    text = _text(tokenizer, ids)
+    return text[: text.find(reason) + (len(reason) if include else 0)]
+
+
 def _spanning_stop(tokenizer, ids: list[int]) -> str:
     """Three characters of the text across a token boundary (no U+FFFD near it): a stop string whose
     first occurrence the token completing it does not hold alone."""
@@ -106,12 +115,14 @@ def test_rows_end_at_the_token_that_completes_a_stop_string(free, tokenizer, tmp
         assert row["response_token_ids"] == full[: cut + 1], pair  # the token that completed it is kept
         assert row["response_logprobs"] == pytest.approx(free[pair]["response_logprobs"][: cut + 1], abs=1e-5)
         assert len(row["response_weight_versions"]) == cut + 1
-        assert row["response_text"] == _text(tokenizer, full[: cut + 1])
         assert row["finish_reason"] == "stop" and row["stop_reason"] in {s for s, i in hits.items() if i == cut}
+        assert row["response_text"] == _expected_text(tokenizer, full[: cut + 1], row["stop_reason"], stop_id)
+        assert row["stop_reason"] == str(stop_id) or row["stop_reason"] not in row["response_text"]
         reasons.add(row["stop_reason"])
     assert {spanning, word, str(stop_id)} <= reasons  # every rule ended a row; the absent one none
     sampling = json.loads((out / "manifest.json").read_text())["sampling"]
     assert sampling["stop"] == [spanning, word, ABSENT] and sampling["stop_token_ids"] == [stop_id]
+    assert sampling["include_stop_str_in_output"] is False
     # the rows are rollout score's input as any run's
     scored = _cli("score", "--model", MODEL, "--device", "cpu", "--data", out, "--out", tmp_path / "scores", "--quiet")
     assert scored.returncode == 0, scored.stderr
@@ -123,6 +134,30 @@ def test_rows_end_at_the_token_that_completes_a_stop_string(free, tokenizer, tmp
         lines = refused.stderr.strip().splitlines()
         assert refused.returncode == 2 and len(lines) == 1 and "sampling.stop" in lines[0], refused.stderr
     assert _rows(out) == rows
+    # --include-stop-str-in-output: the same tokens, logprobs and stop reasons; the text keeps the rule's
+    kept_out = tmp_path / "kept"
+    flags = ["--stop", spanning, "--stop", word, "--stop", ABSENT, "--stop-token-ids", stop_id]
+    result = _cli(*RUN, *SEEDED, "--out", kept_out, *flags, "--include-stop-str-in-output")
+    assert result.returncode == 0, result.stderr
+    kept = _rows(kept_out)
+    assert json.loads((kept_out / "manifest.json").read_text())["sampling"]["include_stop_str_in_output"] is True
+    same = ("response_token_ids", "finish_reason", "stop_reason", "response_weight_versions")
+    for pair, row in kept.items():
+        assert [row[k] for k in same] == [rows[pair][k] for k in same], pair
+        assert row["response_logprobs"] == pytest.approx(rows[pair]["response_logprobs"], abs=1e-5)
+        if row["finish_reason"] == "stop":
+            want = _expected_text(tokenizer, row["response_token_ids"], row["stop_reason"], stop_id, include=True)
+            assert row["response_text"] == want and want.startswith(rows[pair]["response_text"])
+        else:
+            assert row["response_text"] == rows[pair]["response_text"]
+    assert any(row["stop_reason"] in (spanning, word) and row["stop_reason"] in row["response_text"]
+               for row in kept.values())
+    # --resume refuses the other text rule either way, in one line naming it
+    for target, other in ((out, ["--include-stop-str-in-output"]), (kept_out, [])):
+        refused = _cli(*RUN, *SEEDED, "--out", target, "--resume", *flags, *other)
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+        assert "sampling.include_stop_str_in_output" in lines[0], refused.stderr
 
 
 def test_a_stop_string_over_several_greedy_tokens(tmp_path):
@@ -135,22 +170,28 @@ def test_a_stop_string_over_several_greedy_tokens(tmp_path):
         full = free[pair]["response_token_ids"]
         assert full[:3] == [full[0]] * 3 and free[pair]["response_text"].startswith("\n\n\n")
         assert row["response_token_ids"] == full[:3] and row["stop_reason"] == "\n\n\n"
+        assert row["response_text"] == ""  # the response is the stop string: nothing before it
 
 
 def test_a_run_from_before_stop_strings_and_the_column_resumes_as_it_was_written(free, tmp_path):
-    """A --stop-token-ids run written before --stop (no sampling.stop in its manifest) and stop_reason (its
-    shards lack the column): --resume without --stop continues it, its new shards without the column too."""
+    """A --stop-token-ids run written before --stop (no sampling.stop in its manifest), stop_reason (its
+    shards lack the column) and the text rule (its text kept the stop token's, as
+    --include-stop-str-in-output does): --resume without --stop continues it, its new shards without
+    the column too, once the flag says the text is kept; without the flag it is refused."""
     out, stop_id = tmp_path / "old", free[0, 0]["response_token_ids"][3]
     args = [*RUN, *SEEDED, "--limit", "2", "--shard-rows", "1", "--out", out, "--stop-token-ids", stop_id]
-    assert _cli(*args).returncode == 0
+    assert _cli(*args, "--include-stop-str-in-output").returncode == 0
     manifest = json.loads((out / "manifest.json").read_text())
-    del manifest["sampling"]["stop"]
+    del manifest["sampling"]["stop"], manifest["sampling"]["include_stop_str_in_output"]
     (out / "manifest.json").write_text(json.dumps(manifest))
     shards = sorted((out / "trajectories").glob("part-*.parquet"))
     for shard in shards:
         pq.write_table(pq.read_table(shard).drop_columns(["stop_reason"]), shard)
     want = _rows(out)
     shards[0].unlink()  # its row is generated again
+    refused = _cli(*args, "--resume")
+    assert refused.returncode == 2 and "sampling.include_stop_str_in_output=True" in refused.stderr
+    args.append("--include-stop-str-in-output")
     assert _cli(*args, "--resume").returncode == 0
     assert all("stop_reason" not in pq.read_schema(path).names for path in (out / "trajectories").iterdir())
     assert _rows(out) == want
@@ -171,8 +212,9 @@ def test_a_bad_stop_list_is_one_line(tmp_path, flags, message):
 
 
 def test_episode_turns_end_at_the_stop_string_of_their_own_text(tokenizer):
-    """--env: each model turn is a request of the job's params, so a turn ends at the stop string;
-    the conversation before it (the observation spells the stop string) ends nothing."""
+    """--env: each model turn is a request of the job's params, so a turn ends at the stop string (its
+    text, which the environment reads, before it); the conversation before it (the observation spells
+    the stop string) ends nothing."""
     class Echo:
         def __init__(self):
             self.turns = []
@@ -192,6 +234,8 @@ def test_episode_turns_end_at_the_stop_string_of_their_own_text(tokenizer):
         hit = _first_hit(tokenizer, turn.token_ids, " 4")
         if turn.finish_reason == "stop":
             assert hit == len(turn.token_ids) - 1, turn
+            full = _text(tokenizer, turn.token_ids)  # the environment reads the text before the stop string
+            assert turn.text == full[: full.find(" 4")], turn
         else:
             assert turn.finish_reason == "length" and hit is None and len(turn.token_ids) == 12, turn
     assert sum(turn.finish_reason == "stop" for turn in turns) >= 2

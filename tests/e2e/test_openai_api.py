@@ -166,11 +166,21 @@ def test_stop_strings_and_stop_token_ids_cut_where_they_say(server):
     streamed = "".join(c.choices[0].text for c in client.completions.create(**base, stop=stop, stream=True)
                        if c.choices)
     assert streamed == cut.text
+    # vLLM's include_stop_str_in_output: the same tokens, the text through the stop string
+    keep = dict(base, extra_body={**base["extra_body"], "include_stop_str_in_output": True})
+    through = client.completions.create(**keep, stop=[stop, "never-in-the-text"]).choices[0]
+    assert _ids(through) == kept and through.model_extra["stop_reason"] == stop
+    assert through.text == text[: text.find(stop) + len(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**keep, stop=stop, stream=True)
+                       if c.choices)
+    assert streamed == through.text
     token = full_ids[5]
     by_token = client.completions.create(**{**base, "extra_body": {**base["extra_body"], "stop_token_ids": [token]}})
     choice = by_token.choices[0]
-    assert _ids(choice) == full_ids[: full_ids.index(token) + 1]
+    end = full_ids.index(token)
+    assert _ids(choice) == full_ids[: end + 1]
     assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == token
+    assert choice.text == _decode(full_ids[:end])  # vLLM leaves a stop token's text out
 
 
 def _decode(ids: list[int]) -> str:

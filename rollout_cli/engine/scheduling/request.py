@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from rollout_cli.engine.sampling_params import SamplingParams
+from rollout_cli.engine.scheduling.stop_text import stopped_text
 
 
 class RequestStatus(enum.Enum):
@@ -170,6 +171,12 @@ class Request:
             self.finish_reason, self.stop_reason = "stop", matched
         elif len(self.output_token_ids) >= self.params.max_new_tokens or self.num_tokens >= self.max_model_len:
             self.finish_reason = "length"
+
+    def text(self, decode) -> str:
+        """The response's text (`decode`: ids -> text, special tokens skipped), cut where the stop rule that
+        ended it says (vLLM's rule, shared with the OpenAI routes: stop_text.py)."""
+        return stopped_text(decode, self.output_token_ids, self.finish_reason, self.stop_reason,
+                            self.params.include_stop_str_in_output)
 
     def per_token_outputs(self) -> dict:
         """The per-token outputs its params ask for, as Trajectory fields (None where not asked)."""

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.engine.scheduling.request import Request
 from rollout_cli.engine.scheduling.stop_strings import StopMatcher, TokenBytes
+from rollout_cli.engine.scheduling.stop_text import stopped_text
 from rollout_cli.engine.trajectory import PartialSample, PromptInput, ScoreInput
 from rollout_cli.errors import RolloutError
 
@@ -130,13 +131,26 @@ class RequestMaker:
         """How a sample with these response tokens ended if it ended at its last token: "stop" where that token
         meets a stop rule (eos unless ignore_eos, a stop token id, the completion of a stop string: append_token's
         rules), else "length". Replaying a finished model turn of an episode (episodes.py) needs it."""
+        return self.ending_of(token_ids, params)[0]
+
+    def replayed_turn(self, token_ids: Sequence[int], params: SamplingParams, decode) -> tuple[str, str]:
+        """(finish_reason, text) of a finished model turn replayed (episodes.py): finish_of's, and the text the
+        turn had (`decode`: ids -> text), cut by the stop rule that ended it (stop_text.py)."""
+        finish, reason = self.ending_of(token_ids, params)
+        return finish, stopped_text(decode, token_ids, finish, reason, params.include_stop_str_in_output)
+
+    def ending_of(self, token_ids: Sequence[int], params: SamplingParams) -> tuple[str, str | int | None]:
+        """finish_of's (finish_reason, stop_reason): the stop string or stop token id, as Request.stop_reason."""
         last = token_ids[-1] if token_ids else None
         if last is None:
-            return "length"
-        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
-            return "stop"
+            return "length", None
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return "stop", None
+        if last in params.stop_token_ids:
+            return "stop", last
         matcher = self.stop_matcher(params, token_ids[:-1])
-        return "stop" if matcher is not None and matcher.push(last) is not None else "length"
+        matched = matcher.push(last) if matcher is not None else None
+        return ("length", None) if matched is None else ("stop", matched)
 
     @staticmethod
     def _carried_masks(sample: PartialSample, params: SamplingParams, where: str) -> list:
