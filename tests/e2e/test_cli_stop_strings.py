@@ -194,7 +194,13 @@ def test_a_run_from_before_stop_strings_and_the_column_resumes_as_it_was_written
     args.append("--include-stop-str-in-output")
     assert _cli(*args, "--resume").returncode == 0
     assert all("stop_reason" not in pq.read_schema(path).names for path in (out / "trajectories").iterdir())
-    assert _rows(out) == want
+    # the regenerated row ran in another batch: its logprobs within float32 noise, the rest the same
+    rows = _rows(out)
+    assert rows.keys() == want.keys()
+    for pair, row in rows.items():
+        assert row["response_logprobs"] == pytest.approx(want[pair]["response_logprobs"], abs=1e-5)
+        assert {k: v for k, v in row.items() if k != "response_logprobs"} == \
+            {k: v for k, v in want[pair].items() if k != "response_logprobs"}
     refused = _cli(*args, "--resume", "--stop", "x")
     assert refused.returncode == 2 and "sampling.stop" in refused.stderr
 

@@ -36,8 +36,12 @@ def test_chat_top_logprobs_are_the_engines_and_stream_alike(server):  # noqa: F8
     streamed = [c for chunk in client.chat.completions.create(**kwargs, stream=True) for c in chunk.choices
                 if c.logprobs is not None and c.logprobs.content]
     entries = [e for c in streamed for e in c.logprobs.content]
-    assert [[(t.token, t.logprob) for t in e.top_logprobs] for e in entries] == \
-        [[(t.token, t.logprob) for t in e.top_logprobs] for e in content]
+    # the same tokens; logprobs within float32 noise: the streamed request's prompt comes from the prefix
+    # cache, so its prefill runs other shapes, and CPU kernels may round those apart in the last bit
+    assert [[t.token for t in e.top_logprobs] for e in entries] == [[t.token for t in e.top_logprobs] for e in content]
+    for streamed_entry, entry in zip(entries, content, strict=True):
+        assert [t.logprob for t in streamed_entry.top_logprobs] == \
+            pytest.approx([t.logprob for t in entry.top_logprobs], abs=1e-5)
 
 
 def test_completions_integer_logprobs_give_one_map_per_position(server):  # noqa: F811
