@@ -159,7 +159,8 @@ class DecodeGraphs:
                     self._forward(batch)
                 # eager mixed steps use split counts no bucket has; q is the model's dtype (the pool's may be e4m3)
                 warm_decode_splits(self.kv, self.req_to_token, self.pad_row, self.scale,
-                                   self.model.model.embed_tokens.weight.dtype, _attention_heads(self.model))
+                                   self.model.model.embed_tokens.weight.dtype, _attention_heads(self.model),
+                                   shared_prefix=self.shared_prefix)
             torch.cuda.current_stream().wait_stream(side)
         pool = None
         for batch in reversed(self.buckets):  # largest first so smaller graphs reuse its pool

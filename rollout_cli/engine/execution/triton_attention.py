@@ -43,19 +43,6 @@ def decode_kv_splits(batch: int, num_kv_heads: int) -> int:
     return min(MAX_KV_SPLITS, 1 << max(0, want.bit_length() - 1))
 
 
-def warm_decode_splits(kv: KVCache, req_to_token: torch.Tensor, pad_row: int, scale: float, dtype: torch.dtype,
-                       num_heads: int) -> None:
-    """Compile the decode kernel for every split count now, on one padding request (row pad_row,
-    one key in slot 0), so no step compiles later."""
-    device = req_to_token.device
-    q = torch.zeros((1, num_heads, kv.k.shape[-1]), dtype=dtype, device=device)
-    rows = torch.full((1,), pad_row, dtype=torch.int64, device=device)
-    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-    for splits in DECODE_SPLIT_COUNTS:
-        decode_attention(q, kv.k[0], kv.v[0], req_to_token, rows, seq_lens, scale, num_kv_splits=splits,
-                         **kv.scales(0))
-
-
 # Shared-prefix decode attention (--shared-prefix-attention): query rows of one prefix program (members x
 # query heads a kv head) and the prefix's KV splits; fixed per engine so each compiles once.
 PREFIX_ROWS = 64
@@ -69,6 +56,35 @@ class SharedPrefixMetadata:
     order: torch.Tensor  # [Bd] int32: decode indices, group by group
     group_starts: torch.Tensor  # [NG + 1] int32
     prefix_lens: torch.Tensor  # [NG] int32
+
+
+def shared_prefix_decode(q, k_pool, v_pool, req_to_token, rows, seq_lens, groups: SharedPrefixMetadata, scale: float,
+                         num_kv_splits: int, out: torch.Tensor, **scales) -> torch.Tensor:
+    """Shared-prefix decode attention with the engine's fixed knobs (PREFIX_ROWS, PREFIX_SPLITS)."""
+    members = max(1, PREFIX_ROWS // (q.shape[1] // k_pool.shape[1]))  # a prefix program's members at once
+    return shared_prefix_decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, groups.group_starts,
+                                          groups.prefix_lens, scale, max_group_size=members, order=groups.order,
+                                          prefix_splits=PREFIX_SPLITS, num_kv_splits=num_kv_splits, out=out,
+                                          **scales)
+
+
+def warm_decode_splits(kv: KVCache, req_to_token: torch.Tensor, pad_row: int, scale: float, dtype: torch.dtype,
+                       num_heads: int, shared_prefix: bool = False) -> None:
+    """Compile the decode kernel (and with shared_prefix the shared-prefix kernels) for every split count
+    now, on one padding request (row pad_row, one key in slot 0), so no step compiles later."""
+    device = req_to_token.device
+    q = torch.zeros((1, num_heads, kv.k.shape[-1]), dtype=dtype, device=device)
+    rows = torch.full((1,), pad_row, dtype=torch.int64, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    alone = SharedPrefixMetadata(torch.zeros(1, dtype=torch.int32, device=device),
+                                 torch.tensor([0, 1], dtype=torch.int32, device=device),
+                                 torch.zeros(1, dtype=torch.int32, device=device))
+    for splits in DECODE_SPLIT_COUNTS:
+        decode_attention(q, kv.k[0], kv.v[0], req_to_token, rows, seq_lens, scale, num_kv_splits=splits,
+                         **kv.scales(0))
+        if shared_prefix:
+            shared_prefix_decode(q, kv.k[0], kv.v[0], req_to_token, rows, seq_lens, alone, scale, splits,
+                                 torch.empty_like(q), **kv.scales(0))
 
 
 @dataclass
@@ -136,12 +152,8 @@ class TritonAttentionBatch(_PoolAttention):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd, scales = self.num_decode, self.kv.scales(layer_idx)
         if nd and self.shared_prefix is not None:
-            g = self.shared_prefix
-            shared_prefix_decode_attention(q[:nd], k_pool, v_pool, self.req_to_token, self.decode_rows,
-                                           self.decode_seq_lens, g.group_starts, g.prefix_lens, self.scale,
-                                           max_group_size=max(1, PREFIX_ROWS // (q.shape[1] // k_pool.shape[1])),
-                                           order=g.order, prefix_splits=PREFIX_SPLITS,
-                                           num_kv_splits=self.num_kv_splits, out=out[:nd], **scales)
+            shared_prefix_decode(q[:nd], k_pool, v_pool, self.req_to_token, self.decode_rows, self.decode_seq_lens,
+                                 self.shared_prefix, self.scale, self.num_kv_splits, out[:nd], **scales)
         elif nd:
             decode_attention(q[:nd], k_pool, v_pool, self.req_to_token, self.decode_rows, self.decode_seq_lens,
                              self.scale, num_kv_splits=self.num_kv_splits, out=out[:nd], **scales)
