@@ -176,11 +176,15 @@ def _decode_config(dtype, head_dim: int, kv_dtype=None) -> tuple[int, int, int]:
     return 64, 4, 3
 
 
+# fp16 dots for a bf16 model over an e4m3 pool: off until `device_check.sh kvsweep` shows them faster on the GPU
+F16_DOTS_OVER_E4M3 = False
+
+
 def _f16_dots(dtype, kv_dtype) -> bool:
     """Whether stage 1 takes its dots in fp16 (q, k, v and p cast to fp16, float32 sums): for a bf16 model
     reading an e4m3 pool, where e4m3 -> f16 is a single conversion and e4m3 -> bf16 is not. Exact for the
     pool (every e4m3 value is an f16); q and p get f16's 10 mantissa bits, more than bf16's 7."""
-    return dtype == torch.bfloat16 and kv_dtype == KV_FP8_DTYPE
+    return F16_DOTS_OVER_E4M3 and dtype == torch.bfloat16 and kv_dtype == KV_FP8_DTYPE
 
 
 def decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: float,
