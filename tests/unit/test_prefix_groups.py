@@ -50,3 +50,26 @@ def test_none_when_nothing_is_worth_sharing():
     short = [request(0, PROMPT[:20], 20), request(0, PROMPT[:20], 20)]
     assert group_shared_prefixes(short, min_prefix=32) is None
     assert group_shared_prefixes(short, min_prefix=16).prefix_lens == [20, 0]
+
+
+def test_the_graph_group_buffer_pads_every_bucket():
+    """cuda_graphs.DecodeGraphs._group_rows: the rows a replay's static group buffer gets (importable on the
+    CPU: it is plain torch on host tensors)."""
+    from rollout_cli.engine.execution.cuda_graphs import MAX_SHARED_GROUPS, DecodeGraphs, group_slots
+
+    assert [group_slots(b) for b in (1, 2, 16, 256)] == [1, 2, 9, MAX_SHARED_GROUPS + 1]
+    alone = DecodeGraphs._group_rows(None, 4, 6)  # every row alone: one group of prefix 0, the rest empty
+    assert alone[0, :4].tolist() == [0, 1, 2, 3] and alone[1, :4].tolist() == [0, 4, 4, 4]
+    assert alone[2, :3].tolist() == [0, 0, 0]
+    batch = [request(0, PROMPT + [1], 64), request(1, PROMPT[:5], 5), request(0, PROMPT + [2], 64)]
+    rows = DecodeGraphs._group_rows(group_shared_prefixes(batch), 4, 5)  # 3 requests in a bucket of 4
+    assert rows[0, :4].tolist() == [0, 2, 1, 3] and rows[1, :4].tolist() == [0, 2, 4, 4]
+    assert rows[2, :3].tolist() == [64, 0, 0]
+
+
+def test_groups_beyond_the_cap_stay_alone():
+    prompts = [list(range(1000 * p, 1000 * p + 40)) for p in range(3)]
+    batch = [request(p, prompts[p] + [s], 40) for p in range(3) for s in range(2)]
+    groups = group_shared_prefixes(batch, max_groups=3)  # two sharing groups, then the requests alone
+    assert groups.prefix_lens == [40, 40, 0] and groups.order == [0, 1, 2, 3, 4, 5]
+    assert groups.group_starts == [0, 2, 4, 6]
