@@ -35,6 +35,28 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _attend_key_tile(q, acc, m_i, l_i, n0, end, rt_base, k_base, v_base, stride_ks, stride_vs, offs_d,
+                     sm_scale_log2, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over keys [n0, min(n0 + BLOCK_N, end)) of a table row (slots at rt_base):
+    q [M, D] in the dot dtype, acc [M, D] / m_i, l_i [M] float32 -> the updated (acc, m_i, l_i)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    slots = tl.load(rt_base + offs_n, mask=mask_n, other=0).to(tl.int64)  # [BLOCK_N]
+    k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :],
+                mask=mask_n[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D] (e4m3 -> q's: exact)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [M, BLOCK_N]
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :],
+                mask=mask_n[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _decode_attention_stage1_kernel(
     Q, K, V, ReqToToken, Rows, SeqLens, KeyStarts, MidO, MidLse, Out,
     sm_scale_log2,  # softmax scale * k_scale * log2(e): the kernel works in base 2
@@ -79,21 +101,8 @@ def _decode_attention_stage1_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        slots = tl.load(rt_base + offs_n, mask=mask_n, other=0).to(tl.int64)  # [BLOCK_N]
-        k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D] (e4m3 -> q's: exact)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_key_tile(q, acc, m_i, l_i, n0, end, rt_base, k_base, v_base, stride_ks, stride_vs,
+                                         offs_d, sm_scale_log2, BLOCK_N, DOT_PRECISION)
 
     if NUM_SPLITS == 1 and not HAS_KEY_STARTS:  # the whole sequence: normalise, store the output (seq_len 0: zeros)
         out = tl.where(l_i[:, None] > 0.0, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale, 0.0)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import (_LOG2E, _check_common, _decode_attention_stage1_kernel,
+from .decode_attention import (_LOG2E, _attend_key_tile, _check_common, _decode_attention_stage1_kernel,
                                _decode_attention_stage2_kernel, _decode_config, _f16_dots, decode_attention,
                                decode_attention_ref)
 from .kv_fp8_ref import from_pool_ref
@@ -76,22 +76,9 @@ def _shared_prefix_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            slots = tl.load(rt_base + offs_n, mask=mask_n, other=0).to(tl.int64)  # [BLOCK_N]
-            k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :],
-                        mask=mask_n[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D]
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :],
-                        mask=mask_n[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        for n0 in range(start, end, BLOCK_N):  # the prefix's keys, once for the chunk's BLOCK_M query rows
+            acc, m_i, l_i = _attend_key_tile(q, acc, m_i, l_i, n0, end, rt_base, k_base, v_base, stride_ks,
+                                             stride_vs, offs_d, sm_scale_log2, BLOCK_N, DOT_PRECISION)
 
         mid_lse = MidLse + reqs * stride_mlb + heads * stride_mlh + split
         if end > start:
