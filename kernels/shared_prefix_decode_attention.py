@@ -191,41 +191,53 @@ def shared_prefix_decode_attention_ref(q, k_pool, v_pool, req_to_token, rows, se
     return out
 
 
-def benchmark_shared_prefix(num_groups: int = 16, group_size: int = 16, prefix_len: int = 512,
-                            suffix_len: int = 512, num_heads: int = 16, num_kv_heads: int = 8, head_dim: int = 128,
-                            dtype=torch.bfloat16, kv_dtype=None, prefix_splits: int = 4,
-                            hbm_bytes_per_s: float | None = None) -> dict:
-    """Time plain decode_attention against the shared-prefix path on CUDA, one decode step of
-    num_groups x group_size requests of prefix_len shared + suffix_len own keys (slots scattered).
-    Bytes that must move: each group's prefix once, every request's suffix, q and out."""
-    assert torch.cuda.is_available(), "benchmark_shared_prefix needs a CUDA device"
-    device, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
+def grouped_case(num_groups: int, group_size: int, prefix_len: int, suffix_len: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, dtype, kv_dtype, device) -> dict:
+    """One decode step of num_groups x group_size requests of prefix_len shared + suffix_len own keys
+    (slots scattered), as keyword arguments of shared_prefix_decode_attention (less the tuning ones)."""
+    gen = torch.Generator(device=device).manual_seed(0)
     batch, seq_len = num_groups * group_size, prefix_len + suffix_len
     num_slots = num_groups * prefix_len + batch * suffix_len
-    kv_dtype = kv_dtype or dtype
     k_pool = torch.randn((num_slots, num_kv_heads, head_dim), device=device, generator=gen).to(kv_dtype)
     v_pool = torch.randn((num_slots, num_kv_heads, head_dim), device=device, generator=gen).to(kv_dtype)
     perm = torch.randperm(num_slots, device=device, generator=gen).to(torch.int32)
     prefixes = perm[: num_groups * prefix_len].view(num_groups, 1, prefix_len).expand(-1, group_size, -1)
     suffixes = perm[num_groups * prefix_len:].view(num_groups, group_size, suffix_len)
-    req_to_token = torch.cat([prefixes, suffixes], dim=2).reshape(batch, seq_len).contiguous()
-    q = torch.randn((batch, num_heads, head_dim), dtype=dtype, device=device, generator=gen)
-    rows = torch.arange(batch, dtype=torch.int32, device=device)
-    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
-    group_starts = torch.arange(0, batch + 1, group_size, dtype=torch.int32, device=device)
-    prefix_lens = torch.full((num_groups,), prefix_len, dtype=torch.int32, device=device)
-    scale, out = 1.0 / math.sqrt(head_dim), torch.empty_like(q)
-    plain_splits = 1 if batch * num_kv_heads >= 512 else 4
+    return dict(
+        q=torch.randn((batch, num_heads, head_dim), device=device, generator=gen).to(dtype),
+        k_pool=k_pool, v_pool=v_pool,
+        req_to_token=torch.cat([prefixes, suffixes], dim=2).reshape(batch, seq_len).contiguous(),
+        rows=torch.arange(batch, dtype=torch.int32, device=device),
+        seq_lens=torch.full((batch,), seq_len, dtype=torch.int32, device=device),
+        group_starts=torch.arange(0, batch + 1, group_size, dtype=torch.int32, device=device),
+        prefix_lens=torch.full((num_groups,), prefix_len, dtype=torch.int32, device=device),
+        scale=1.0 / math.sqrt(head_dim))
+
+
+def benchmark_shared_prefix(num_groups: int = 16, group_size: int = 16, prefix_len: int = 512,
+                            suffix_len: int = 512, num_heads: int = 16, num_kv_heads: int = 8, head_dim: int = 128,
+                            dtype=torch.bfloat16, kv_dtype=None, prefix_splits: int = 4,
+                            hbm_bytes_per_s: float | None = None) -> dict:
+    """Time plain decode_attention against the shared-prefix path on CUDA over grouped_case's step.
+    Bytes that must move: each group's prefix once, every request's suffix, q and out."""
+    assert torch.cuda.is_available(), "benchmark_shared_prefix needs a CUDA device"
+    case = grouped_case(num_groups, group_size, prefix_len, suffix_len, num_heads, num_kv_heads, head_dim, dtype,
+                        kv_dtype or dtype, torch.device("cuda"))
+    plain = {k: v for k, v in case.items() if k not in ("group_starts", "prefix_lens")}
+    out = torch.empty_like(case["q"])
+    batch = num_groups * group_size
     runs = {
-        "plain": lambda: decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale, plain_splits, out=out),
-        "shared": lambda: shared_prefix_decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, group_starts,
-                                                         prefix_lens, scale, group_size, prefix_splits, out=out),
+        "plain": lambda: decode_attention(**plain, num_kv_splits=1 if batch * num_kv_heads >= 512 else 4, out=out),
+        "shared": lambda: shared_prefix_decode_attention(**case, max_group_size=group_size,
+                                                         prefix_splits=prefix_splits, out=out),
     }
-    ref = decode_attention_ref(q[:2], k_pool, v_pool, req_to_token, rows[:2], seq_lens[:2], scale)
-    row_bytes = 2 * num_kv_heads * head_dim * k_pool.element_size()  # K and V of one token
-    must_move = (num_groups * prefix_len + batch * suffix_len) * row_bytes + 2 * q.numel() * q.element_size()
+    ref = decode_attention_ref(**{**plain, "q": case["q"][:2], "rows": case["rows"][:2],
+                                  "seq_lens": case["seq_lens"][:2]})
+    row_bytes = 2 * num_kv_heads * head_dim * case["k_pool"].element_size()  # K and V of one token
+    q_bytes = 2 * case["q"].numel() * case["q"].element_size()  # q in, out
+    must_move = (num_groups * prefix_len + batch * suffix_len) * row_bytes + q_bytes
     result = {"batch": batch, "group_size": group_size, "prefix_len": prefix_len, "suffix_len": suffix_len,
-              "kv_dtype": str(kv_dtype).removeprefix("torch."), "bytes_must_move": must_move}
+              "kv_dtype": str(case["k_pool"].dtype).removeprefix("torch."), "bytes_must_move": must_move}
     for name, fn in runs.items():
         fn()
         torch.testing.assert_close(out[:2].float(), ref.float(), atol=3e-2, rtol=3e-2)  # both paths right

@@ -15,7 +15,7 @@ import torch
 from slot_pool import make_slot_pool
 from rollout_kernels.decode_attention import decode_attention_ref
 from rollout_kernels.kv_fp8_ref import KV_FP8_DTYPE
-from rollout_kernels.shared_prefix_decode_attention import (shared_prefix_decode_attention,
+from rollout_kernels.shared_prefix_decode_attention import (grouped_case, shared_prefix_decode_attention,
                                                             shared_prefix_decode_attention_ref)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,4 +104,14 @@ def test_groups_larger_than_one_program_chunk(max_group_size):
     case = make_groups([5, 4], [29, 0], [[3, 1, 0, 8, 2], [7, 1, 12, 30]], 4, 2, 16, torch.float32, seed=4,
                        shuffle=True)
     out = shared_prefix_decode_attention(**case, max_group_size=max_group_size, prefix_splits=3)
+    torch.testing.assert_close(out, plain_ref(case), atol=1e-4, rtol=1e-4)
+
+
+def test_the_benchmark_step_is_grouped_as_the_kernel_expects():
+    """benchmark_shared_prefix's step (grouped_case), small: both kernels agree on it, and the members
+    of a group really hold the same prefix slots."""
+    case = grouped_case(3, 4, 40, 9, 8, 2, 32, torch.float32, torch.float32, DEV)
+    table = case["req_to_token"]
+    assert torch.equal(table[4, :40], table[7, :40]) and not torch.equal(table[3, :40], table[4, :40])
+    out = shared_prefix_decode_attention(**case, max_group_size=4, prefix_splits=2)
     torch.testing.assert_close(out, plain_ref(case), atol=1e-4, rtol=1e-4)
