@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from backends import interpreter_only
 from rollout_cli import Engine, PromptInput, SamplingParams
 import rollout_cli.engine.execution.triton_attention as triton_attention
@@ -25,7 +27,12 @@ def _samples(model_dir, shared_prefix_attention):
     return {(t.prompt_index, t.sample_index): t for t in out}
 
 
-def test_samples_read_their_prompt_once_and_sample_the_same(sampling_checkpoint, monkeypatch):
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_next"])
+def test_samples_read_their_prompt_once_and_sample_the_same(model, sampling_checkpoint, tiny_hybrid_checkpoints,
+                                                            monkeypatch):
+    """Dense, and the hybrid (its attention layers take the groups; its linear layers' states are forked
+    from the prompt's snapshot as before)."""
+    model_dir = sampling_checkpoint if model == "qwen3" else tiny_hybrid_checkpoints[model]
     groups, real = [], triton_attention.shared_prefix_decode_attention
 
     def spy(*args, **kwargs):
@@ -33,9 +40,9 @@ def test_samples_read_their_prompt_once_and_sample_the_same(sampling_checkpoint,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(triton_attention, "shared_prefix_decode_attention", spy)
-    plain = _samples(sampling_checkpoint, False)
+    plain = _samples(model_dir, False)
     assert not groups  # off: the plain kernel only
-    shared = _samples(sampling_checkpoint, True)
+    shared = _samples(model_dir, True)
     # both long prompts' samples grouped (prefix = the cached prompt), the short one's alone (prefix 0)
     assert any(len([p for p in step if p >= 32]) == 2 and step[-1] == 0 for step in groups), groups
     assert shared.keys() == plain.keys() and len(plain) == 9
