@@ -46,6 +46,7 @@ from rollout_cli.episodes import EpisodeRunner, check_episode_sampling, check_ma
 from rollout_cli.job_continue import drop_superseded_aborts, prepare_continuation
 from rollout_cli.io.output_lock import OutputLock
 from rollout_cli.job_resume import check_resume, check_resumed_pairs, fingerprints
+from rollout_cli.peer_failure import caused_by_peer, stop_if_a_peer_failed
 
 # Debug knob (tests): "ROWS" or "ROWS:SIGNAL" (TERM, INT, KILL; default TERM). The job raises SIGNAL in
 # itself at the first engine step after ROWS trajectories reached the writer, so a kill test lands at
@@ -196,7 +197,7 @@ def _run_job(engine: Engine, params: SamplingParams, job: JobConfig, on_progress
         create_output_dir(job.out, (TRAJECTORIES_SUBDIR, ROUTING_SUBDIR) if routing_dtype else (TRAJECTORIES_SUBDIR,))
         lock.hold()  # a new OUT exists from here; a resumed one was held from the start
         write_manifest(job.out, manifest)
-    group.barrier()
+    _together(group.barrier, job, manifest if leader else None)
     if not leader and job.resume:
         done = completed_pairs(job.out, clean=False)  # replica 0 may be writing already
     owned = group.owns
@@ -256,7 +257,7 @@ def _run_job(engine: Engine, params: SamplingParams, job: JobConfig, on_progress
             if on_progress is not None:
                 on_progress(progress)
     except BaseException as err:  # noqa: BLE001 - re-raised below, once the manifest has its final state
-        failure = err
+        failure = caused_by_peer(err)  # gloo's "connection closed" after another rank failed: its error
     # finished rows survive any exception, Ctrl-C and SIGTERM included
     close_error = _close(writer)
     if continuing and close_error is None:  # the continued rows are on disk: their aborted rows go
@@ -276,7 +277,7 @@ def _run_job(engine: Engine, params: SamplingParams, job: JobConfig, on_progress
             write_final_manifest(job.out, manifest, failure)
         raise failure
     # a replica that failed above never gets here; torchrun stops the others
-    manifest.update(merge_summaries(group.gather(summary)))
+    manifest.update(merge_summaries(_together(lambda: group.gather(summary), job, manifest if leader else None)))
     if leader:
         write_manifest(job.out, manifest)
     return manifest
@@ -288,18 +289,39 @@ def _stop_reason_column(job: JobConfig, params: SamplingParams) -> bool:
     return bool(params.stop or params.stop_token_ids) and job.env is None and shards_have_column(job.out, "stop_reason")
 
 
+def _together(collective: Callable, job: JobConfig, manifest: dict | None):
+    """`collective()` of the replicas (barrier, gather). Should another replica fail meanwhile (gloo's
+    "connection closed" once it left), the leader's `manifest` gets its final state before the error
+    is raised: the failure the other replica claimed, not "running" over a job nobody runs."""
+    try:
+        return collective()
+    except BaseException as err:  # noqa: BLE001 - re-raised below
+        failure = caused_by_peer(err)
+        if manifest is not None:
+            status, error = final_state(failure, None)
+            manifest.update(status=status, **({"error": error} if error else {}))
+            write_final_manifest(job.out, manifest, failure)
+        raise failure  # caused_by_peer chained `err` to a peer's failure
+
+
 def _step_hook(writer: TrajectoryWriter) -> Callable[[], None]:
-    """What the engine calls between steps: close shards that waited flush_seconds (and the debug knob)."""
+    """What the engine calls between steps: close shards that waited flush_seconds (and the debug knob);
+    end the job once another rank claimed a failure (a --dp replica waits for nobody mid-run)."""
+
+    def step() -> None:
+        stop_if_a_peer_failed()
+        writer.maybe_flush()
+
     knob = os.environ.get(DEBUG_SIGNAL_ENV)
     if not knob:
-        return writer.maybe_flush
+        return step
     rows, _, name = knob.partition(":")
     threshold, signum = int(rows), getattr(signal, f"SIG{name or 'TERM'}")
     raised = False
 
     def hook() -> None:
         nonlocal raised
-        writer.maybe_flush()
+        step()
         if not raised and writer.rows_added >= threshold:
             raised = True
             # called from the main thread (the embedded run steps there), raise_signal runs the Python

@@ -1,7 +1,9 @@
 """`rollout run --model M [--dp N]`: the job on an engine in this process, or in N data-parallel replicas.
 
 `--dp N` starts the command again as N replicas under torch.distributed.run (rollout_cli.data_parallel);
-each replica loads its own engine and generates its share of the prompts into the same OUT.
+each replica loads its own engine and generates its share of the prompts into the same OUT. A replica
+that fails ends the others as a tensor-parallel rank does (cli/rank_failure.py): each closes its own
+shards, replica 0 records the failing replica's line in the manifest, and only that replica speaks.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from rich.console import Console
 from rollout_cli.cli import options as opt
 from rollout_cli.cli.display import RunProgressBar, run_summary_table
 from rollout_cli.cli.errors import user_errors
+from rollout_cli.cli.rank_failure import closing_files, rank_failures, watching
 from rollout_cli.data_parallel import ReplicaGroup, launch_replicas, replica_device, without_option
 from rollout_cli.engine.sampling_params import SamplingParams
 from rollout_cli.models.hub import pinned_argv
@@ -26,7 +29,7 @@ def embedded_run(job_fields: dict, params: SamplingParams, quiet: bool, *, model
     """Run the job (JobConfig's fields) here; in the command typed with --dp N, start N replicas instead (exits)."""
     from rollout_cli.job import JobConfig, check_job_inputs, run_job  # heavy: loads the engine (torch)
 
-    with user_errors():
+    with user_errors(), rank_failures():  # rank_failures: a no-op in the command typed
         job = JobConfig(**job_fields)
         group = ReplicaGroup.from_environment()
         if group.alone:  # the command typed: bad input is one line before any replica or model starts (or download)
@@ -39,10 +42,13 @@ def embedded_run(job_fields: dict, params: SamplingParams, quiet: bool, *, model
         console = Console(stderr=True, quiet=quiet or not group.is_leader)
         engine = load_engine(config, console)
         try:
-            with RunProgressBar(console) as update:
+            with closing_files(), RunProgressBar(console) as update:  # every replica writes its own shards
                 manifest = run_job(engine, params, job, on_progress=update, group=group)
-        finally:
-            group.close()
+        except BaseException:
+            if not watching():  # watched, the others learn it from this replica's claim, with no collective
+                group.close()
+            raise
+        group.close()
         if not quiet and group.is_leader:
             console.print(run_summary_table(manifest, job.out))
 

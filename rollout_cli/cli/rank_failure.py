@@ -1,4 +1,5 @@
-"""One failing rank of `--tp N` ends every rank within seconds, and only the failing rank speaks.
+"""One failing rank of `--tp N` (or replica of `--dp N`) ends every rank within seconds, and only the
+failing rank speaks.
 
 The ranks wait for each other inside C++ (gloo's rendezvous, the broadcast of rank 0's next step,
 the forward's all-reduce), where no Python signal handler runs: a rank that failed early left the
@@ -9,24 +10,31 @@ told through the rendezvous store of torchrun's agent (MASTER_ADDR:MASTER_PORT),
 every rank and which each rank reaches before its own rendezvous:
 
 1. A failing rank (any exception out of the command, Ctrl-C included) claims the failure in the
-   store (`store.add`: the first claim gets 1). A later claim is the consequence of the first (a
-   gloo "connection closed": the peer left): that rank leaves silently with PEER_FAILED. The first
-   says its one line (cli/errors.say: to the launcher's folder, which prints it once), writes its
-   exit code there (the command's exit code, whichever exit torchrun noticed first) and leaves with
-   os._exit: no "stop" message, no barrier, no interpreter finalization (gloo's threads can abort it).
+   store: a `compare_set` of one key to its rank, exit code and one line (peer_failure.Claim), which
+   only the first claim sets, so the line comes with the claim. A later claim is the consequence of
+   the first (a gloo "connection closed": the peer left): that rank leaves silently with PEER_FAILED.
+   The first says its one line (cli/errors.say: to the launcher's folder, which prints it once),
+   writes its exit code there (the command's exit code, whichever exit torchrun noticed first) and
+   leaves with os._exit: no "stop" message, no barrier, no interpreter finalization (gloo's threads
+   can abort it).
 2. Every rank runs a watchdog thread from its start, polling the claim 10 times a second on a
    connection of its own (the C++ waits release the GIL). When another rank claimed, the thread ends
    the process at once with PEER_FAILED: its main thread may be stuck in C++, and a follower has
    nothing to save.
-3. Rank 0 inside `closing_files` (run's job writer, the daemon) is the one exception: its main
-   thread closes the finished rows and the manifest first. The claimer's sockets closed when it
-   left, so the gloo collective rank 0 waits in raises at once and run_job's cleanup runs; the
-   thread ends the process anyway after GRACE_SECONDS (an NCCL collective may never notice a dead
-   peer). While a claim stands, SIGTERM (torchrun stopping the other ranks) is ignored: it would cut
-   that cleanup short, and the rank is leaving anyway.
-4. SIGINT / SIGTERM that torchrun passes on to every rank are rank 0's: it ends its job as
+3. A rank inside `closing_files` (rank 0 with run's job writer or the daemon; every --dp replica in
+   its job, each writing its own shards) is the one exception: its main thread closes the finished
+   rows and the manifest first. The claimer's sockets closed when it left, so a gloo collective the
+   rank waits in raises at once; a --dp replica, which waits for no other mid-run, stops at its next
+   step boundary (peer_failure.stop_if_a_peer_failed, once this thread saw the claim). Either way the
+   job ends through run_job's cleanup and records the claimer's line, not gloo's
+   (peer_failure.caused_by_peer; the daemon's engine thread asks it too). The thread ends the process
+   anyway after GRACE_SECONDS (an NCCL collective may never notice a dead peer). While a claim
+   stands, SIGTERM (torchrun stopping the other ranks) is ignored: it would cut that cleanup short,
+   and the rank is leaving anyway.
+4. SIGINT / SIGTERM that torchrun passes on to every rank are rank 0's under --tp: it ends its job as
    interrupted and claims (exit 130), and the followers, which ignore them (tensor_parallel_run.
-   follow_leader), leave on that claim; one that left first would make rank 0's job "failed". Should
+   follow_leader), leave on that claim; one that left first would make rank 0's job "failed". Each
+   --dp replica ends its own job as interrupted, on the signal or on the first one's claim. Should
    rank 0 die without a word, a follower learns it at its next collective with rank 0 (gloo's
    connection error), as before.
 
@@ -52,12 +60,14 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from rollout_cli import peer_failure
 from rollout_cli.cli.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, launcher_folder, say
 from rollout_cli.data_parallel import CLAIMED_EXIT_FILE, PEER_FAILED
-from rollout_cli.errors import INTERRUPTED, RolloutError
+from rollout_cli.errors import INTERRUPTED, RolloutError, one_line
+from rollout_cli.peer_failure import Claim
 
 POLL_SECONDS = 0.1
-GRACE_SECONDS = 10.0  # rank 0's cleanup after a peer failed: flush the buffered rows, write the manifest
+GRACE_SECONDS = 10.0  # a rank's cleanup of its files after a peer failed: flush the buffered rows, the manifest
 STORE_TIMEOUT = timedelta(seconds=10)  # to connect, and for one store operation (the agent answers in ms)
 
 _WATCH: RankWatch | None = None
@@ -80,6 +90,7 @@ def rank_failures():
     previous = signal.getsignal(signal.SIGTERM)
     if watch.active:
         signal.signal(signal.SIGTERM, _ignored_after_a_claim(watch, previous))
+        peer_failure.watch(watch.lookup)
     try:
         yield
     except BaseException as err:
@@ -87,6 +98,7 @@ def rank_failures():
             raise
         watch.fail(err)  # never returns
     finally:  # the command ended without an error (serve's rank 0 leaves through the interpreter)
+        peer_failure.watch(None)
         watch.stop()
         signal.signal(signal.SIGTERM, previous)
         _WATCH = None
@@ -94,7 +106,7 @@ def rank_failures():
 
 @contextlib.contextmanager
 def closing_files():
-    """Rank 0 while it holds files to close: a peer's failure leaves them to its main thread (see 3.)."""
+    """A rank while it holds files to close: a peer's failure leaves them to its main thread (see 3.)."""
     if _WATCH is None:
         yield
         return
@@ -144,17 +156,27 @@ class RankWatch:
         except Exception:  # noqa: BLE001 - the store's errors are torch's, and mean "cannot tell"
             return False
 
+    def lookup(self) -> Claim | None:
+        """The standing claim, if any (None too when the store cannot tell: the launcher is gone)."""
+        try:
+            return Claim.decode(self.store.get(self.key)) if self.store.check([self.key]) else None
+        except Exception:  # noqa: BLE001 - the store's errors are torch's, and mean "cannot tell"
+            return None
+
     def fail(self, err: BaseException) -> None:
         """This rank's command raised `err`: its line and exit code if it claims the failure first, else
         nothing (the consequence of another rank's failure, which that rank tells)."""
         self.claimed_here = True  # before the store has it: the watchdog must not take it for a peer's
-        try:
-            first = self.store.add(self.key, 1) == 1
+        code, line = _verdict(err)
+        claim = Claim(int(os.environ["RANK"]), code, line,
+                      interrupted=isinstance(err, KeyboardInterrupt) or code == EXIT_INTERRUPTED).encode()
+        try:  # the key's value is the first claim's: set here only if no rank claimed before
+            first = self.store.compare_set(self.key, "", claim) == claim
         except Exception:  # noqa: BLE001 - the launcher is gone: nobody else can tell it
             first = True
         if not first:
             exit_process(PEER_FAILED)
-        code = _say(err)
+        _say(err)
         folder = launcher_folder()
         if folder is not None:
             (Path(folder) / CLAIMED_EXIT_FILE).write_text(str(code))
@@ -166,10 +188,12 @@ class RankWatch:
                 return
             try:
                 if store.check([self.key]) and not self.claimed_here:
+                    claim = Claim.decode(store.get(self.key))
                     break
             except Exception:  # noqa: BLE001 - the launcher is gone: nothing left to watch
                 return
-        if self.closing:  # rank 0's main thread closes its files (see 3.); this is the bound
+        peer_failure.seen(claim)  # raised at the main thread's next step boundary (a --dp replica's job ends there)
+        if self.closing:  # the main thread closes its files (see 3.); this is the bound
             time.sleep(GRACE_SECONDS)
         # silent, so nothing to flush; and the streams' and logging's locks may be the main thread's
         os._exit(PEER_FAILED)
@@ -211,17 +235,27 @@ def _exit_code(err: BaseException) -> int | None:
     return code
 
 
-def _say(err: BaseException) -> int:
-    """Say `err` as cli/errors.user_errors would (a bug keeps its traceback); its exit code."""
+def _verdict(err: BaseException) -> tuple[int, str | None]:
+    """(exit code, one line for the other ranks' records) of `err`; no line where it was said already
+    (typer.Exit), or is no error (an interrupt)."""
     code = _exit_code(err)
     if code is not None:
-        return code
+        return code, None
+    if isinstance(err, RolloutError):
+        return EXIT_USER_ERROR, str(err)
+    if isinstance(err, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, None
+    return 1, f"{type(err).__name__}: {one_line(err)}"  # a bug: its traceback goes to the output (_say)
+
+
+def _say(err: BaseException) -> None:
+    """Say `err` as cli/errors.user_errors would (a bug keeps its traceback)."""
+    if _exit_code(err) is not None:
+        return
     if isinstance(err, RolloutError):
         say(str(err))
-        return EXIT_USER_ERROR
-    if isinstance(err, KeyboardInterrupt):
+    elif isinstance(err, KeyboardInterrupt):
         if launcher_folder() is None:  # a launcher says it once for every rank
             print(INTERRUPTED, file=sys.stderr)
-        return EXIT_INTERRUPTED
-    traceback.print_exception(err)
-    return 1
+    else:
+        traceback.print_exception(err)

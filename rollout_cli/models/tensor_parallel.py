@@ -106,6 +106,12 @@ def init_tensor_parallel(size: int, device: torch.device) -> TensorParallelGroup
     cpu_groups = [dist.new_group(ranks, backend="gloo", timeout=FOLLOWER_WAIT) for ranks in engine_ranks]
     # the engines' leaders (ranks 0, N, 2N, ...) share the data-parallel job: its barrier and gathers
     leaders = dist.new_group([r * size for r in range(replicas)], backend="gloo") if replicas > 1 else None
+    # leave only once the peers finished connecting too: gloo's connect returns on one side before the
+    # other has read it, and a rank that failed right after (its shard of the checkpoint) left its peer
+    # in connectFullMesh, which logs an error line of its own beside the failing rank's one line
+    dist.barrier(group=cpu_groups[replica])
+    if leaders is not None and rank % size == 0:
+        dist.barrier(group=leaders)
     _GROUP = TensorParallelGroup(rank % size, size, groups[replica], cpu_groups[replica],
                                  replica=replica, num_replicas=replicas, leaders_group=leaders)
     return _GROUP

@@ -167,7 +167,8 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
     def announce_ready() -> None:
         worker.ready.wait()
         if worker.load_error is not None:
-            log.error("error: %s", worker.load_error)
+            if not worker.load_error_told:  # a follower's failure: that rank says it, once
+                log.error("error: %s", worker.load_error)
             request_exit()
         else:
             split = f", over {engine_config.tensor_parallel_size} tensor-parallel ranks" if worker.engine.tp else ""

@@ -33,6 +33,7 @@ from rollout_cli.engine.scheduling.sessions import DEFAULT_RETENTION_SECONDS, Se
 from rollout_cli.errors import Conflict, RolloutError
 from rollout_cli.io.output_dir import read_manifest
 from rollout_cli.job import run_job
+from rollout_cli.peer_failure import PeerFailed, caused_by_peer
 from rollout_cli.process_gc import freeze_long_lived_objects
 from rollout_cli.server.online import LiveRequests
 from rollout_cli.server.online_commands import OnlineCommands
@@ -63,6 +64,7 @@ class EngineWorker(OnlineCommands, WeightCommands, threading.Thread):
         self.commands: queue.Queue[Command] = queue.Queue()
         self.engine = None
         self.load_error: str | None = None
+        self.load_error_told = False  # another rank's failure, which that rank prints (peer_failure)
         self.ready = threading.Event()  # set when the engine loaded, or failed to
         self._lock = threading.Lock()
         self._info: dict[str, Any] = {"model": engine_config.model, "weights_path": weights_path,
@@ -134,6 +136,9 @@ class EngineWorker(OnlineCommands, WeightCommands, threading.Thread):
         try:
             self._load()
         except BaseException as err:  # noqa: BLE001 - reported to the daemon, which exits
+            # serve --tp: gloo's "connection closed" here means a follower failed to load; its line is the error
+            err = caused_by_peer(err)
+            self.load_error_told = isinstance(err, PeerFailed)
             self.load_error = str(err) if isinstance(err, RolloutError) else f"{type(err).__name__}: {err}"
             if not isinstance(err, RolloutError):
                 log.error("engine failed to load:\n%s", traceback.format_exc())
