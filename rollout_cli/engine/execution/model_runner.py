@@ -88,8 +88,7 @@ class ModelRunner:
                  attention_backend: str = "torch", linear_states=None, deterministic: bool = False,
                  shared_prefix_attention: bool = False):
         self.model = model
-        # decodes sharing prefix-cache slots read them once per group (Triton backend, default mode)
-        self.shared_prefix_attention = shared_prefix_attention and attention_backend == "triton"
+        self.shared_prefix_attention = shared_prefix_attention and attention_backend == "triton"  # config.py
         self.kv = kv
         self.linear_states = linear_states  # hybrid models: engine.linear_state.LinearStatePool
         self.device = device
@@ -132,9 +131,8 @@ class ModelRunner:
             # Triton: optional on the CPU
             from rollout_cli.engine.execution.triton_attention import (prepare_invariant_attention,
                                                                        prepare_triton_attention)
-
-            self._prepare = prepare_invariant_attention if deterministic else functools.partial(
-                prepare_triton_attention, shared_prefix=self.shared_prefix_attention)
+            plain = functools.partial(prepare_triton_attention, shared_prefix=self.shared_prefix_attention)
+            self._prepare = prepare_invariant_attention if deterministic else plain
         else:
             self._prepare = prepare_attention
 
@@ -153,8 +151,7 @@ class ModelRunner:
         assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
         self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.tokens, self.pad_row, self.scale,
                                    max_batch, self.linear_states, deterministic=self.deterministic,
-                                   keep_hidden=self.mtp_step is not None,
-                                   shared_prefix=self.shared_prefix_attention and not self.deterministic)
+                                   keep_hidden=self.mtp_step is not None, shared_prefix=self.shared_prefix_attention)
         self.graphs.capture(warm_up)
         self._graph_max_batch = max_batch
         self.graphs_dropped = False
