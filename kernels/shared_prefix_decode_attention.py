@@ -3,13 +3,14 @@
 The n samples of a GRPO prompt share the prompt's KV slots (the prefix cache hands every sample the
 same slots), yet plain decode attention (kernels/decode_attention.py) has each sample read them
 again: at 64 prompts x n 16 with 512-token prompts that is up to half of a step's KV traffic
-(issue 25). Here the batch is cut into groups of consecutive requests that share their first
-prefix_len keys, and attention runs in three launches:
+(issue 25). Here the batch is cut into groups of requests (listed through `order`, anywhere in the
+batch) that share their first prefix_len keys, and attention runs in three launches:
 
   prefix, grid (num_groups, num_kv_heads, PREFIX_SPLITS): a program owns one kv head of one group
-    and stacks every member's G query heads into one [BLOCK_M, D] block (BLOCK_M >= members * G),
-    so each prefix K/V row is read once for the whole group and the dots are real matrix work. It
-    writes each member's partial output and log-sum-exp into mid slots [0, PREFIX_SPLITS).
+    and stacks its members' G query heads into one [BLOCK_M, D] block, BLOCK_M // G members at a
+    time, so each prefix K/V row is read once per chunk of members (once for a group that fits) and
+    the dots are real matrix work. It writes each member's partial output and log-sum-exp into mid
+    slots [0, PREFIX_SPLITS).
   suffix: decode_attention's stage 1 over keys [prefix_len, seq_len) of each request (KeyStarts),
     its splits in mid slots [PREFIX_SPLITS, PREFIX_SPLITS + num_kv_splits).
   merge: decode_attention's stage 2 over all the slots (empty ones carry lse = -inf and are skipped).
