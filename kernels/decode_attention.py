@@ -176,8 +176,8 @@ def _check_common(q, k_pool, v_pool, req_to_token, rows, seq_lens):
     return _check_pool(q, k_pool, v_pool, req_to_token, rows, seq_lens)
 
 
-def _decode_config(dtype, head_dim: int, kv_dtype=None) -> tuple[int, int, int]:
-    """Stage 1 BLOCK_N, num_warps, num_stages for q's dtype and the pool's (`kv_dtype`, default q's)."""
+def _decode_config(dtype, head_dim: int) -> tuple[int, int, int]:
+    """Stage 1 BLOCK_N, num_warps, num_stages (one tile for every pool dtype until kvsweep picks one for e4m3)."""
     # H200, batch 64 x 4096 keys, 16/8 heads, D 128, bf16: 64/4/3 reads at ~93% of copy bandwidth
     # (64/4/2: 83%, 64/4/1: 73%; 128/4/2 and 32/2/3 are as good). Decode is memory bound.
     if dtype == torch.float32:
@@ -221,18 +221,31 @@ def decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: flo
     if batch == 0:
         return out
 
-    group = num_heads // num_kv_heads
-    block_h = max(16, triton.next_power_of_2(group))
-    block_n, num_warps, num_stages = stage1_config or _decode_config(q.dtype, head_dim, k_pool.dtype)
+    block_n, num_warps, num_stages = stage1_config or _decode_config(q.dtype, head_dim)
     f16_dots = _f16_dots(q.dtype, k_pool.dtype) if f16_dots is None else f16_dots
     # scratch sized from shapes only: fine under CUDA graph capture (one split: unused, one element)
     parts = (batch, num_heads, num_kv_splits) if num_kv_splits > 1 else (1, 1, 1)
     mid_o = torch.empty((*parts, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
 
+    _launch_stage1(q, k_pool, v_pool, req_to_token, rows, seq_lens, mid_o, mid_lse, out, scale * k_scale * _LOG2E,
+                   v_scale, num_kv_splits, (block_n, num_warps, num_stages), f16_dots)
+    if num_kv_splits > 1:
+        _launch_stage2(mid_o, mid_lse, out, num_kv_splits)
+    return out
+
+
+def _launch_stage1(q, k_pool, v_pool, req_to_token, rows, seq_lens, mid_o, mid_lse, out, sm_scale_log2: float,
+                   v_scale: float, num_kv_splits: int, config: tuple[int, int, int], f16_dots: bool,
+                   key_starts: torch.Tensor | None = None, split_base: int = 0) -> None:
+    """Stage 1 over each request's keys [key_starts or 0, seq_len), its splits in mid slots from split_base
+    (one split and no key_starts: the output itself). Shared with kernels/shared_prefix_decode_attention.py."""
+    (batch, num_heads, head_dim), num_kv_heads = q.shape, k_pool.shape[1]
+    block_n, num_warps, num_stages = config
     _decode_attention_stage1_kernel[(batch, num_kv_heads, num_kv_splits)](
-        q, k_pool, v_pool, req_to_token, rows, seq_lens, seq_lens, mid_o, mid_lse, out,
-        scale * k_scale * _LOG2E, v_scale,
+        q, k_pool, v_pool, req_to_token, rows, seq_lens, seq_lens if key_starts is None else key_starts,
+        mid_o, mid_lse, out,
+        sm_scale_log2, v_scale,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
         k_pool.stride(0), k_pool.stride(1),
@@ -240,21 +253,24 @@ def decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: flo
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        G=group, BLOCK_H=block_h, D=head_dim, BLOCK_N=block_n, NUM_SPLITS=num_kv_splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", F16_DOTS=f16_dots,
+        G=num_heads // num_kv_heads, BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), D=head_dim,
+        BLOCK_N=block_n, NUM_SPLITS=num_kv_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        F16_DOTS=f16_dots, HAS_KEY_STARTS=key_starts is not None, SPLIT_BASE=split_base,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_kv_splits == 1:
-        return out
+
+
+def _launch_stage2(mid_o, mid_lse, out, num_splits: int) -> None:
+    """Stage 2: out [B, H, D] merged from the first num_splits mid slots of each (request, head)."""
+    batch, num_heads, head_dim = out.shape
     _decode_attention_stage2_kernel[(batch, num_heads)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        D=head_dim, NUM_SPLITS=num_kv_splits, SPLITS_P2=triton.next_power_of_2(num_kv_splits),
+        D=head_dim, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
         num_warps=4 if head_dim >= 128 else 2,
     )
-    return out
 
 
 def decode_attention_ref(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: float,
@@ -312,7 +328,7 @@ def benchmark_decode_attention(batch: int = 64, context: int = 4096, num_heads: 
         "batch": batch, "context": context, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
         "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."), "num_kv_splits": num_kv_splits,
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
-        "stage1_config": list(stage1_config or _decode_config(dtype, head_dim, kv_dtype)),
+        "stage1_config": list(stage1_config or _decode_config(dtype, head_dim)),
         "f16_dots": _f16_dots(dtype, kv_dtype) if f16_dots is None else f16_dots,
         "time_us": seconds * 1e6, "bytes": total, "gb_per_s": total / seconds / 1e9,
     }

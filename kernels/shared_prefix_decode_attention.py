@@ -29,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import (_LOG2E, _attend_key_tile, _check_common, _decode_attention_stage1_kernel,
-                               _decode_attention_stage2_kernel, _decode_config, _f16_dots, decode_attention,
-                               decode_attention_ref)
+from .decode_attention import (_LOG2E, _attend_key_tile, _check_common, _decode_config, _f16_dots, _launch_stage1,
+                               _launch_stage2, decode_attention, decode_attention_ref)
 from .kv_fp8_ref import from_pool_ref
 
 MAX_BLOCK_M = 128  # query rows of one prefix program: members * G (acc [128, D] float32 is 8 warps' registers)
@@ -127,7 +126,7 @@ def shared_prefix_decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_le
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if batch == 0:
         return out
-    block_n, num_warps, num_stages = stage1_config or _decode_config(q.dtype, head_dim, k_pool.dtype)
+    block_n, num_warps, num_stages = stage1_config or _decode_config(q.dtype, head_dim)
     f16_dots = _f16_dots(q.dtype, k_pool.dtype) if f16_dots is None else f16_dots
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     splits = prefix_splits + num_kv_splits
@@ -149,23 +148,9 @@ def shared_prefix_decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_le
         G=group, BLOCK_M=block_m, D=head_dim, BLOCK_N=block_n, PREFIX_SPLITS=prefix_splits,
         DOT_PRECISION=dot_precision, F16_DOTS=f16_dots, num_warps=8 if block_m > 64 else 4, num_stages=num_stages,
     )
-    _decode_attention_stage1_kernel[(batch, num_kv_heads, num_kv_splits)](
-        q, k_pool, v_pool, req_to_token, rows, seq_lens, key_starts, mid_o, mid_lse, out,
-        sm_scale_log2, v_scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), req_to_token.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        G=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=block_n,
-        NUM_SPLITS=num_kv_splits, DOT_PRECISION=dot_precision, F16_DOTS=f16_dots,
-        HAS_KEY_STARTS=True, SPLIT_BASE=prefix_splits, num_warps=num_warps, num_stages=num_stages,
-    )
-    _decode_attention_stage2_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        D=head_dim, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
-        num_warps=4 if head_dim >= 128 else 2,
-    )
+    _launch_stage1(q, k_pool, v_pool, req_to_token, rows, seq_lens, mid_o, mid_lse, out, sm_scale_log2, v_scale,
+                   num_kv_splits, (block_n, num_warps, num_stages), f16_dots, key_starts, split_base=prefix_splits)
+    _launch_stage2(mid_o, mid_lse, out, splits)
     return out
 
 

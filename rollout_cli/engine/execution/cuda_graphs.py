@@ -25,7 +25,7 @@ import time
 import torch
 
 from rollout_cli.engine.execution.linear_state import HybridBatch, LinearBatch
-from rollout_cli.engine.execution.prefix_groups import group_shared_prefixes
+from rollout_cli.engine.execution.prefix_groups import PrefixGroups, group_shared_prefixes
 from rollout_cli.engine.execution.routing_pool import GraphRoutingBuffer
 from rollout_cli.engine.execution.sampler import FLOAT_PADDING, NUM_FLOAT_ROWS, NUM_INT_ROWS, SamplingRows, sample_rows
 from rollout_cli.engine.execution.token_table import TokenTable
@@ -225,10 +225,7 @@ class DecodeGraphs:
         """The group buffer's rows [3, width] for a replay of `bucket` rows: `groups` (PrefixGroups, or
         None: every row alone) padded to the bucket's group slots."""
         slots = group_slots(bucket)
-        if groups is None:
-            order, starts, prefixes = list(range(bucket)), [0] + [bucket] * slots, [0] * slots
-        else:
-            order, starts, prefixes = groups.padded(bucket, slots)
+        order, starts, prefixes = (groups or PrefixGroups.everyone_alone()).padded(bucket, slots)
         rows = torch.zeros((3, width), dtype=torch.int32)
         rows[_ORDER, :bucket] = torch.tensor(order, dtype=torch.int32)
         rows[_GROUP_STARTS, :slots + 1] = torch.tensor(starts, dtype=torch.int32)

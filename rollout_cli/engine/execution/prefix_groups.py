@@ -24,6 +24,11 @@ class PrefixGroups:
     prefix_lens: list[int]  # [NG] shared keys of each group (0: the requests alone)
     shared_keys: int  # keys a plain kernel would read again: sum over groups of (members - 1) * prefix
 
+    @classmethod
+    def everyone_alone(cls) -> "PrefixGroups":
+        """No group: padded() puts every row in the one group of prefix 0."""
+        return cls([], [0, 0], [0], 0)
+
     def padded(self, batch: int, num_groups: int) -> tuple[list[int], list[int], list[int]]:
         """(order, group_starts, prefix_lens) for a fixed-size launch of `batch` requests and
         `num_groups` group slots (a CUDA graph's bucket): requests past the step's (padding rows) join
