@@ -144,12 +144,30 @@ def cublas_blockwise_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch
     them so; others are copied) and the weight scales as [KB, NB], K-major. cuBLAS reads 128x128 scales in
     groups of 4 K-blocks (its docs: [KB rounded up to 4, NB]), so KB must be a multiple of 4: with KB = 2 it
     returned products a thousand times too large on the H100, hence CUBLAS_K_BLOCKS in takes_cublas; and it
-    refuses (CUBLAS_STATUS_NOT_SUPPORTED) row counts that are not a multiple of CUBLAS_ROW_MULTIPLE."""
+    refuses (CUBLAS_STATUS_NOT_SUPPORTED) row counts that are not a multiple of CUBLAS_ROW_MULTIPLE, so other
+    row counts run padded with zero rows (pad_rows_for_cublas) and the padding's products are dropped."""
     assert x_scale.shape[1] % CUBLAS_K_BLOCKS == 0, f"cuBLAS needs K in multiples of {CUBLAS_K_BLOCKS * BLOCK}"
-    assert x_q.shape[0] % CUBLAS_ROW_MULTIPLE == 0, f"cuBLAS needs rows in multiples of {CUBLAS_ROW_MULTIPLE}"
-    if x_scale.stride(0) != 1:
-        x_scale = x_scale.t().contiguous().t()
-    return torch._scaled_mm(x_q, w_q.t(), x_scale, w_scale.t(), out_dtype=out_dtype)
+    m = x_q.shape[0]
+    x_q, x_scale = pad_rows_for_cublas(x_q, x_scale)
+    y = torch._scaled_mm(x_q, w_q.t(), x_scale, w_scale.t(), out_dtype=out_dtype)
+    return y if y.shape[0] == m else y[:m]
+
+
+def pad_rows_for_cublas(x_q: torch.Tensor, x_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q [M, K], x_scale [M, KB]) -> the same rows with zero rows (scale 1) appended up to a multiple of
+    CUBLAS_ROW_MULTIPLE, the scales outer-dim-major as cuBLAS reads them. Without the padding a prefill chunk
+    of, say, 8,191 tokens ran our Triton GEMM, about 1.9x slower than cuBLAS's at that size (session 29); the
+    copy costs one pass over the [M, K] e4m3 rows, under 2% of that GEMM's time."""
+    m = x_q.shape[0]
+    padded = -m % CUBLAS_ROW_MULTIPLE
+    if padded == 0:
+        return x_q, (x_scale if x_scale.stride(0) == 1 else x_scale.t().contiguous().t())
+    q = torch.zeros((m + padded, x_q.shape[1]), dtype=x_q.dtype, device=x_q.device)
+    q[:m] = x_q
+    scale = empty_activation_scales(m + padded, x_scale.shape[1], x_scale.device, outer_major=True)
+    scale[:m] = x_scale
+    scale[m:] = 1.0
+    return q, scale
 
 
 # cuBLASLt's blockwise GEMM against ours on the H100 (docs/benchmarks.md, session 29): 1.3-1.5x faster at
@@ -192,9 +210,9 @@ def probe_cublas_blockwise(device: torch.device) -> bool:
 def takes_cublas(rows: int, k: int, dtype: torch.dtype, device: torch.device, w_q: torch.Tensor,
                  block: tuple[int, int]) -> bool:
     """Whether an FP8 layer (w_q, its scale block) runs cuBLASLt's blockwise GEMM on `rows` activations
-    of width k and `dtype` on `device` (else our Triton GEMM): from CUBLAS_MIN_ROWS rows (a multiple of
-    CUBLAS_ROW_MULTIPLE), whole 128-blocks, K in whole groups of CUBLAS_K_BLOCKS."""
-    if device.type != "cuda" or rows < CUBLAS_MIN_ROWS or rows % CUBLAS_ROW_MULTIPLE or block != (BLOCK, BLOCK) \
+    of width k and `dtype` on `device` (else our Triton GEMM): from CUBLAS_MIN_ROWS rows (any count: other
+    than multiples of CUBLAS_ROW_MULTIPLE they run padded), whole 128-blocks, K in whole groups of CUBLAS_K_BLOCKS."""
+    if device.type != "cuda" or rows < CUBLAS_MIN_ROWS or block != (BLOCK, BLOCK) \
             or k % (CUBLAS_K_BLOCKS * BLOCK) or w_q.shape[0] % BLOCK:
         return False
     if dtype not in (torch.bfloat16, torch.float16):

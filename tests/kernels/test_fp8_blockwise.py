@@ -96,8 +96,31 @@ def test_fp8_linear_stays_near_the_unquantized_layer():
                                fp8_linear(x, w_q, w_scale, use_triton=False), atol=DOT_TOL, rtol=DOT_TOL)
 
 
+def test_cublas_rows_not_a_multiple_of_four_run_padded(monkeypatch):
+    """cuBLAS refuses row counts that are not a multiple of 4: cublas_blockwise_matmul pads them with zero
+    rows and drops the padding's products. A stand-in for _scaled_mm that refuses as cuBLAS does and
+    multiplies as the reference does checks the padding on the CPU: same rows, same values (up to the CPU
+    BLAS summing a taller matrix in another order)."""
+    from rollout_kernels import fp8_blockwise
+
+    def scaled_mm(x_q, w_t, x_scale, w_scale_t, out_dtype):
+        assert x_q.shape[0] % fp8_blockwise.CUBLAS_ROW_MULTIPLE == 0, "cuBLAS would refuse this row count"
+        assert x_scale.stride(0) == 1 and x_scale.shape[0] == x_q.shape[0], "scales must be outer-dim-major"
+        return fp8_blockwise_matmul_ref(x_q, x_scale, w_t.t(), w_scale_t.t(), out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    w_q, w_scale = quantize_weight_blockwise(_randn(256, 512, seed=1, scale=0.05).cpu())
+    for m in (1, 77, 129, 132):
+        x_q, x_scale = quantize_activation_ref(_randn(m, 512, seed=m).cpu())
+        got = cublas_blockwise_matmul(x_q, x_scale, w_q, w_scale, torch.float32)
+        assert got.shape == (m, 256) and got.is_contiguous()
+        torch.testing.assert_close(got, fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, torch.float32),
+                                   atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(4, 256, 512), (76, 384, 1536), (256, 6144, 4096)])
+@pytest.mark.parametrize("m,n,k", [(4, 256, 512), (76, 384, 1536), (77, 384, 1536), (256, 6144, 4096),
+                                   (1001, 6144, 4096)])
 def test_gpu_cublas_blockwise_matches_the_reference(m, n, k):
     """cuBLASLt's blockwise-scaled GEMM reads our scales as we mean them (skipped where this torch /
     CUDA build has no blockwise _scaled_mm)."""
@@ -113,16 +136,15 @@ def test_gpu_cublas_blockwise_matches_the_reference(m, n, k):
 
 @pytest.mark.gpu
 def test_gpu_fp8_linear_runs_cublas_from_its_row_count():
-    """Where the blockwise _scaled_mm works, a layer of >= CUBLAS_MIN_ROWS rows (a multiple of 4) and K in
-    whole groups of 4 scale blocks runs it (fewer rows, 129 rows, or K = 3 blocks run ours); all near the
-    reference."""
+    """Where the blockwise _scaled_mm works, a layer of >= CUBLAS_MIN_ROWS rows (129 runs padded) and K in
+    whole groups of 4 scale blocks runs it (fewer rows or K = 3 blocks run ours); all near the reference."""
     from rollout_kernels import fp8_blockwise
     for k in (4 * 128, 3 * 128):
         w_q, w_scale = quantize_weight_blockwise(_randn(512, k, seed=3, scale=0.05))
         for m in (fp8_blockwise.CUBLAS_MIN_ROWS - 4, fp8_blockwise.CUBLAS_MIN_ROWS, fp8_blockwise.CUBLAS_MIN_ROWS + 1):
             x = _randn(m, k, seed=m).bfloat16()
             chosen = fp8_blockwise.takes_cublas(m, k, x.dtype, x.device, w_q, (128, 128))
-            assert chosen == (m == fp8_blockwise.CUBLAS_MIN_ROWS and k == 512 and fp8_blockwise._cublas_blockwise_works(0))
+            assert chosen == (m >= fp8_blockwise.CUBLAS_MIN_ROWS and k == 512 and fp8_blockwise._cublas_blockwise_works(0))
             x_q, x_scale = quantize_activation(x)
             want = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, torch.float32)
             torch.testing.assert_close(fp8_linear(x, w_q, w_scale).float(), want, atol=2e-2, rtol=2e-2)
