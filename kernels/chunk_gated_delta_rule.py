@@ -99,7 +99,9 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     ([S, Hv, dk, dv] float32, updated in place; state_indices [B] int64, distinct, >= 0)
     -> o [T, Hv, dv] in v's dtype. q/k/v may be row-strided views (a fused projection's output).
     tuning (for the benchmark's sweeps; None: the defaults below) may set inv_precision ("ieee" or
-    "tf32x3"), warps (every kernel), state_warps, block_v (state and output kernels), sub_block (SB),
+    "tf32x3"), warps (every kernel), wy_warps / state_warps / output_warps (one kernel's), block_v (state
+    and output kernels), state_block_v / output_block_v (one kernel's), state_stages (the state walk's
+    software pipelining depth: its loads do not wait on the state), sub_block (SB),
     batched_diag (the inverse's diagonal blocks as batched dots; needs SB >= 16 on the GPU),
     lowp_intermediates (half-precision inputs only, on by default: w, u / v_new and the chunk-start states
     in the inputs' dtype, dots on those operands; chunk_gated_delta_rule_lowp_ref is its reference)."""
@@ -142,6 +144,8 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     warps = knobs.get("warps", 4 if low_precision or BK < 128 else 8)
     state_warps = knobs.get("state_warps", 8 if lowp else warps)
     BV = knobs.get("block_v", min(max(16, triton.next_power_of_2(dv)), 128 if lowp else 64))
+    state_bv, output_bv = knobs.get("state_block_v", BV), knobs.get("output_block_v", BV)
+    stages = {"num_stages": knobs["state_stages"]} if "state_stages" in knobs else {}
     inter = v.dtype if lowp else torch.float32  # w, u / v_new and the chunk-start states
     common = dict(GROUP=Hv // Hk, BT=BT, BK=BK, L2NORM=use_qk_l2norm, DOT_PRECISION=precision, LOWP=lowp)
     gcum = torch.empty((T, Hv), dtype=torch.float32, device=device)
@@ -155,16 +159,17 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                        beta.stride(0), gcum.stride(0), w.stride(0), u.stride(0), dk, dv,
                                        BV=BV, SB=sub_block, INV_PRECISION=inv_precision,
                                        BATCHED_DIAG=knobs.get("batched_diag", sub_block >= 16), **common,
-                                       num_warps=warps)
+                                       num_warps=knobs.get("wy_warps", warps))
     hs = torch.empty((num_chunks, Hv, dk, dv), dtype=inter, device=device)  # state at each chunk start
-    _chunk_state_kernel[(B, Hv, triton.cdiv(dv, BV))](
+    _chunk_state_kernel[(B, Hv, triton.cdiv(dv, state_bv))](
         k, w, u, gcum, hs, ssm_states, state_indices, starts, lens, offsets,
         k.stride(0), w.stride(0), u.stride(0), gcum.stride(0), hs.stride(0),
-        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), dk, dv, BV=BV, **common,
-        num_warps=state_warps)
-    _chunk_output_kernel[(num_chunks, Hv, triton.cdiv(dv, BV))](
+        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), dk, dv, BV=state_bv, **common,
+        num_warps=state_warps, **stages)
+    _chunk_output_kernel[(num_chunks, Hv, triton.cdiv(dv, output_bv))](
         q, k, u, gcum, hs, out, starts, lens, q.stride(0), k.stride(0), u.stride(0), gcum.stride(0), hs.stride(0),
-        out.stride(0), out.stride(1), dk ** -0.5, dk, dv, BV=BV, **common, num_warps=warps)
+        out.stride(0), out.stride(1), dk ** -0.5, dk, dv, BV=output_bv, **common,
+        num_warps=knobs.get("output_warps", warps))
     return out
 
 

@@ -1,6 +1,6 @@
 """Our Gated DeltaNet kernels against flash-linear-attention's on the same inputs, in one run (issue 8).
 
-    python3 scripts/bench_gdn_vs_fla.py [--json FILE]
+    python3 scripts/bench_gdn_vs_fla.py [--json FILE] [--sweep]
 
 Needs FLA importable (`fla`, from the flash-linear-attention / fla-core wheels; the device call
 installs them into a directory of their own). Qwen3-Next's linear-layer shape: 16 key heads,
@@ -12,6 +12,8 @@ installs them into a directory of their own). Qwen3-Next's linear-layer shape: 1
   place) against FLA's fused_recurrent_gated_delta_rule (initial_state in, final state out);
   fraction of HBM bandwidth = (state read + write + q/k/v/o bytes) / time / the copy bandwidth
   `rollout bench` measures.
+- --sweep (alone, FLA not needed): each of our prefill kernels' time under its launch knobs (block sizes,
+  warps, the state walk's pipelining), at 4 x 4096 and 16 x 256.
 - knobs: our prefill under each TUNINGS entry (LOWP: issue 25 item 5's bf16 intermediates), its time
   and its output's distance from the default knobs'; the kernel split for the default and LOWP.
 """
@@ -120,6 +122,56 @@ def kernel_split(seqs: int, seq_len: int, tuning: dict | None = None) -> dict:
     return {e.key: e.device_time_total / 5 for e in prof.key_averages() if e.device_time_total > 0}
 
 
+# Each kernel's launch knobs, swept together: a kernel's time depends on its own knobs only, so one
+# profiled call per row gives every kernel's time under the row's knobs (the state walk's 18 settings,
+# the WY and output kernels' cycled through them).
+STATE_KNOBS = [(bv, warps, stages) for bv in (32, 64, 128) for warps in (4, 8) for stages in (1, 2, 3)]
+WY_WARPS = (4, 8)
+OUTPUT_KNOBS = [(bv, warps) for bv in (64, 128) for warps in (4, 8)]
+SHORT_NAMES = {"_chunk_wy_kernel": "wy", "_chunk_state_kernel": "state", "_chunk_output_kernel": "output"}
+KNOB_LABELS = {"state_block_v": "state.BV", "state_warps": "state.warps", "state_stages": "state.stages",
+               "wy_warps": "wy.warps", "output_block_v": "out.BV", "output_warps": "out.warps"}
+
+
+def sweep_rows(seqs: int, seq_len: int) -> list[dict]:
+    """Per-kernel CUDA time (kernel_split) under each row of launch knobs, and the output's distance from
+    the default knobs' (launch knobs change no math: it must stay at rounding level)."""
+    from rollout_kernels.chunk_gated_delta_rule import chunk_gated_delta_rule_varlen
+
+    q, k, v, g, beta, states, cu, index = prefill_case(seqs, seq_len)
+    base = chunk_gated_delta_rule_varlen(q, k, v, g, beta, states.clone(), index, cu)
+    rows = []
+    for i, (bv, warps, stages) in enumerate(STATE_KNOBS):
+        out_bv, out_warps = OUTPUT_KNOBS[i % len(OUTPUT_KNOBS)]
+        tuning = {"state_block_v": bv, "state_warps": warps, "state_stages": stages,
+                  "wy_warps": WY_WARPS[i % len(WY_WARPS)], "output_block_v": out_bv, "output_warps": out_warps}
+        try:
+            out = chunk_gated_delta_rule_varlen(q, k, v, g, beta, states.clone(), index, cu, tuning=tuning)
+            split = kernel_split(seqs, seq_len, tuning)
+            times = {short: sum(us for name, us in split.items() if name.startswith(kernel))
+                     for kernel, short in SHORT_NAMES.items()}
+            rows.append({"seqs": seqs, "seq_len": seq_len, "tuning": tuning, **times,
+                         "rel_err_vs_default": rel_err(out, base)})
+        except Exception as e:  # registers or shared memory: report the row
+            rows.append({"seqs": seqs, "seq_len": seq_len, "tuning": tuning, "error": str(e).splitlines()[0][:120]})
+    return rows
+
+
+def print_sweep(rows: list[dict]) -> None:
+    """Each kernel's best knobs, then the whole table."""
+    ok = [r for r in rows if "error" not in r]
+    for short, keys in (("wy", ("wy_warps",)), ("state", ("state_block_v", "state_warps", "state_stages")),
+                        ("output", ("output_block_v", "output_warps"))):
+        best = min(ok, key=lambda r: r[short], default=None)
+        if best:
+            print(f"  best {short:>6}: {best[short]:>8.1f} us at {({key: best['tuning'][key] for key in keys})}")
+    for r in rows:
+        knobs = " ".join(f"{KNOB_LABELS[key]}={value}" for key, value in r["tuning"].items())
+        shown = (f"wy {r['wy']:>7.1f} state {r['state']:>7.1f} output {r['output']:>7.1f} us  "
+                 f"err {r['rel_err_vs_default']:.1e}") if "error" not in r else r["error"]
+        print(f"  {r['seqs']:>3} x {r['seq_len']:>5} {knobs:<82} {shown}")
+
+
 def decode_row(batch: int, hbm: float) -> dict:
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
     from rollout_kernels.gated_delta_rule import recurrent_gated_delta_rule_update
@@ -150,7 +202,20 @@ def decode_row(batch: int, hbm: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
+    parser.add_argument("--sweep", action="store_true",
+                        help="only our prefill's per-kernel launch knobs (no FLA needed): each kernel's time")
     args = parser.parse_args()
+    if args.sweep:
+        rows = []
+        for seqs, seq_len in ((4, 4096), (16, 256)):
+            print(f"our prefill's kernels under launch knobs, {seqs} x {seq_len}, us per call")
+            shape_rows = sweep_rows(seqs, seq_len)
+            print_sweep(shape_rows)
+            rows += shape_rows
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"sweep": rows}, f, indent=1)
+        return
     import fla
 
     hbm = measure_hbm_bandwidth(torch.device("cuda"))

@@ -14,7 +14,8 @@
 # hybridtests (the hybrid engine's GPU tests), longout (the slice with dense MLPs against dense12 at
 # 2048 and 8192 output tokens: linear against full attention at equal weights per step), fla (our
 # Gated DeltaNet kernels against flash-linear-attention's in one run; carry .whl_fla holding the
-# fla-core wheel, installed apart so that HF's baseline keeps its torch fallback), det (issue 19's test
+# fla-core wheel, installed apart so that HF's baseline keeps its torch fallback), gdnsweep (issue 25 item 5:
+# each of our Gated DeltaNet prefill kernels' time under its launch knobs, 4 x 4096 and 16 x 256; no FLA), det (issue 19's test
 # files compiled on the GPU, all their tests: bf16 invariance of the kernels, the scorer, Gated
 # DeltaNet decode = prefill, the deterministic engine with CUDA graphs, the trainer), det06 / det8 /
 # detmixed / detgrpo / detmoe30 / detnext (`rollout bench --deterministic`: the default and the on-policy mode
@@ -89,6 +90,8 @@ for part in $PARTS; do
     fla) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla_site .whl_fla/*.whl \
            && PYTHONPATH=$PYTHONPATH:/tmp/fla_site timeout 240 python3 scripts/bench_gdn_vs_fla.py --json "$OUT/gdn_vs_fla.json" \
            2>&1 | tee "$OUT/gdn_vs_fla.log" | tail -45 ;;
+    gdnsweep) timeout 400 python3 scripts/bench_gdn_vs_fla.py --sweep --json "$OUT/gdn_sweep.json" 2>&1 \
+           | tee "$OUT/gdn_sweep.log" | tail -44 ;;
     hybrid) bench next12_fixed 150 --model $NEXT --num-prompts 256 --input-len 256 --output-len 2048 ;;
     dense12) bench dense12_fixed 150 --model $DENSE12 --num-prompts 256 --input-len 256 --output-len 2048 ;;
     longout) for len in 2048 8192; do  # linear vs full attention at the same weights per step, two output lengths

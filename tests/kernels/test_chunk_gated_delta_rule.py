@@ -133,6 +133,20 @@ def test_lowp_intermediates_round_where_their_reference_does(dtype):
     assert _rel(default, ref) < out_gap  # half-precision inputs take this path by default
 
 
+def test_per_kernel_launch_knobs_change_no_result():
+    """The sweep's knobs (scripts/bench_gdn_vs_fla.py --sweep): the state walk and the output kernel on
+    different value-block widths, other warps, the walk pipelined: the same outputs and final states."""
+    lengths, chunk = [40, 7], 16
+    cu, step, index, initial, got, _, pool, _ = _run_both(lengths, 1, 2, 16, 32, torch.float32, chunk, seed=3)
+    other_pool = torch.zeros_like(pool)
+    other_pool[index] = initial
+    knobs = {"state_block_v": 16, "output_block_v": 32, "state_warps": 2, "wy_warps": 2, "output_warps": 1,
+             "state_stages": 2}
+    other = chunk_gated_delta_rule_varlen(*step, other_pool, index, cu, chunk, tuning=knobs)
+    torch.testing.assert_close(other, got, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(other_pool[index], pool[index], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("lengths,hk,hv,dk,dv,l2", [
     ([17, 0, 5], 1, 1, 16, 16, True),  # an empty sequence keeps its state
     ([40], 1, 3, 24, 72, True),  # dk not a power of two, dv over two column blocks
