@@ -24,6 +24,8 @@ import sys
 import uuid
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch.distributed as dist
 
@@ -33,6 +35,9 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL = str(REPO / "recipes" / "example_model")
 FAULTS = Path(__file__).resolve().parent / "rank_faults"
 SAFETY_TIMEOUT = 120  # seconds; each case takes about 10 on two CPU cores
+PROMPTS = [[5, 9, 17, 33, 2], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [5, 9, 17, 40]]
+# waves of 2 requests of 8 tokens (per --dp replica): the first wave's rows are on disk by the 12th forward
+MID_RUN_STEP = 12
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_USE_AGENT_STORE", "ROLLOUT_ENGINE", REPLICA_ERRORS_ENV)
 
@@ -70,6 +75,19 @@ def left_behind(tag: str) -> list[int]:
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return pids
+
+
+def write_prompts(path: Path) -> Path:
+    pq.write_table(pa.table({"prompt": PROMPTS}), path)
+    return path
+
+
+def job_args(prompts: Path, out: Path, parallel: str, n: int = 2) -> list[str]:
+    """`run`'s arguments for two ranks (parallel: "--tp" or "--dp"): greedy, fixed lengths, two requests
+    at a time, every finished row written at once."""
+    return ["--model", MODEL, "--data", str(prompts), "--out", str(out), "--n", str(n), "--max-new-tokens", "8",
+            "--temperature", "0", "--ignore-eos", "--max-running", "2", "--flush-seconds", "0", "--device", "cpu",
+            "--kv-cache-tokens", "1024", "--max-model-len", "64", "--quiet", parallel, "2"]
 
 
 def lines(text: str) -> list[str]:

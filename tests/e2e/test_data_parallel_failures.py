@@ -13,32 +13,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from rank_fault_runs import MODEL, Ranks, fault_message, lines, run_cli
+from rank_fault_runs import MID_RUN_STEP, PROMPTS, Ranks, fault_message, job_args, lines, run_cli, write_prompts
 
 from rollout_cli.data_parallel import PEER_FAILED
-
-PROMPTS = [[5, 9, 17, 33, 2], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [5, 9, 17, 40]]
-# each replica runs waves of 2 requests of 8 tokens: its first wave's rows are on disk by its 12th forward
-MID_RUN_STEP = 12
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds leftover ranks in /proc")
 
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("dp_fail_prompts") / "prompts.parquet"
-    pq.write_table(pa.table({"prompt": PROMPTS}), path)
-    return path
-
-
-def _args(prompts: Path, out: Path, n: int = 2) -> list[str]:
-    """Greedy, fixed lengths, two requests at a time per replica, every finished row written at once."""
-    return ["--model", MODEL, "--data", str(prompts), "--out", str(out), "--n", str(n), "--max-new-tokens", "8",
-            "--temperature", "0", "--ignore-eos", "--max-running", "2", "--flush-seconds", "0", "--device", "cpu",
-            "--kv-cache-tokens", "1024", "--max-model-len", "64", "--quiet", "--dp", "2"]
+    return write_prompts(tmp_path_factory.mktemp("dp_fail_prompts") / "prompts.parquet")
 
 
 @pytest.mark.parametrize("failing", [0, 1])
@@ -49,7 +35,7 @@ def test_the_other_replica_ends_its_job_because_of_the_claim(prompts, tmp_path, 
     out = tmp_path / "out"
     point = f"step={MID_RUN_STEP}"
     # a million samples per prompt: hours of work, so the other replica cannot end by finishing its share
-    results = Ranks(_args(prompts, out, n=1_000_000), f"{failing}:{point}", tmp_path).wait()
+    results = Ranks(job_args(prompts, out, "--dp", n=1_000_000), f"{failing}:{point}", tmp_path).wait()
     code, stderr = results[failing]
     assert (code, lines(stderr)) == (2, [f"error: {fault_message(failing, point)}"]), stderr
     peer_code, peer_stderr = results[1 - failing]
@@ -63,7 +49,7 @@ def test_the_other_replica_ends_its_job_because_of_the_claim(prompts, tmp_path, 
 @pytest.mark.parametrize("failing", [0, 1])
 def test_a_replica_failing_mid_run_is_one_line_and_resume_completes(prompts, tmp_path, failing):
     out = tmp_path / "out"
-    args = _args(prompts, out)
+    args = job_args(prompts, out, "--dp")
     failed = run_cli("run", args, f"{failing}:step={MID_RUN_STEP}")
     message = fault_message(failing, f"step={MID_RUN_STEP}")
     assert failed.returncode == 2, failed.stderr
@@ -83,6 +69,6 @@ def test_a_replica_failing_mid_run_is_one_line_and_resume_completes(prompts, tmp
 def test_a_replica_failing_to_load_is_one_line(prompts, tmp_path, fault):
     """The other replica may be loading, or waiting for it in the barrier before the job (gloo's
     "connection closed" once it left): either way only the failing replica's line, and its exit code."""
-    result = run_cli("run", _args(prompts, tmp_path / "out"), fault)
+    result = run_cli("run", job_args(prompts, tmp_path / "out", "--dp"), fault)
     assert result.returncode == 2, result.stderr
     assert lines(result.stderr) == [f"error: {fault_message(int(fault[0]), fault[2:])}"]

@@ -21,33 +21,20 @@ import signal
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from rank_fault_runs import MODEL, SAFETY_TIMEOUT, Ranks, fault_message, lines, run_cli
+from rank_fault_runs import (MID_RUN_STEP, MODEL, PROMPTS, SAFETY_TIMEOUT, Ranks, fault_message, job_args, lines,
+                             run_cli, write_prompts)
 
 from rollout_cli.data_parallel import PEER_FAILED
 from rollout_cli.errors import INTERRUPTED
-
-PROMPTS = [[5, 9, 17, 33, 2], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [5, 9, 17, 40]]
-# waves of 2 requests of 8 tokens: the first wave's rows are on disk by the 12th forward
-MID_RUN_STEP = 12
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds leftover ranks in /proc")
 
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tp_fail_prompts") / "prompts.parquet"
-    pq.write_table(pa.table({"prompt": PROMPTS}), path)
-    return path
-
-
-def _args(prompts: Path, out: Path) -> list[str]:
-    """Greedy, fixed lengths, two requests at a time, every finished row written at once."""
-    return ["--model", MODEL, "--data", str(prompts), "--out", str(out), "--n", "2", "--max-new-tokens", "8",
-            "--temperature", "0", "--ignore-eos", "--max-running", "2", "--flush-seconds", "0", "--device", "cpu",
-            "--kv-cache-tokens", "1024", "--max-model-len", "64", "--quiet", "--tp", "2"]
+    return write_prompts(tmp_path_factory.mktemp("tp_fail_prompts") / "prompts.parquet")
 
 
 @pytest.mark.parametrize("fault", [
@@ -59,7 +46,7 @@ def _args(prompts: Path, out: Path) -> list[str]:
 def test_the_other_rank_leaves_because_of_the_claim(prompts, tmp_path, fault):
     failing, point = int(fault[0]), fault[2:]
     out = tmp_path / "out"
-    results = Ranks(_args(prompts, out), fault, tmp_path).wait()
+    results = Ranks(job_args(prompts, out, "--tp"), fault, tmp_path).wait()
     code, stderr = results[failing]
     assert (code, lines(stderr)) == (2, [f"error: {fault_message(failing, point)}"]), stderr
     peer_code, peer_stderr = results[1 - failing]
@@ -75,7 +62,7 @@ def test_an_interrupt_is_rank_0s_to_end(prompts, tmp_path):
     """SIGTERM to both ranks, as torchrun passes the user's on: the follower leaves it to rank 0, which
     closes the job as interrupted (not failed by a follower that left first) and then releases it."""
     out = tmp_path / "out"
-    args = _args(prompts, out)
+    args = job_args(prompts, out, "--tp")
     args[args.index("--n") + 1] = "4096"  # far more than the test waits for
     ranks = Ranks(args, None, tmp_path)
     deadline = time.monotonic() + SAFETY_TIMEOUT  # the safety net: the first rows come after ~10 s
@@ -92,7 +79,7 @@ def test_an_interrupt_is_rank_0s_to_end(prompts, tmp_path):
 @pytest.mark.parametrize("fault", ["0:rendezvous", "1:load"])
 def test_an_early_failure_is_one_line(prompts, tmp_path, fault):
     out = tmp_path / "out"
-    result = run_cli("run", _args(prompts, out), fault)
+    result = run_cli("run", job_args(prompts, out, "--tp"), fault)
     assert result.returncode == 2, result.stderr
     assert lines(result.stderr) == [f"error: {fault_message(int(fault[0]), fault[2:])}"]
     assert not out.exists()  # the job never started
@@ -106,7 +93,7 @@ def _rows(out: Path) -> dict:
 @pytest.mark.parametrize("failing", [0, 1])  # 1: rank 0 saw only gloo's "connection closed" in the all-reduce
 def test_a_failure_mid_run_keeps_the_finished_rows_and_resume_completes(prompts, tmp_path, failing):
     out = tmp_path / "out"
-    args = _args(prompts, out)
+    args = job_args(prompts, out, "--tp")
     failed = run_cli("run", args, f"{failing}:step={MID_RUN_STEP}")
     message = fault_message(failing, f"step={MID_RUN_STEP}")
     assert failed.returncode == 2, failed.stderr
