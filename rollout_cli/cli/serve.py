@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from rollout_cli.cli import options as opt
-from rollout_cli.cli.errors import fail
+from rollout_cli.cli.errors import fail, say
 from rollout_cli.cli.rank_failure import closing_files, rank_failures
 from rollout_cli.cli.tensor_parallel_run import follow_leader, is_rank, launch_ranks, rank_config
 from rollout_cli.engine.scheduling.sessions import DEFAULT_RETENTION_SECONDS
@@ -61,7 +61,8 @@ def serve_command(
             with closing_files():  # rank 0 of --tp: a follower's failure leaves the daemon's jobs to close first
                 code = serve(engine_config, socket, host, port, token_file, max_request_bytes=max_request_bytes,
                              served_model_name=served_model_name,
-                             session_retention_seconds=session_retention_seconds)
+                             session_retention_seconds=session_retention_seconds,
+                             say_load_error=say if tp != 1 else None)
             # in rank_failures: a daemon that failed (its engine did not load: said already) ends the followers
             raise typer.Exit(code)
     except RolloutError as err:

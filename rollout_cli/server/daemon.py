@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 
 from rollout_cli.engine.scheduling.sessions import DEFAULT_RETENTION_SECONDS
 from rollout_cli.errors import RolloutError
@@ -110,8 +111,11 @@ def _server_class():
 
 def serve(engine_config, socket_path: str | None, host: str | None, port: int | None,
           token_file: str | None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          served_model_name: str | None = None, session_retention_seconds: float = DEFAULT_RETENTION_SECONDS) -> int:
-    """Run the daemon until /shutdown, SIGINT or SIGTERM; return the exit code."""
+          served_model_name: str | None = None, session_retention_seconds: float = DEFAULT_RETENTION_SECONDS,
+          say_load_error: Callable[[str], None] | None = None) -> int:
+    """Run the daemon until /shutdown, SIGINT or SIGTERM; return the exit code. say_load_error: how the
+    engine's own load failure is told (rank 0 of --tp: to the launcher, which prints one line for every
+    rank); by default it is logged."""
     # heavy: uvicorn, fastapi and the engine (torch); `rollout status` and the clients import this module
     try:
         import uvicorn  # heavy: the web stack, loaded by the daemon alone
@@ -167,8 +171,9 @@ def serve(engine_config, socket_path: str | None, host: str | None, port: int | 
     def announce_ready() -> None:
         worker.ready.wait()
         if worker.load_error is not None:
-            if not worker.load_error_told:  # a follower's failure: that rank says it, once
-                log.error("error: %s", worker.load_error)
+            if not worker.load_error_told:  # else a follower's failure: that rank says it, once
+                tell = say_load_error or (lambda line: log.error("error: %s", line))
+                tell(worker.load_error)
             request_exit()
         else:
             split = f", over {engine_config.tensor_parallel_size} tensor-parallel ranks" if worker.engine.tp else ""

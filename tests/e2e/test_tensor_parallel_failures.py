@@ -111,13 +111,16 @@ def test_a_failure_mid_run_keeps_the_finished_rows_and_resume_completes(prompts,
     assert {key: rows[key] for key in kept} == kept  # the rows written before the failure, untouched
 
 
-def test_serve_with_a_follower_that_fails_to_load_is_one_line(tmp_path):
-    """`serve --tp 2`: rank 0's engine thread sees only gloo's "connection closed" where the follower left;
-    the daemon ends with the follower's line alone (no traceback, no second error line) and exit 2."""
+@pytest.mark.parametrize("failing", [1, 0])
+def test_serve_with_a_rank_that_fails_to_load_is_one_line(tmp_path, failing):
+    """`serve --tp 2`, a follower failing to load: rank 0's engine thread sees only gloo's "connection
+    closed" where the follower left; rank 0 failing: its daemon's line and the launcher's "a rank failed"
+    were two. Either way: the failing rank's line alone (no traceback), exit 2, no socket left."""
     socket = tmp_path / "engine.sock"
     result = run_cli("serve", ["--model", MODEL, "--tp", "2", "--device", "cpu", "--max-model-len", "64",
-                               "--kv-cache-tokens", "1024", "--socket", str(socket)], "1:load")
+                               "--kv-cache-tokens", "1024", "--socket", str(socket)], f"{failing}:load")
     assert result.returncode == 2, result.stderr
-    # rank 0 may log that its engine loads (an info line, with a timestamp) before the follower fails
+    # rank 0 may log that its engine loads (an info line, with a timestamp) before the failure
     said = [line for line in lines(result.stderr) if "rollout serve: engine loading" not in line]
-    assert said == [f"error: {fault_message(1, 'load')}"], result.stderr
+    assert said == [f"error: {fault_message(failing, 'load')}"], result.stderr
+    assert not socket.exists()
