@@ -92,6 +92,12 @@ def caused_by_peer(err: BaseException) -> BaseException:
     return failure
 
 
+def a_peer_failed() -> bool:
+    """Whether another rank claimed a failure (asks the store, as caused_by_peer does): then the ranks it
+    leaves behind must not wait for it in a collective (rank 0's "stop" to its followers)."""
+    return isinstance(caused_by_peer(RuntimeError()), (PeerFailed, PeerInterrupted))
+
+
 def stop_if_a_peer_failed() -> None:
     """Between engine steps: raise another rank's claimed failure once the watchdog saw it (no store call
     here: this runs every step)."""

@@ -33,7 +33,7 @@ from rollout_cli.engine.scheduling.sessions import DEFAULT_RETENTION_SECONDS, Se
 from rollout_cli.errors import Conflict, RolloutError
 from rollout_cli.io.output_dir import read_manifest
 from rollout_cli.job import run_job
-from rollout_cli.peer_failure import PeerFailed, caused_by_peer
+from rollout_cli.peer_failure import PeerFailed, a_peer_failed, caused_by_peer
 from rollout_cli.process_gc import freeze_long_lived_objects
 from rollout_cli.server.online import LiveRequests
 from rollout_cli.server.online_commands import OnlineCommands
@@ -160,7 +160,8 @@ class EngineWorker(OnlineCommands, WeightCommands, threading.Thread):
                 self._handle(command, in_job=False)
         finally:
             self.live.fail_all("the engine is shutting down")
-            self.engine.control.close()  # this rank's weight update groups; --tp: the other ranks exit
+            if not a_peer_failed():  # else (--tp) the failed rank is gone and the others leave on its claim
+                self.engine.control.close()  # this rank's weight update groups; --tp: the other ranks exit
         self._drain_failed()
 
     def _load(self) -> None:

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from rank_fault_runs import (MID_RUN_STEP, MODEL, PROMPTS, SAFETY_TIMEOUT, Ranks, fault_message, job_args, lines,
-                             run_cli, write_prompts)
+from rank_fault_runs import (MID_RUN_STEP, MODEL, PROMPTS, REPO, SAFETY_TIMEOUT, Ranks, fault_env, fault_message,
+                             job_args, left_behind, lines, run_cli, write_prompts)
 
 from rollout_cli.data_parallel import PEER_FAILED
 from rollout_cli.errors import INTERRUPTED
@@ -124,3 +127,44 @@ def test_serve_with_a_rank_that_fails_to_load_is_one_line(tmp_path, failing):
     said = [line for line in lines(result.stderr) if "rollout serve: engine loading" not in line]
     assert said == [f"error: {fault_message(failing, 'load')}"], result.stderr
     assert not socket.exists()
+
+
+def test_a_follower_failing_during_a_daemon_job_is_one_line(prompts, tmp_path):
+    """`serve --tp 2`, the follower failing mid-job: the client's run ends with the follower's line, the
+    daemon too (no gloo traceback from rank 0 stopping a follower that is gone), the job's finished rows
+    and manifest are kept with that line, the socket is removed, no rank is left, and --resume completes."""
+    socket, out, tag = tmp_path / "engine.sock", tmp_path / "out", uuid.uuid4().hex
+    log = tmp_path / "serve.stderr"
+    message = fault_message(1, f"step={MID_RUN_STEP}")
+    with log.open("w") as stderr:
+        daemon = subprocess.Popen([sys.executable, "-m", "rollout_cli.cli.main", "serve", "--model", MODEL, "--tp", "2",
+                                   "--device", "cpu", "--max-model-len", "64", "--kv-cache-tokens", "1024",
+                                   "--max-running", "2", "--socket", str(socket)],
+                                  cwd=REPO, env=fault_env(tag, f"1:step={MID_RUN_STEP}"), stdout=subprocess.DEVNULL,
+                                  stderr=stderr)
+    try:
+        ready = run_cli("status", ["--engine", str(socket), "--wait", str(SAFETY_TIMEOUT)])
+        assert ready.returncode == 0, ready.stderr + log.read_text()
+        sampling = ["--n", "2", "--max-new-tokens", "8", "--temperature", "0", "--ignore-eos", "--flush-seconds", "0"]
+        failed = run_cli("run", ["--engine", str(socket), "--data", str(prompts), "--out", str(out), *sampling])
+        assert failed.returncode == 2, failed.stderr
+        assert [line for line in lines(failed.stderr) if line.startswith("error")] == [f"error: {message}"]
+        assert daemon.wait(SAFETY_TIMEOUT) == 2
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+    said = log.read_text()
+    assert "Traceback" not in said, said
+    assert [line for line in lines(said) if "error" in line] == [f"error: {message}"], said
+    assert not socket.exists() and left_behind(tag) == []
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["status"], manifest["error"]) == ("failed", message)
+    kept = _rows(out)
+    assert 2 <= len(kept) < 8
+
+    resumed = run_cli("run", [*job_args(prompts, out, "--tp"), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    rows = _rows(out)
+    assert sorted(rows) == [(p, s) for p in range(len(PROMPTS)) for s in range(2)]
+    assert {key: rows[key] for key in kept} == kept

@@ -56,3 +56,18 @@ def test_a_claim_without_a_line_names_the_rank_and_code():
     peer_failure.seen(Claim(1, 1, None))
     with pytest.raises(PeerFailed, match=r"rank 1 failed \(exit 1\)"):
         stop_if_a_peer_failed()
+
+
+def test_a_peer_failed_only_on_another_ranks_claim():
+    """What the daemon's engine thread asks before it stops its followers (a "stop" to a rank that is gone
+    raised gloo's "connection closed" traceback)."""
+    assert not peer_failure.a_peer_failed()  # unwatched
+    peer_failure.watch(lambda: None)
+    assert not peer_failure.a_peer_failed()
+    peer_failure.watch(lambda: Claim(0, 2, "mine"))
+    assert not peer_failure.a_peer_failed()
+    peer_failure.watch(lambda: Claim(1, 2, "bad shard on rank 1"))
+    assert peer_failure.a_peer_failed()
+    peer_failure.watch(lambda: None)
+    peer_failure.seen(Claim(1, 130, None, interrupted=True))
+    assert peer_failure.a_peer_failed()
