@@ -7,7 +7,8 @@ check_context_length: the model's context every sample of a workload must fit).
     fraction      = measured output tok/s / limit tok/s
 
 Distinct context tokens (engine/model_runner.distinct_context_tokens) count a prefix that running
-samples share through the prefix cache once per step: what must move. On a GPU the roofline also
+samples of one prompt share through the prefix cache once per step: what must move, by the grouping
+shared-prefix decode attention reads by (engine/execution/prefix_groups.py). On a GPU the roofline also
 counts the matmuls' FLOPs where they, not the weight reads, bound a step (`roofline_seconds`).
 """
 

@@ -58,17 +58,21 @@ def test_fp8_weights_run_their_matmuls_at_the_e4m3_rate(tiny_checkpoints):
 
 def test_a_prefix_shared_through_the_cache_counts_once_per_step():
     """distinct_context_tokens: the owner of a cached prompt and two samples reading 10 of its slots from
-    the cache, a third sample that cached only 6 (the rule takes the shortest), and a stranger."""
+    the cache, a third sample that cached only 6 (the group's prefix is the least shared), a sample of
+    the same prompt in other slots (recomputed), and a stranger: the groups shared-prefix attention reads."""
     from types import SimpleNamespace
 
     from rollout_cli.engine.execution.model_runner import distinct_context_tokens
 
-    def decode(first_slot, cached, context):
-        request = SimpleNamespace(slots=[first_slot] + [0] * (context - 1), num_cached_tokens=cached)
+    def decode(prompt, cached, context, first_slot=None):
+        first = prompt * 1000 if first_slot is None else first_slot
+        request = SimpleNamespace(prompt_index=prompt, slots=list(range(first, first + context)),
+                                  num_cached_tokens=cached)
         return SimpleNamespace(request=request, start=context - 1)
 
     group = [decode(5, 0, 14), decode(5, 10, 12), decode(5, 10, 15)]
     assert distinct_context_tokens(group) == 14 + 12 + 15 - 2 * 10
     assert distinct_context_tokens(group + [decode(5, 6, 9)]) == 14 + 12 + 15 + 9 - 3 * 6
     assert distinct_context_tokens(group + [decode(99, 0, 7)]) == 14 + 12 + 15 - 2 * 10 + 7
+    assert distinct_context_tokens(group + [decode(5, 0, 20, first_slot=77_000)]) == 14 + 12 + 15 - 2 * 10 + 20
     assert distinct_context_tokens([decode(5, 0, 14), decode(6, 0, 3)]) == 17  # nothing shared

@@ -19,7 +19,10 @@ def test_shared_len_is_where_the_slots_part():
     b = request(0, PROMPT[:40] + [7] * 30, 70)  # the tree holds another branch after 40 keys
     assert shared_prefix_len(a, b) == 40
     assert shared_prefix_len(a, request(0, PROMPT + [9], 64)) == 64
-    assert shared_prefix_len(a, request(0, PROMPT, 10)) == 10  # only cached slots count
+    # the same slots are the same keys whatever the other cached: it may be the sample that computed them
+    assert shared_prefix_len(a, request(0, PROMPT, 10)) == 64
+    assert shared_prefix_len(a, request(0, PROMPT + [5], 0)) == 64
+    assert shared_prefix_len(request(0, PROMPT, 20), a) == 20  # within what the anchor read from the cache
     assert shared_prefix_len(a, request(0, [5] + PROMPT[1:], 64)) == 0
     assert shared_prefix_len(a, request(0, [], 0)) == 0
 
@@ -43,6 +46,20 @@ def test_groups_samples_of_a_prompt_and_leaves_the_rest_alone():
     order, starts, prefixes = groups.padded(batch=8, num_groups=4)
     assert order == [0, 2, 3, 1, 4, 5, 6, 7]  # the padding row joins the requests alone
     assert starts == [0, 3, 8, 8, 8] and prefixes == [50, 0, 0, 0]
+
+
+def test_the_sample_that_computed_the_prompt_joins_its_group():
+    """The prompt's owner cached nothing but holds the slots its siblings read from the cache: one group of
+    all of them, whichever comes first in the batch; a sample that recomputed the prompt stays alone."""
+    owner = request(0, PROMPT + [1], 0)
+    readers = [request(0, PROMPT + [2], 64), request(0, PROMPT[:63] + [3, 4], 63)]  # the second computed key 63
+    recomputed = request(0, [9] * 65, 0)
+    groups = group_shared_prefixes([owner, *readers, recomputed])
+    assert groups.order == [0, 1, 2, 3] and groups.group_starts == [0, 3, 4]
+    assert groups.prefix_lens == [63, 0] and groups.shared_keys == 2 * 63
+    assert group_shared_prefixes([owner, *readers]).prefix_lens == [63, 0]  # one compare each
+    assert group_shared_prefixes([recomputed, readers[0], owner]).order == [1, 2, 0]
+    assert group_shared_prefixes([owner, request(0, PROMPT + [5], 0)]) is None  # nobody read the cache
 
 
 def test_none_when_nothing_is_worth_sharing():

@@ -18,6 +18,7 @@ from rollout_cli.engine.execution.attention import KVCache, prepare_attention
 from rollout_cli.engine.execution.linear_state import HybridBatch, begin_step, prepare_step
 from rollout_cli.engine.execution.mtp_step import MTPStep
 from rollout_cli.engine.execution.on_policy import PoolTokenAttention, token_forward
+from rollout_cli.engine.execution.prefix_groups import group_shared_prefixes
 from rollout_cli.engine.execution.sampler import SamplingRows, sample_extras, sample_rows, teacher_logprobs
 from rollout_cli.engine.execution.token_table import TokenTable
 from rollout_cli.engine.execution.vision_step import EncoderCache, step_positions_and_images
@@ -47,21 +48,11 @@ class DecodeTraffic:
 
 
 def distinct_context_tokens(decodes) -> int:
-    """KV positions a decode step must read at least once: every entry's context, a prefix that several
-    entries share through the prefix cache (the same slots) counted once. Requests whose first slot
-    is the same share a radix-cache prefix; the rule takes its length as the shortest
-    num_cached_tokens among the sharers that read it from the cache (the sample that computed it
-    holds it as its own), so a sharing it cannot see is counted as reads, never the other way."""
-    total, sharers = 0, {}
-    for e in decodes:
-        total += e.start + 1
-        if e.request.slots:
-            sharers.setdefault(e.request.slots[0], []).append(e.request)
-    for group in sharers.values():
-        cached = [r.num_cached_tokens for r in group if r.num_cached_tokens > 0]
-        if len(group) > 1 and cached:
-            total -= (len(group) - 1) * min(cached)
-    return total
+    """KV positions a decode step must read at least once: every entry's context, the prefix a group of
+    samples of one prompt holds in the same slots counted once (prefix_groups: the groups shared-prefix
+    decode attention reads once, here down to one shared key)."""
+    groups = group_shared_prefixes([e.request for e in decodes], min_prefix=1)
+    return sum(e.start + 1 for e in decodes) - (groups.shared_keys if groups is not None else 0)
 
 
 @dataclass

@@ -2,11 +2,16 @@
 attention (kernels/shared_prefix_decode_attention.py) reads the prefix of once.
 
 The prefix cache gives the n samples of a prompt the same slots for the prompt: a request adopts the
-radix tree's slots for its first `num_cached_tokens` tokens (scheduling/prefix_reuse.py). A tree
-slot belongs to one tree position, whose path from the root is unique, so two requests whose cached
-slots agree at position i agree at every position before it: their shared length is found by
-bisection on slot equality. Candidates are the samples of one prompt (same prompt_index), compared
-with the first of them in the batch; a sample that shares too little stays alone.
+radix tree's slots for its first `num_cached_tokens` tokens (scheduling/prefix_reuse.py), and the
+sample that computed them (none cached) holds them as its own. Two running requests hold the same
+slot only through the tree, and a tree slot belongs to one tree position, whose path from the root
+is unique, so two requests whose slots agree at position i agree at every position before it: their
+shared length is found by bisection on slot equality, whatever each one cached. Candidates are the
+samples of one prompt (same prompt_index), compared with the first of them that read its prefix from
+the cache (the anchor: its cached slots are tree slots); a sample that shares too little stays alone.
+
+The same groups give `rollout bench` its rule for what a decode step must read (bench_limits.py:
+a group's prefix once, model_runner.distinct_context_tokens).
 """
 
 from __future__ import annotations
@@ -39,15 +44,16 @@ class PrefixGroups:
         return order, starts, self.prefix_lens + [0] * (num_groups - len(self.prefix_lens))
 
 
-def shared_prefix_len(a, b) -> int:
-    """Keys at the start of requests a and b held in the same slots (0 if none); a, b: Requests."""
-    hi = min(a.num_cached_tokens, b.num_cached_tokens, len(a.slots), len(b.slots))
-    if hi == 0 or a.slots[0] != b.slots[0]:
+def shared_prefix_len(anchor, other) -> int:
+    """Keys at the start of requests `anchor` and `other` held in the same slots, within the keys the
+    anchor read from the cache (0 if none); Requests."""
+    hi = min(anchor.num_cached_tokens, len(anchor.slots), len(other.slots))
+    if hi == 0 or anchor.slots[0] != other.slots[0]:
         return 0
     lo = 1  # the slots agree at [0, lo); they differ at hi or beyond
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a.slots[mid - 1] == b.slots[mid - 1]:
+        if anchor.slots[mid - 1] == other.slots[mid - 1]:
             lo = mid
         else:
             hi = mid - 1
@@ -65,24 +71,27 @@ def group_shared_prefixes(requests, min_prefix: int = MIN_SHARED_PREFIX,
     max_groups groups in all (the requests alone included): the rest stay alone."""
     by_prompt: dict[int, list[int]] = {}
     for i, request in enumerate(requests):
-        if request.num_cached_tokens >= min_prefix:
+        if len(request.slots) >= min_prefix:
             by_prompt.setdefault(request.prompt_index, []).append(i)
     order, starts, prefix_lens, shared = [], [0], [], 0
     grouped: set[int] = set()
     for members in by_prompt.values():
         if len(members) < 2 or (max_groups is not None and len(prefix_lens) >= max_groups - 1):
             continue
-        first = requests[members[0]]
-        prefix = min(requests[i].num_cached_tokens for i in members)
-        probe = first.slots[prefix - 1]
-        if all(requests[i].slots[prefix - 1] == probe for i in members):  # the usual case: one compare each
-            keep = members
+        cached = [i for i in members if requests[i].num_cached_tokens >= min_prefix]
+        if not cached:
+            continue
+        anchor = requests[cached[0]]
+        prefix = min(requests[i].num_cached_tokens for i in cached)
+        probe = anchor.slots[prefix - 1]
+        if all(len(requests[i].slots) >= prefix and requests[i].slots[prefix - 1] == probe for i in members):
+            keep = members  # the usual case (the owner of the prompt's slots too): one compare each
         else:  # someone holds other slots (recomputed after a preemption, another branch): bisect
-            lengths = {i: shared_prefix_len(first, requests[i]) for i in members[1:]}
-            keep = [members[0]] + [i for i in members[1:] if lengths[i] >= min_prefix]
+            lengths = {i: shared_prefix_len(anchor, requests[i]) for i in members}
+            keep = [i for i in members if lengths[i] >= min_prefix]
             if len(keep) < 2:
                 continue
-            prefix = min(lengths[i] for i in keep[1:])
+            prefix = min(lengths[i] for i in keep)
         order += keep
         starts.append(len(order))
         prefix_lens.append(prefix)
