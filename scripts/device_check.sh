@@ -25,7 +25,8 @@
 # attention over an e4m3 pool against bf16), reason8 / reason06 (issue 25's long-output workload: 1024 in,
 # U[1024, 16384] out; preemptions, recomputed tokens, peak batch, the last 10%'s time), pace (admission pacing against
 # --no-admission-pacing, ABBA, on 1,024 mixed-length requests through 256 seats: finishes staggered), controlfp8 (control, FP8 weights: reloads re-quantize; run it with control in one call), cascade (issue 25 item 1: decode attention reading a GRPO group's shared prompt once, against plain decode,
-# kernel alone, GPU tests first), sharedgrpo (the GRPO workload without and with --shared-prefix-attention, its GPU tests first), kvsweep (decode attention's stage-1
+# kernel alone, GPU tests first), sharedgrpo (the GRPO workload without and with --shared-prefix-attention, its engine GPU test first; the
+# kernel's GPU tests are cascade's), kvsweep (decode attention's stage-1
 # tiles over bf16 and e4m3 pools at the 8B's heads, e4m3 with q-dtype and fp16 dots: which tile each pool dtype wants), fp8kv8 (issue 20's FP8 KV target: 8B, 1024 in x 4096 out, both caches), fidelity (issue 19's table, both
 # modes, HF bf16 teacher forcing), fidelitymoe / fidelitynext (the same table on 4 layers of the 30B-A3B / Qwen3-Next
 # shapes, dummy weights, no HF; fidelitynext32: the Next slice in float32), fp8price06 / fp8pricemoe / fp8pricenext (issue 20's price in
@@ -171,7 +172,7 @@ for heads in (16, 32):  # the 0.6B's and the 8B's heads, 8 kv heads; GRPO: 16 gr
                 print(heads, r['kv_dtype'], 'suffix', suffix, 'prefix splits', ps, 'plain', round(r['plain_us'], 1),
                       'us', round(r['plain_fraction'], 3), 'shared', round(r['shared_us'], 1), 'us',
                       round(r['shared_fraction'], 3), 'x', round(r['plain_us'] / r['shared_us'], 2))" 2>&1 | tee "$OUT/cascade.log" ;;
-    sharedgrpo) timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_shared_prefix_decode_attention.py \
+    sharedgrpo) timeout 150 python3 -m pytest -q -p no:cacheprovider \
                "tests/e2e/test_gpu_engine.py::test_shared_prefix_graphs_sample_what_the_plain_kernel_does" 2>&1 \
                | tee "$OUT/gpu_shared_prefix_tests.log" | grep -E "^FAILED|passed|failed" | tail -4
            bench b06_grpo_plain 100 --model $Q06 --num-prompts 64 --n 16 --input-len 512 --output-len 1024
