@@ -48,9 +48,10 @@ def test_groups_samples_of_a_prompt_and_leaves_the_rest_alone():
     assert starts == [0, 3, 8, 8, 8] and prefixes == [50, 0, 0, 0]
 
 
-def test_the_sample_that_computed_the_prompt_joins_its_group():
-    """The prompt's owner cached nothing but holds the slots its siblings read from the cache: one group of
-    all of them, whichever comes first in the batch; a sample that recomputed the prompt stays alone."""
+def test_slots_not_counted_as_cached_still_share():
+    """A sample holding the slots its siblings read from the cache but counting none as cached (the sample
+    that computed them, before it hands them to the tree): one group of all of them, whichever comes
+    first in the batch; a sample that recomputed the prompt in slots of its own stays alone."""
     owner = request(0, PROMPT + [1], 0)
     readers = [request(0, PROMPT + [2], 64), request(0, PROMPT[:63] + [3, 4], 63)]  # the second computed key 63
     recomputed = request(0, [9] * 65, 0)

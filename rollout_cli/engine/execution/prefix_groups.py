@@ -2,13 +2,15 @@
 attention (kernels/shared_prefix_decode_attention.py) reads the prefix of once.
 
 The prefix cache gives the n samples of a prompt the same slots for the prompt: a request adopts the
-radix tree's slots for its first `num_cached_tokens` tokens (scheduling/prefix_reuse.py), and the
-sample that computed them (none cached) holds them as its own. Two running requests hold the same
-slot only through the tree, and a tree slot belongs to one tree position, whose path from the root
-is unique, so two requests whose slots agree at position i agree at every position before it: their
-shared length is found by bisection on slot equality, whatever each one cached. Candidates are the
-samples of one prompt (same prompt_index), compared with the first of them that read its prefix from
-the cache (the anchor: its cached slots are tree slots); a sample that shares too little stays alone.
+radix tree's slots for its first `num_cached_tokens` tokens, and the sample that computed them hands
+them to the tree once its prompt is computed, counting them as cached from then on
+(scheduling/prefix_reuse.py). Two running requests hold the same slot only through the tree, and a
+tree slot belongs to one tree position, whose path from the root is unique, so two requests whose
+slots agree at position i agree at every position before it: their shared length is found by
+bisection on slot equality, within what the anchor counts as cached (its cached slots are tree
+slots), whatever the other counts. Candidates are the samples of one prompt (same prompt_index),
+compared with the first of them that counts min_prefix keys as cached (the anchor); a sample that
+shares too little stays alone.
 
 The same groups give `rollout bench` its rule for what a decode step must read (bench_limits.py:
 a group's prefix once, model_runner.distinct_context_tokens).
