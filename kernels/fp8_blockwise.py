@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout_kernels.e4m3 import emulate_e4m3, quantize_groups
+from rollout_kernels.e4m3 import emulate_e4m3, quantize_groups, round_to_e4m3_grid
 from rollout_kernels.fp8_blockwise_config import get_config
 from rollout_kernels.fp8_blockwise_ref import (BLOCK, FP8_DTYPE, FP8_MAX, _MIN_AMAX, empty_activation_scales,
                                                fp8_blockwise_matmul_ref, quantize_activation_ref,
@@ -67,6 +67,49 @@ def quantize_activation(x: torch.Tensor, group: int = BLOCK, scale_outer_major: 
             x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
             GROUP=group, GROUPS=groups, FP8_MAX_C=FP8_MAX, MIN_AMAX=_MIN_AMAX, EMULATE_E4M3=emulate_e4m3(),
             num_warps=max(1, min(8, groups * group // 512)))
+    return q, scale
+
+
+# ---- weights ----------------------------------------------------------------------------------
+
+@triton.jit
+def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_wk, stride_qn, stride_sn, fp8_max,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MIN_AMAX: tl.constexpr,
+                            EMULATE_E4M3: tl.constexpr):
+    """One program per BLOCK_N x BLOCK_K block of W [N, K] (any strides): its amax, scale and e4m3
+    values in one pass. The rule and the roundings of fp8_blockwise_ref.quantize_weight_blockwise: float32
+    math, IEEE division (div_rn, as torch divides), ties to even at the e4m3 store."""
+    nb = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = (nb * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = (kb * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    inside = (rows[:, None] < N) & (cols[None, :] < K)
+    w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :] * stride_wk, mask=inside, other=0.0)
+    w = w.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
+    scale = tl.math.div_rn(tl.maximum(amax, MIN_AMAX), fp8_max)
+    q = tl.clamp(tl.math.div_rn(w, scale), -fp8_max, fp8_max)
+    if EMULATE_E4M3:
+        q = round_to_e4m3_grid(q)
+    tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=inside)
+    tl.store(s_ptr + nb * stride_sn + kb, scale)
+
+
+def quantize_weight(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_weight_blockwise (its reference) in one launch: W [N, K] in any float dtype and strides ->
+    (W_q [N, K] float8_e4m3fn, scale [ceil(N/BN), ceil(K/BK)] float32), the same bits. Weight loads and
+    every weight update of an FP8 model run it on the GPU: the reference's float32 copies of the weight
+    (several passes, each the size of the weight twice over) were the update's extra memory and time."""
+    assert w.dim() == 2, f"a weight is [N, K], got {tuple(w.shape)}"
+    n, k = w.shape
+    block_n, block_k = block
+    q = torch.empty((n, k), dtype=FP8_DTYPE, device=w.device)
+    scale = torch.empty((triton.cdiv(n, block_n), triton.cdiv(k, block_k)), dtype=torch.float32, device=w.device)
+    if n and k:
+        _quantize_weight_kernel[scale.shape](
+            w, q, scale, n, k, w.stride(0), w.stride(1), q.stride(0), scale.stride(0), FP8_MAX,
+            BLOCK_N=block_n, BLOCK_K=block_k, MIN_AMAX=_MIN_AMAX, EMULATE_E4M3=emulate_e4m3(),
+            num_warps=8 if block_n * block_k >= 128 * 128 else 4)
     return q, scale
 
 

@@ -95,7 +95,7 @@ def _load_quantized(module: Linear, layer_loader, param: nn.Parameter, tensor: t
         staging.shard_offsets = param.shard_offsets
     layer_loader(staging, tensor.to(param.device), shard_id)
     offset, size = module.shard_offsets[shard_id] if shard_id is not None else (0, param.shape[0])
-    q, scale = quantize_weight_blockwise(staging.data.narrow(0, offset, size), module.fp8_block)
+    q, scale = _quantized(staging.data.narrow(0, offset, size), module.fp8_block[0])
     param.data.narrow(0, offset, size).copy_(q)
     module.weight_scale_inv.data.narrow(0, offset // module.fp8_block[0], scale.shape[0]).copy_(scale)
 
@@ -130,7 +130,7 @@ def quantize_layer(module: Linear, empty: bool = False) -> None:
         q = torch.empty(n, k, dtype=FP8_DTYPE, device=old.device)
         scale = torch.ones(n // block[0], -(-k // BLOCK), dtype=torch.float32, device=old.device)
     else:
-        q, scale = quantize_weight_blockwise(old.data, block)
+        q, scale = _quantized(old.data, block[0])
     weight = nn.Parameter(q, requires_grad=False)
     weight.load_dtype = old.dtype  # updates arrive in the model's dtype, not e4m3 (loader.copy_into_parameters)
     weight.weight_loader = functools.partial(_load_quantized, module, old.weight_loader)
@@ -200,6 +200,11 @@ def quantize_experts(module: FusedExperts, empty: bool = False) -> None:
 
 
 def _quantized(weight: torch.Tensor, block_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (e4m3 [N, K], scale per (block_rows x 128) block): one Triton launch on the GPU,
+    the torch reference (the same bits) elsewhere."""
+    if weight.is_cuda:
+        from rollout_kernels.fp8_blockwise import quantize_weight  # Triton: optional on the CPU
+        return quantize_weight(weight, (block_rows, BLOCK))
     return quantize_weight_blockwise(weight, (block_rows, BLOCK))
 
 

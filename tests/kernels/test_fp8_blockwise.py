@@ -171,3 +171,27 @@ def test_gpu_bf16_at_8b_shapes(m, n, k):
     x_q, x_scale = quantize_activation_ref(x)
     want = fp8_blockwise_matmul_ref(x_q, x_scale, w_q, w_scale, torch.bfloat16)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("n,k,block,dtype", [
+    (256, 384, (128, 128), torch.bfloat16), (130, 200, (128, 128), torch.float32),
+    (96, 80, (32, 16), torch.float16), (200, 256, (64, 128), torch.bfloat16)])
+def test_weight_quantization_kernel_gives_the_references_bits(n, k, block, dtype):
+    """quantize_weight (one launch, what FP8 loads and updates run on the GPU) against the torch reference:
+    the same e4m3 bits and scales, edge blocks, an outlier, an all-zero block; a row-strided slice and a
+    transposed view (the hub's transposed expert stacks) read as they are."""
+    from rollout_kernels.fp8_blockwise import quantize_weight
+
+    w = _randn(n, k, seed=n + k, scale=0.02).to(dtype)
+    w[0, 0] = 3.0
+    w[-block[0]:, :block[1]] = 0.0
+    for view in (w, torch.cat([w, w], dim=1)[:, k:], w.t().contiguous().t()):
+        q, scale = quantize_weight(view, block)
+        q_ref, scale_ref = quantize_weight_blockwise(view, block)
+        assert q.dtype == FP8_DTYPE and scale.shape == scale_ref.shape
+        assert torch.equal(scale, scale_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    transposed = w.t()  # [k, n] with strides (1, k)
+    q, scale = quantize_weight(transposed, block)
+    q_ref, scale_ref = quantize_weight_blockwise(transposed, block)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
