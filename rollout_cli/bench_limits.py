@@ -132,7 +132,8 @@ def bandwidth_limit(engine: Engine, measured_tok_s: float, hbm_bytes_per_s: floa
     per_sample_bytes = traffic.steps * weight_bytes + traffic.context_tokens * kv_bytes_per_token + state_bytes
     formula = ("limit tok/s = decode tokens / ((steps x weight bytes + distinct context tokens x KV bytes/token"
                + (" + decode tokens x 2 x linear-state bytes/sequence" if state_bytes_per_token else "")
-               + ") / HBM B/s); distinct: a prefix decodes share through the prefix cache counts once per step")
+               + ") / HBM B/s); distinct: the prefix the samples of one prompt share through the prefix cache counts "
+               "once per step (the groups --shared-prefix-attention reads once)")
     report = {
         "formula": formula,
         "weight_bytes": weight_bytes,
