@@ -192,8 +192,7 @@ def cublas_blockwise_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch
     assert x_scale.shape[1] % CUBLAS_K_BLOCKS == 0, f"cuBLAS needs K in multiples of {CUBLAS_K_BLOCKS * BLOCK}"
     m = x_q.shape[0]
     x_q, x_scale = pad_rows_for_cublas(x_q, x_scale)
-    y = torch._scaled_mm(x_q, w_q.t(), x_scale, w_scale.t(), out_dtype=out_dtype)
-    return y if y.shape[0] == m else y[:m]
+    return torch._scaled_mm(x_q, w_q.t(), x_scale, w_scale.t(), out_dtype=out_dtype)[:m]
 
 
 def pad_rows_for_cublas(x_q: torch.Tensor, x_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

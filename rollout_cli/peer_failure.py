@@ -82,9 +82,7 @@ def _peers(claim: Claim | None) -> Claim | None:
 def caused_by_peer(err: BaseException) -> BaseException:
     """`err`, or, when another rank claimed a failure first, that failure (`err` as its cause): asked where
     a rank records its error. It asks the store itself: a gloo error can come before the watchdog's poll."""
-    claim = _peers(_seen)
-    if claim is None and _lookup is not None:
-        claim = _peers(_lookup())
+    claim = _peer_claim()
     if claim is None:
         return err
     failure = claim.as_error()
@@ -92,10 +90,18 @@ def caused_by_peer(err: BaseException) -> BaseException:
     return failure
 
 
+def _peer_claim() -> Claim | None:
+    """Another rank's standing claim: the one the watchdog saw, else the store's (None: nothing watched)."""
+    claim = _peers(_seen)
+    if claim is None and _lookup is not None:
+        claim = _peers(_lookup())
+    return claim
+
+
 def a_peer_failed() -> bool:
     """Whether another rank claimed a failure (asks the store, as caused_by_peer does): then the ranks it
     leaves behind must not wait for it in a collective (rank 0's "stop" to its followers)."""
-    return isinstance(caused_by_peer(RuntimeError()), (PeerFailed, PeerInterrupted))
+    return _peer_claim() is not None
 
 
 def stop_if_a_peer_failed() -> None:

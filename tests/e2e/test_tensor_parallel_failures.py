@@ -88,6 +88,12 @@ def test_an_early_failure_is_one_line(prompts, tmp_path, fault):
     assert not out.exists()  # the job never started
 
 
+def _serve_args(socket: Path) -> list[str]:
+    """`serve --tp 2` of the example model on the CPU, on `socket`."""
+    return ["--model", MODEL, "--tp", "2", "--device", "cpu", "--max-model-len", "64", "--kv-cache-tokens", "1024",
+            "--socket", str(socket)]
+
+
 def _rows(out: Path) -> dict:
     rows = pq.read_table(out / "trajectories").to_pylist()
     return {(row["prompt_index"], row["sample_index"]): row for row in rows}
@@ -120,8 +126,7 @@ def test_serve_with_a_rank_that_fails_to_load_is_one_line(tmp_path, failing):
     closed" where the follower left; rank 0 failing: its daemon's line and the launcher's "a rank failed"
     were two. Either way: the failing rank's line alone (no traceback), exit 2, no socket left."""
     socket = tmp_path / "engine.sock"
-    result = run_cli("serve", ["--model", MODEL, "--tp", "2", "--device", "cpu", "--max-model-len", "64",
-                               "--kv-cache-tokens", "1024", "--socket", str(socket)], f"{failing}:load")
+    result = run_cli("serve", _serve_args(socket), f"{failing}:load")
     assert result.returncode == 2, result.stderr
     # rank 0 may log that its engine loads (an info line, with a timestamp) before the failure
     said = [line for line in lines(result.stderr) if "rollout serve: engine loading" not in line]
@@ -137,9 +142,8 @@ def test_a_follower_failing_during_a_daemon_job_is_one_line(prompts, tmp_path):
     log = tmp_path / "serve.stderr"
     message = fault_message(1, f"step={MID_RUN_STEP}")
     with log.open("w") as stderr:
-        daemon = subprocess.Popen([sys.executable, "-m", "rollout_cli.cli.main", "serve", "--model", MODEL, "--tp", "2",
-                                   "--device", "cpu", "--max-model-len", "64", "--kv-cache-tokens", "1024",
-                                   "--max-running", "2", "--socket", str(socket)],
+        daemon = subprocess.Popen([sys.executable, "-m", "rollout_cli.cli.main", "serve", *_serve_args(socket),
+                                   "--max-running", "2"],
                                   cwd=REPO, env=fault_env(tag, f"1:step={MID_RUN_STEP}"), stdout=subprocess.DEVNULL,
                                   stderr=stderr)
     try:
