@@ -33,13 +33,29 @@ def round_to_e4m3_grid(x):
     return tl.where(magnitude < 0.015625, subnormal, normal)
 
 
+# Both helpers divide with div_rn (IEEE, as torch divides): Triton's `/` on float32 compiles to the
+# approximate div.full, which can leave a scale or a value an ulp off the torch references' bits.
+
+@triton.jit
+def e4m3_scale(amax, FP8_MAX_C, MIN_AMAX: tl.constexpr):
+    """amax float32 (any shape) -> the scale that maps it to e4m3's largest value: max(amax, MIN_AMAX) / FP8_MAX_C."""
+    return tl.math.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX_C)
+
+
+@triton.jit
+def scaled_to_e4m3_grid(x, scale, FP8_MAX_C, EMULATE_E4M3: tl.constexpr):
+    """x float32, scale broadcastable to it -> x / scale clamped to e4m3's range, float32 that is on the e4m3
+    grid once stored as e4m3 (rounded here under the interpreter, module docstring)."""
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C)
+    if EMULATE_E4M3:
+        q = round_to_e4m3_grid(q)
+    return q
+
+
 @triton.jit
 def quantize_groups(x, FP8_MAX_C: tl.constexpr, MIN_AMAX: tl.constexpr, EMULATE_E4M3: tl.constexpr):
     """x [GROUPS, GROUP] float32 -> (q [GROUPS, GROUP] float32 on the e4m3 grid once stored as e4m3,
-    scale [GROUPS] float32): scale = max(amax, MIN_AMAX) / FP8_MAX_C per group, x ~= q * scale (the rule
-    of fp8_blockwise_ref.quantize_activation_ref). Shared by every kernel that writes FP8 activations."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / FP8_MAX_C
-    q = tl.clamp(x / scale[:, None], -FP8_MAX_C, FP8_MAX_C)
-    if EMULATE_E4M3:
-        q = round_to_e4m3_grid(q)
-    return q, scale
+    scale [GROUPS] float32): one scale per group, x ~= q * scale (the rule of
+    fp8_blockwise_ref.quantize_activation_ref). Shared by every kernel that writes FP8 activations."""
+    scale = e4m3_scale(tl.max(tl.abs(x), axis=1), FP8_MAX_C, MIN_AMAX)
+    return scaled_to_e4m3_grid(x, scale[:, None], FP8_MAX_C, EMULATE_E4M3), scale

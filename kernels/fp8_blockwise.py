@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout_kernels.e4m3 import emulate_e4m3, quantize_groups, round_to_e4m3_grid
+from rollout_kernels.e4m3 import e4m3_scale, emulate_e4m3, quantize_groups, scaled_to_e4m3_grid
 from rollout_kernels.fp8_blockwise_config import get_config
 from rollout_kernels.fp8_blockwise_ref import (BLOCK, FP8_DTYPE, FP8_MAX, _MIN_AMAX, empty_activation_scales,
                                                fp8_blockwise_matmul_ref, quantize_activation_ref,
@@ -87,10 +87,8 @@ def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_wk, str
     w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :] * stride_wk, mask=inside, other=0.0)
     w = w.to(tl.float32)
     amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
-    scale = tl.math.div_rn(tl.maximum(amax, MIN_AMAX), fp8_max)
-    q = tl.clamp(tl.math.div_rn(w, scale), -fp8_max, fp8_max)
-    if EMULATE_E4M3:
-        q = round_to_e4m3_grid(q)
+    scale = e4m3_scale(amax, fp8_max, MIN_AMAX)
+    q = scaled_to_e4m3_grid(w, scale, fp8_max, EMULATE_E4M3)
     tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=inside)
     tl.store(s_ptr + nb * stride_sn + kb, scale)
 
