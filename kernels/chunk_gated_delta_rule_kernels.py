@@ -127,7 +127,10 @@ def _chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, gc_ptr, w_ptr, u_ptr, start_ptr, le
     k = _load_keys(k_ptr, rows, mask_r, sk0, h // GROUP, kcols, DK, L2NORM)  # [BT, BK]
     beta = tl.load(beta_ptr + rows * sb0 + h, mask=mask_r, other=0.0).to(tl.float32)  # [BT]
     gc = tl.load(gc_ptr + rows * sgc0 + h, mask=mask_r, other=0.0)  # [BT]
-    strictly_lower = ri[:, None] > ri[None, :]
+    # rows past the chunk's end (gc loaded as 0) get no decay either: their gc_i - gc_j is -gc_j, which
+    # overflows exp once the chunk's gates sum below -88 (a trained model's strong decay), and inf times
+    # their zero keys is NaN, which the inverse's dots would carry into every row of the chunk
+    strictly_lower = (ri[:, None] > ri[None, :]) & mask_r[:, None]
     decay = tl.exp(tl.where(strictly_lower, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT], 0 on/above diag
     if LOWP:
         k_low = k.to(lowp)
@@ -222,7 +225,7 @@ def _chunk_output_kernel(q_ptr, k_ptr, u_ptr, gc_ptr, hs_ptr, o_ptr, start_ptr, 
                     mask=(kcols[:, None] < DK) & (vcols[None, :] < DV), other=0.0)  # [BK, BV]
     mask_v = mask_r[:, None] & (vcols[None, :] < DV)
     v_new = tl.load(u_ptr + rows[:, None] * su0 + h * DV + vcols[None, :], mask=mask_v, other=0.0)  # [BT, BV]
-    lower = ri[:, None] >= ri[None, :]
+    lower = (ri[:, None] >= ri[None, :]) & mask_r[:, None]  # no inf in rows past the end (as in the wy kernel)
     decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))  # [BT, BT]
     if LOWP:  # state and v_new arrive in the inputs' dtype (o's)
         lowp = o_ptr.dtype.element_ty

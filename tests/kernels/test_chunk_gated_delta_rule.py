@@ -31,14 +31,16 @@ def _cu(lengths):
     return cu
 
 
-def _inputs(T, hk, hv, dk, dv, dtype, seed):
-    """q/k/v as row-strided views of one fused projection [T, 2 hk dk + hv dv + 3], beta a view of [T, 2 hv]."""
+def _inputs(T, hk, hv, dk, dv, dtype, seed, gates=(-0.3, 0.0)):
+    """q/k/v as row-strided views of one fused projection [T, 2 hk dk + hv dv + 3], beta a view of [T, 2 hv];
+    g uniform in `gates` (default: slow decay, earlier chunks still matter)."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
     fused = torch.randn(T, 2 * hk * dk + hv * dv + 3, generator=gen, device=DEV).to(dtype)
     q = fused[:, : hk * dk].view(T, hk, dk)
     k = fused[:, hk * dk: 2 * hk * dk].view(T, hk, dk)
     v = fused[:, 2 * hk * dk: 2 * hk * dk + hv * dv].view(T, hv, dv)
-    g = -0.3 * torch.rand(T, hv, generator=gen, device=DEV)  # slow decay: earlier chunks still matter
+    low, high = gates
+    g = low + (high - low) * torch.rand(T, hv, generator=gen, device=DEV)
     beta = torch.rand(T, 2 * hv, generator=gen, device=DEV).to(dtype)[:, :hv]
     return q, k, v, g, beta
 
@@ -63,10 +65,10 @@ def test_wy_repr_matches_reference(chunk_size, batched_diag):
     torch.testing.assert_close(u, want_u, atol=1e-5, rtol=1e-5)
 
 
-def _run_both(lengths, hk, hv, dk, dv, dtype, chunk_size, seed, use_qk_l2norm=True):
+def _run_both(lengths, hk, hv, dk, dv, dtype, chunk_size, seed, use_qk_l2norm=True, gates=(-0.3, 0.0)):
     cu = _cu(lengths)
     B, num_slots = len(lengths), len(lengths) + 3
-    step = _inputs(cu[-1], hk, hv, dk, dv, dtype, seed)
+    step = _inputs(cu[-1], hk, hv, dk, dv, dtype, seed, gates)
     if not use_qk_l2norm:  # raw keys: keep |k| small so the delta rule stays contractive
         step = (step[0], step[1] * 0.2) + step[2:]
     pools = torch.full((2, num_slots, hv, dk, dv), float("nan"), device=DEV)  # [layers, S, ...]: a layer slice
@@ -157,6 +159,19 @@ def test_varlen_shapes(lengths, hk, hv, dk, dv, l2):
                                                            use_qk_l2norm=l2)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(pool[index], want_pool[index], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_strong_decay_in_a_partial_chunk_stays_finite(dtype):
+    """A trained model's gates (here -12 to -4 a token) sum below -88 inside a chunk. Rows past a partial
+    chunk's end must not turn exp(gc_i - gc_j) into inf: times their zero keys it was NaN, which the
+    inverse's dots spread into every row (a trained Qwen3-Next prefilled NaN; the first test failed so)."""
+    _, _, index, _, got, want, pool, want_pool = _run_both([40, 64, 3], 2, 4, 16, 16, dtype, 64, seed=5,
+                                                           gates=(-12.0, -4.0))
+    assert got.isfinite().all() and pool[index].isfinite().all()
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(pool[index], want_pool[index], atol=tol, rtol=tol)
 
 
 def test_split_prefill_carries_the_state():
