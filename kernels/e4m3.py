@@ -33,13 +33,14 @@ def round_to_e4m3_grid(x):
     return tl.where(magnitude < 0.015625, subnormal, normal)
 
 
-# Both helpers divide with div_rn (IEEE, as torch divides): Triton's `/` on float32 compiles to the
-# approximate div.full, which can leave a scale or a value an ulp off the torch references' bits.
+# The torch references' bits (kernels/fp8_blockwise_ref.py): a scale is amax times the float32
+# reciprocal of 448, a value is divided by its scale with IEEE division (div_rn, as torch divides two
+# tensors). Triton's `/` on float32 compiles to the approximate div.full, which can be an ulp off.
 
 @triton.jit
-def e4m3_scale(amax, FP8_MAX_C, MIN_AMAX: tl.constexpr):
-    """amax float32 (any shape) -> the scale that maps it to e4m3's largest value: max(amax, MIN_AMAX) / FP8_MAX_C."""
-    return tl.math.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX_C)
+def e4m3_scale(amax, FP8_MAX_C: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """amax float32 (any shape) -> the scale that maps it to e4m3's largest value: max(amax, MIN_AMAX) * (1 / FP8_MAX_C)."""
+    return tl.maximum(amax, MIN_AMAX) * (1.0 / FP8_MAX_C)
 
 
 @triton.jit

@@ -73,12 +73,12 @@ def quantize_activation(x: torch.Tensor, group: int = BLOCK, scale_outer_major: 
 # ---- weights ----------------------------------------------------------------------------------
 
 @triton.jit
-def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_wk, stride_qn, stride_sn, fp8_max,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MIN_AMAX: tl.constexpr,
-                            EMULATE_E4M3: tl.constexpr):
+def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_wk, stride_qn, stride_sn,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX_C: tl.constexpr,
+                            MIN_AMAX: tl.constexpr, EMULATE_E4M3: tl.constexpr):
     """One program per BLOCK_N x BLOCK_K block of W [N, K] (any strides): its amax, scale and e4m3
-    values in one pass. The rule and the roundings of fp8_blockwise_ref.quantize_weight_blockwise: float32
-    math, IEEE division (div_rn, as torch divides), ties to even at the e4m3 store."""
+    values in one pass. The rule and the roundings of fp8_blockwise_ref.quantize_weight_blockwise (float32
+    math, kernels/e4m3.e4m3_scale and scaled_to_e4m3_grid), ties to even at the e4m3 store."""
     nb = tl.program_id(0)
     kb = tl.program_id(1)
     rows = (nb * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -87,8 +87,8 @@ def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_wk, str
     w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :] * stride_wk, mask=inside, other=0.0)
     w = w.to(tl.float32)
     amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
-    scale = e4m3_scale(amax, fp8_max, MIN_AMAX)
-    q = scaled_to_e4m3_grid(w, scale, fp8_max, EMULATE_E4M3)
+    scale = e4m3_scale(amax, FP8_MAX_C, MIN_AMAX)
+    q = scaled_to_e4m3_grid(w, scale, FP8_MAX_C, EMULATE_E4M3)
     tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=inside)
     tl.store(s_ptr + nb * stride_sn + kb, scale)
 
@@ -105,8 +105,8 @@ def quantize_weight(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)) ->
     scale = torch.empty((triton.cdiv(n, block_n), triton.cdiv(k, block_k)), dtype=torch.float32, device=w.device)
     if n and k:
         _quantize_weight_kernel[scale.shape](
-            w, q, scale, n, k, w.stride(0), w.stride(1), q.stride(0), scale.stride(0), FP8_MAX,
-            BLOCK_N=block_n, BLOCK_K=block_k, MIN_AMAX=_MIN_AMAX, EMULATE_E4M3=emulate_e4m3(),
+            w, q, scale, n, k, w.stride(0), w.stride(1), q.stride(0), scale.stride(0),
+            BLOCK_N=block_n, BLOCK_K=block_k, FP8_MAX_C=FP8_MAX, MIN_AMAX=_MIN_AMAX, EMULATE_E4M3=emulate_e4m3(),
             num_warps=8 if block_n * block_k >= 128 * 128 else 4)
     return q, scale
 

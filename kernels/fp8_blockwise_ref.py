@@ -9,6 +9,10 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
+# A scale is amax times 1/448 (rounded to float32), not amax / 448: torch on CUDA divides by a Python
+# scalar as a multiply by its float32 reciprocal, on the CPU it divides, and the two differ by an ulp.
+# The multiply gives the same bits on both, and the kernels do the same (kernels/e4m3.e4m3_scale).
+INV_FP8_MAX = 1.0 / FP8_MAX
 BLOCK = 128  # the hub's weight_block_size [128, 128]
 _MIN_AMAX = 1e-12  # an all-zero block gets a tiny scale instead of a division by zero
 
@@ -27,7 +31,7 @@ def quantize_weight_blockwise(w: torch.Tensor, block: tuple[int, int] = (BLOCK, 
     n, k = w.shape
     padded = _pad_to_blocks(w.float(), block_n, block_k)
     blocks = padded.view(padded.shape[0] // block_n, block_n, padded.shape[1] // block_k, block_k)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=_MIN_AMAX) / FP8_MAX  # [NB, KB]
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=_MIN_AMAX) * INV_FP8_MAX  # [NB, KB]
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(padded.shape)[:n, :k].contiguous(), scale
 
@@ -54,7 +58,7 @@ def quantize_activation_ref(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.
     """quantize_activation in torch: the same amax rule per token and channel group."""
     m, k = x.shape
     padded = torch.nn.functional.pad(x.float(), (0, -k % group)).view(m, -1, group)
-    scale = padded.abs().amax(dim=2).clamp(min=_MIN_AMAX) / FP8_MAX  # [M, KB]
+    scale = padded.abs().amax(dim=2).clamp(min=_MIN_AMAX) * INV_FP8_MAX  # [M, KB]
     q = (padded / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, -1)[:, :k].contiguous(), scale
 
