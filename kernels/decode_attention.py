@@ -176,17 +176,22 @@ def _check_common(q, k_pool, v_pool, req_to_token, rows, seq_lens):
     return _check_pool(q, k_pool, v_pool, req_to_token, rows, seq_lens)
 
 
-def _decode_config(dtype, head_dim: int) -> tuple[int, int, int]:
-    """Stage 1 BLOCK_N, num_warps, num_stages (one tile for every pool dtype until kvsweep picks one for e4m3)."""
+def _decode_config(dtype, head_dim: int, kv_dtype=None) -> tuple[int, int, int]:
+    """Stage 1 BLOCK_N, num_warps, num_stages for q's dtype and the pool's (None: q's)."""
     # H200, batch 64 x 4096 keys, 16/8 heads, D 128, bf16: 64/4/3 reads at ~93% of copy bandwidth
     # (64/4/2: 83%, 64/4/1: 73%; 128/4/2 and 32/2/3 are as good). Decode is memory bound.
     if dtype == torch.float32:
         return 32, 4, 3
+    # An e4m3 pool (H100, the 8B's heads, `device_check.sh kvsweep`, session 35): 128/4/3 reads at 70-76%
+    # of bandwidth against 61-68% for 64/4/3 (bf16 pools: 91-92% for both); 8 warps or 4 stages are slower.
+    if kv_dtype == KV_FP8_DTYPE:
+        return 128, 4, 3
     return 64, 4, 3
 
 
-# fp16 dots for a bf16 model over an e4m3 pool: off until `device_check.sh kvsweep` shows them faster on the GPU
-F16_DOTS_OVER_E4M3 = False
+# fp16 dots for a bf16 model over an e4m3 pool (H100, kvsweep, session 35): 637 against 689 us at
+# batch 256 x 3,072 keys, 446 against 476 us at 64 x 8,192, at the 128/4/3 tile
+F16_DOTS_OVER_E4M3 = True
 
 
 def _f16_dots(dtype, kv_dtype) -> bool:
@@ -221,7 +226,7 @@ def decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_lens, scale: flo
     if batch == 0:
         return out
 
-    block_n, num_warps, num_stages = stage1_config or _decode_config(q.dtype, head_dim)
+    block_n, num_warps, num_stages = stage1_config or _decode_config(q.dtype, head_dim, k_pool.dtype)
     f16_dots = _f16_dots(q.dtype, k_pool.dtype) if f16_dots is None else f16_dots
     # scratch sized from shapes only: fine under CUDA graph capture (one split: unused, one element)
     parts = (batch, num_heads, num_kv_splits) if num_kv_splits > 1 else (1, 1, 1)
@@ -328,7 +333,7 @@ def benchmark_decode_attention(batch: int = 64, context: int = 4096, num_heads: 
         "batch": batch, "context": context, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
         "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."), "num_kv_splits": num_kv_splits,
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
-        "stage1_config": list(stage1_config or _decode_config(dtype, head_dim)),
+        "stage1_config": list(stage1_config or _decode_config(dtype, head_dim, k_pool.dtype)),
         "f16_dots": _f16_dots(dtype, kv_dtype) if f16_dots is None else f16_dots,
         "time_us": seconds * 1e6, "bytes": total, "gb_per_s": total / seconds / 1e9,
     }

@@ -126,6 +126,9 @@ def shared_prefix_decode_attention(q, k_pool, v_pool, req_to_token, rows, seq_le
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if batch == 0:
         return out
+    # the plain kernel's bf16 tile for every pool: over e4m3 pools, 128/4/3 (the plain kernel's e4m3 tile) made
+    # this one slower at the GRPO shapes (H100, `device_check.sh cascade`, session 35: n 16, suffix 64 / 512 /
+    # 1,024: 199 / 275 / 279 us against 99 / 200 / 322 us at 64/4/3)
     block_n, num_warps, num_stages = stage1_config or _decode_config(q.dtype, head_dim)
     f16_dots = _f16_dots(q.dtype, k_pool.dtype) if f16_dots is None else f16_dots
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
