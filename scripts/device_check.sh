@@ -48,7 +48,7 @@
 # graphs and chained drafts on the hybrids), overlap (issue 25 item 2: decoder layers of the 8B / 0.6B shapes as one batch,
 # as two halves on one stream, and as two halves on two streams, each a CUDA graph), specmodels (issue 22's targets: scripts/train_speculation_models.py trains a small Qwen3-Next-shaped model with
 # its MTP head and a dense one on the standard library's code, 2 minutes each, then bench --speculative mtp at
-# batch 32 and siblings on 16 x n16 held-out code prompts, greedy). masktests (--sampling-mask: the kept-set kernel
+# batch 32 (128 prompts), siblings on 64 x n16 held-out code prompts, and mtp at batch 256 (compute-bound: no slower), greedy). masktests (--sampling-mask: the kept-set kernel
 # compiled against the sampler, masked samples beside graph-replayed ones, HF logits replayed over the masks).
 # Logs and JSON go to $OUT.
 # torch_memory_saver and the daemon's web stack travel as wheels: `bash scripts/device_wheels.sh`, then carry .whl.
@@ -147,9 +147,10 @@ for part in $PARTS; do
                "tests/e2e/test_gpu_engine.py::test_fp8_kv_cache_graphs_replay_the_eager_steps_and_match_the_torch_path" 2>&1 \
                | tee "$OUT/gpu_fp8kv_engine.log" | grep -E "^FAILED|passed|failed" | tail -4
            python3 -c "import torch; from rollout_kernels.decode_attention import benchmark_decode_attention as b
+hbm = 4.8e12 if 'H200' in torch.cuda.get_device_name() else 3.35e12
 for kv in (None, torch.float8_e4m3fn):
     for batch, ctx in ((256, 1024), (256, 4096), (64, 8192)):
-        r = b(batch=batch, context=ctx, num_heads=32, num_kv_heads=8, kv_dtype=kv, num_kv_splits=1 if batch == 256 else 4, hbm_bytes_per_s=4.8e12)
+        r = b(batch=batch, context=ctx, num_heads=32, num_kv_heads=8, kv_dtype=kv, num_kv_splits=1 if batch == 256 else 4, hbm_bytes_per_s=hbm)
         print(r['kv_dtype'], batch, ctx, round(r['time_us'], 1), 'us', round(r['hbm_fraction'], 3))" 2>&1 | tee "$OUT/fp8kv_decode.log" ;;
     kvsweep) python3 -c "import torch; from rollout_kernels.decode_attention import benchmark_decode_attention as b
 hbm = 4.8e12 if 'H200' in torch.cuda.get_device_name() else 3.35e12
@@ -212,10 +213,12 @@ for heads in (16, 32):  # the 0.6B's and the 8B's heads, 8 kv heads; GRPO: 16 gr
     specmodels) S=/tmp/spec  # issue 22's targets: train the pair (2 min each), then bench on held-out code
                timeout 330 python3 scripts/train_speculation_models.py --out $S --minutes 2 2>&1 | tee "$OUT/train_spec.log" \
                | grep -E "step .*000 |wrote|tokens"
-               bench spec_mtp32 120 --model $S/hybrid --data $S/prompts.parquet --num-prompts 32 --output-len 256 \
-                   --temperature 0 --speculative mtp --num-draft-tokens 2
-               bench spec_siblings 120 --model $S/dense --data $S/prompts.parquet --num-prompts 16 --n 16 \
-                   --output-len 256 --temperature 0 --speculative siblings ;;
+               bench spec_mtp32 120 --model $S/hybrid --data $S/prompts.parquet --num-prompts 128 --max-running 32 \
+                   --output-len 256 --temperature 0 --speculative mtp --num-draft-tokens 2
+               bench spec_siblings 120 --model $S/dense --data $S/prompts.parquet --num-prompts 64 --n 16 \
+                   --output-len 256 --temperature 0 --speculative siblings
+               bench spec_mtp256 100 --model $S/hybrid --data $S/prompts.parquet --num-prompts 256 --output-len 256 \
+                   --temperature 0 --speculative mtp --num-draft-tokens 2 ;;
     control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;
     controlfp8) timeout 250 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp --quantization fp8 2>&1 \
                | tee "$OUT/control_plane_fp8.log" | tail -13 ;;

@@ -181,16 +181,18 @@ def _bench_engine(engine, workload, cfg, hbm, report: dict, json_path, profile: 
 
 def _abba(engine, workload, cfg, console, switch, label: str) -> tuple[list[dict], float, float]:
     """Four runs on one engine with a setting off, on, on, off (ABBA: a slow drift over the runs
-    weighs on both sides alike); switch(on) sets it. An untimed run of the whole workload with the
-    setting off comes first: run_engine's short warm-up does not reach every context length, and a
-    kernel compiled inside the first timed run once cost the H200's 0.6B line a second of its 3
-    (44,347 tok/s default in the last run, 32,944 in the first). -> (the four runs, seconds with it
-    off, seconds with it on), from the sums of times."""
+    weighs on both sides alike); switch(on) sets it. Untimed runs of the whole workload with the
+    setting on, then off, come first: run_engine's short warm-up does not reach every context length,
+    and a kernel compiled inside the first timed run once cost the H200's 0.6B line a second of its 3
+    (44,347 tok/s default in the last run, 32,944 in the first); the setting's own kernels (speculation's
+    verify steps) compile in its first run (2.0 against 0.85 s, the first --speculative mtp line on the
+    H100). -> (the four runs, seconds with it off, seconds with it on), from the sums of times."""
     from rollout_cli.bench import run_engine  # heavy: torch
 
-    switch(False)
-    with console.status(f"engine, {label} off, warm-up run (untimed)"):
-        run_engine(engine, workload, cfg)
+    for on in (True, False):
+        switch(on)
+        with console.status(f"engine, {label} {'on' if on else 'off'}, warm-up run (untimed)"):
+            run_engine(engine, workload, cfg)
     runs = []
     for on in (False, True, True, False):
         switch(on)
