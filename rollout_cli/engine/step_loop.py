@@ -57,6 +57,7 @@ class StepLoop:
                     yield from flushed
                     continue
                 else:
+                    planned_at = time.perf_counter()
                     out = scheduler.schedule()
                     if not out:
                         if scheduler.admit_new or scheduler.running or on_step is None:
@@ -64,6 +65,10 @@ class StepLoop:
                         on_step()  # admission closed (pause finish) and the running samples done: hold
                         continue
                     inflight = runner.launch(out)
+                    # the step's wall time counts its planning: the drafts proposed there are the host's
+                    # share of a drafting step, which the speculation gate must weigh (a step planned
+                    # ahead was planned while the one before ran: hidden)
+                    inflight.launch_time = planned_at
                 if on_step is not None:
                     engine.step_in_flight = True
                     on_step()

@@ -190,6 +190,41 @@ def test_the_speculation_gate_sees_every_decode_step_and_changes_no_token(exampl
     assert sum(tokens - batch for batch, tokens in drafting) <= stats.accepted_draft_tokens
 
 
+def test_the_gate_weighs_the_time_drafts_take_to_propose(example_model_dir, monkeypatch):
+    """A drafting step's wall time counts its planning, where the drafts are proposed: the host's share of
+    speculation (a sibling index per request in Python). It was left out (timed from the launch), and the
+    gate kept drafting where the whole run measured 0.38x plain decoding (siblings, H100, session 35).
+    A clock that moves only while a draft is proposed: every drafting step reports that time."""
+    clock = [0.0]
+
+    def perf_counter() -> float:
+        clock[0] += 1e-6  # any other step of the loop: a microsecond
+        return clock[0]
+
+    monkeypatch.setattr("time.perf_counter", perf_counter)
+    engine = Engine(example_model_dir, device="cpu", dtype="float32", max_model_len=256, kv_cache_tokens=4096,
+                    max_running=2, speculative="siblings", num_draft_tokens=4)
+    drafter, proposals = engine.scheduler.drafter, []
+    propose = drafter.propose
+
+    def slow_propose(request, max_tokens):
+        clock[0] += 1.0
+        proposals.append(request.request_id)
+        return propose(request, max_tokens)
+
+    drafter.propose = slow_propose
+    gate, reports = engine.scheduler.draft_gate, []
+    record = gate.record
+    gate.record = lambda *step: reports.append(step) or record(*step)
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True, n=4)
+    list(engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], params))
+    drafting = [seconds for _, drafted, _, seconds in reports if drafted]
+    plain = [seconds for _, drafted, _, seconds in reports if not drafted]
+    assert proposals and drafting and plain
+    assert all(seconds >= 1.0 for seconds in drafting)  # at least one proposal each (every running request is asked)
+    assert all(seconds < 1.0 for seconds in plain)
+
+
 def test_routing_capture_records_the_accepted_tokens_only(tiny_moe_checkpoints):
     model = tiny_moe_checkpoints["qwen3_moe"]
     params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True, n=2)

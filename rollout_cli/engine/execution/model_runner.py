@@ -71,7 +71,7 @@ class StepHandle:
     host: torch.Tensor | None = None
     ready: object = None  # torch.cuda.Event recorded after the copy to `host`
     timing: tuple | None = None  # (start, end) timing events around the replay (time_decode_steps)
-    launch_time: float = field(default_factory=time.perf_counter)  # when launch() began
+    launch_time: float = field(default_factory=time.perf_counter)  # when launch() (or the step loop's planning) began
 
 
 class ModelRunner:
