@@ -211,3 +211,38 @@ def test_mtp_plain_steps_replay_graphs_above_the_max_batch(tiny_hybrid_checkpoin
     for plain, spec in zip(*runs, strict=True):
         assert spec.response_token_ids == plain.response_token_ids
     assert engines[1].runner.graphs.replays > 0 and engines[1].scheduler.stats.verify_steps > 0
+
+
+def test_mtp_drafts_on_graphs_are_the_heads_drafts_on_the_cpu(tiny_hybrid_checkpoints, tmp_path):
+    """The head's drafts themselves (tokens compare equal whatever the drafts are): plain steps replaying the
+    CUDA graphs (the head's pass reads the graph's hidden states and sampled tokens) propose what the CPU's
+    torch path proposes, float32 on both. A trained hybrid accepted no draft on the H100 (session 35: 1.00
+    tokens per verifying step), where the CPU accepted 1.87 per step: this checks the GPU's drafts."""
+    import sys
+    from pathlib import Path
+
+    from rollout_cli.engine.trajectory import PromptInput
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from mtp_fixtures import with_mtp_head
+    from test_mtp import _LoggingDrafter
+
+    model_dir = with_mtp_head(tiny_hybrid_checkpoints["qwen3_next"], tmp_path / "mtp")
+    # 12 running, down to none: the head's KV built behind graph replays, its drafts read once 4 or fewer run
+    prompts = [PromptInput(i, p, params=SamplingParams(max_new_tokens=6 + 4 * i, **GREEDY))
+               for i, p in enumerate(_prompts(300, 12, seed=4))]
+    logs = []
+    for device in ("cpu", "cuda"):
+        # above 4 running requests the steps are plain (graph replays on the GPU), the head drafting behind them
+        options = dict(speculative="mtp", speculative_max_batch=4, speculative_gate=False, dtype="float32",
+                       max_model_len=256, max_running=16, enable_prefix_cache=False)
+        engine = (Engine(model_dir, device="cpu", **options) if device == "cpu" else _engine(model_dir, **options))
+        log = {}
+        engine.scheduler.enable_speculation(_LoggingDrafter(log), 1, 4)
+        list(engine.stream(prompts, SamplingParams()))
+        logs.append(log)
+    assert engine.runner.graphs.replays > 0
+    cpu, gpu = logs
+    shared = cpu.keys() & gpu.keys()
+    assert len(shared) >= 30
+    assert sum(cpu[k] == gpu[k] for k in shared) >= 0.95 * len(shared)  # float32 on both: near-ties alone may differ
