@@ -48,7 +48,7 @@
 # graphs and chained drafts on the hybrids), overlap (issue 25 item 2: decoder layers of the 8B / 0.6B shapes as one batch,
 # as two halves on one stream, and as two halves on two streams, each a CUDA graph), specmodels (issue 22's targets: scripts/train_speculation_models.py trains a small Qwen3-Next-shaped model with
 # its MTP head and a dense one on the standard library's code, 2 minutes each, then bench --speculative mtp at
-# batch 32 (128 prompts), siblings on 64 x n16 held-out code prompts, and mtp at batch 256 (compute-bound: no slower), greedy). masktests (--sampling-mask: the kept-set kernel
+# batch 32 (128 prompts), siblings on 64 x n16 held-out code prompts, and mtp at batch 256 (compute-bound: no slower), greedy; then scripts/diagnose_mtp.py: the GPU's tokens and drafts against the CPU's). masktests (--sampling-mask: the kept-set kernel
 # compiled against the sampler, masked samples beside graph-replayed ones, HF logits replayed over the masks).
 # Logs and JSON go to $OUT.
 # torch_memory_saver and the daemon's web stack travel as wheels: `bash scripts/device_wheels.sh`, then carry .whl.
@@ -218,7 +218,9 @@ for heads in (16, 32):  # the 0.6B's and the 8B's heads, 8 kv heads; GRPO: 16 gr
                bench spec_siblings 120 --model $S/dense --data $S/prompts.parquet --num-prompts 64 --n 16 \
                    --output-len 256 --temperature 0 --speculative siblings
                bench spec_mtp256 100 --model $S/hybrid --data $S/prompts.parquet --num-prompts 256 --output-len 256 \
-                   --temperature 0 --speculative mtp --num-draft-tokens 2 ;;
+                   --temperature 0 --speculative mtp --num-draft-tokens 2
+               timeout 150 python3 scripts/diagnose_mtp.py --model $S/hybrid --data $S/prompts.parquet 2>&1 \
+                   | tee "$OUT/diagnose_mtp.log" | grep -E "^(cpu|cuda)" ;;
     control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;
     controlfp8) timeout 250 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp --quantization fp8 2>&1 \
                | tee "$OUT/control_plane_fp8.log" | tail -13 ;;
