@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from rollout_cli.engine.execution.host_to_device import to_device
 from rollout_cli.engine.execution.vision_step import step_positions_and_images
 from rollout_cli.engine.scheduling.schedule_output import DRAFT_LATER, BatchEntry
 
@@ -110,7 +111,9 @@ class MTPStep:
 
     def drafts_from(self, entries, head_out: torch.Tensor) -> None:
         """After post-processing the plain decode step of `entries`: the next draft of each request still
-        running, from its row of store_kv_on_device's outputs [B, H]."""
+        running, from its row of store_kv_on_device's outputs [B, H]. Asked only when the next step drafts,
+        which is then seldom launched ahead (schedule_ahead asks the gate too), so reading the drafts mostly
+        waits for this step's pass alone."""
         live = [i for i, e in enumerate(entries) if not e.ghost and e.request.finish_reason is None]
         if live:
             self._propose([entries[i].request for i in live], head_out, live)
@@ -118,7 +121,7 @@ class MTPStep:
     def _propose(self, requests: list, head_out: torch.Tensor, rows: list[int]) -> None:
         """Each request's draft for the position after its newest token, from its row of the head's outputs
         head_out [M, H]: Request.mtp_draft = (that position, the greedy token), mtp_hidden = the row [H]."""
-        picked = head_out[torch.tensor(rows, device=head_out.device)]  # [N, H]
+        picked = head_out[to_device(rows, torch.long, head_out.device)]  # [N, H]
         for request, token, hidden in zip(requests, self._greedy(picked), picked):
             request.mtp_draft, request.mtp_hidden = (request.num_tokens, token), hidden
 
@@ -149,14 +152,15 @@ class MTPStep:
         tokens after them, or `tokens` [M] on the device): (target_hidden [M, H], those tokens), its KV
         stored at `slots` [M] -> its normed output [M, H]."""
         runner, device = self.runner, self.runner.device
+        # index lists go up without a host wait (host_to_device.py): a plain step's pass runs behind it
         attn = runner._prepare(head_entries, runner.req_to_token, runner.kv, runner.scale,
-                               torch.tensor(slots, dtype=torch.long, device=device))
+                               to_device(slots, torch.long, device))
         if tokens is None:
-            tokens = torch.tensor([t for e in head_entries for t in e.token_ids], device=device)
+            tokens = to_device([t for e in head_entries for t in e.token_ids], torch.long, device)
         embeds = self.model.model.embed_tokens(tokens)  # [M, H]
         if runner.encoder_cache is None:
             positions = [p for e in head_entries for p in range(e.start, e.start + e.num_new_tokens)]
-            return self.model.mtp(embeds, target_hidden, torch.tensor(positions, device=device), attn)
+            return self.model.mtp(embeds, target_hidden, to_device(positions, torch.long, device), attn)
         # multimodal (Qwen3.5 as the hub ships it): the rotary positions of q (three per row where the step
         # holds image tokens), and where the token at q + 1 is an image token its image embedding
         rope, _ = step_positions_and_images(head_entries, runner.encoder_cache, device)

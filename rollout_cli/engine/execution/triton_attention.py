@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout_cli.engine.execution.attention import KVCache
+from rollout_cli.engine.execution.host_to_device import to_device
 from rollout_cli.engine.execution.prefix_groups import group_shared_prefixes
 from rollout_kernels.batch_invariant_attention import batch_invariant_attention, block_rows, query_blocks
 from rollout_kernels.decode_attention import decode_attention
@@ -196,8 +197,8 @@ def prepare_triton_attention(entries, req_to_token: torch.Tensor, kv: KVCache, s
     prefills = entries[len(decodes):]
     assert all(e.num_new_tokens > 1 for e in prefills), "entries must be ordered decodes first"
 
-    def ints(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
+    def ints(values, dtype):  # no host wait: an MTP head's pass prepares this behind a step in flight
+        return to_device(values, dtype, device)
 
     extend = None
     if prefills:
