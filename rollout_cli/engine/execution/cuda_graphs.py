@@ -32,6 +32,7 @@ from rollout_cli.engine.execution.token_table import TokenTable
 from rollout_cli.engine.execution.triton_attention import (SharedPrefixMetadata, TritonAttentionBatch,
                                                            invariant_decode_attention, warm_decode_splits)
 from rollout_cli.models.moe import routing_recorder_swapped
+from rollout_cli.process_gc import garbage_collection_paused
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -106,26 +107,35 @@ class DecodeGraphs:
         # after the step (engine/execution/mtp_step.py); valid until the next replay
         self.keep_hidden = keep_hidden
         self.hidden: dict[int, torch.Tensor] = {}
+        # and the head's pass behind a plain step, one graph per bucket (run_head): replayed eagerly it costs
+        # the host 2.6 ms of launches a step (the trained pair of issue 22 on the H100), 3x the step itself
+        self.head_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] | None = (
+            {} if keep_hidden and hasattr(model, "mtp") else None)
+        self.head_replays = 0
         self.capture_seconds = 0.0
         self.replays = 0  # decode steps served by a replay (tests check graphs really ran)
         moe_layers = getattr(model, "moe_layers", None)
         self.routing = (GraphRoutingBuffer(self.max_batch, len(moe_layers), model.top_k, model.num_experts, device)
                         if moe_layers else None)
 
+    def _attention(self, batch: int):
+        """The full-attention metadata of a replay of `batch` rows, over the static buffers."""
+        positions, rows, slots = (self.ints[i, :batch] for i in (_POSITION, _ROW, _SLOT))
+        if self.deterministic:  # the same kernel as eager steps, so a replayed token equals an eager one
+            return invariant_decode_attention(self.kv, self.req_to_token, slots, rows, positions, self.scale)
+        shared = None
+        if self.shared_prefix:
+            num_groups = group_slots(batch)
+            shared = SharedPrefixMetadata(self.groups[_ORDER, :batch], self.groups[_GROUP_STARTS, :num_groups + 1],
+                                          self.groups[_PREFIX_LENS, :num_groups])
+        return TritonAttentionBatch(self.kv, self.req_to_token, slots, rows, self.seq_lens[:batch], None,
+                                    self.scale, shared_prefix=shared)
+
     def _forward(self, batch: int) -> torch.Tensor:
         given, positions, rows, slots = (self.ints[i, :batch] for i in (_TOKEN, _POSITION, _ROW, _SLOT))
         ids = self.tokens.input_ids(given, rows)  # [batch]
         self.req_to_token[rows, positions] = slots.to(torch.int32)  # this step's slots, inside the graph
-        if self.deterministic:  # the same kernel as eager steps, so a replayed token equals an eager one
-            attn = invariant_decode_attention(self.kv, self.req_to_token, slots, rows, positions, self.scale)
-        else:
-            shared = None
-            if self.shared_prefix:
-                num_groups = group_slots(batch)
-                shared = SharedPrefixMetadata(self.groups[_ORDER, :batch], self.groups[_GROUP_STARTS, :num_groups + 1],
-                                              self.groups[_PREFIX_LENS, :num_groups])
-            attn = TritonAttentionBatch(self.kv, self.req_to_token, slots, rows, self.seq_lens[:batch], None,
-                                        self.scale, shared_prefix=shared)
+        attn = self._attention(batch)
         if self.linear_states is not None:  # hybrid: state slots from the static buffer, filled before each replay
             linear = LinearBatch(self.linear_states, self.ints[_STATE_SLOT, :batch], triton_kernels=True)
             attn = HybridBatch(attn, linear)
@@ -137,6 +147,14 @@ class DecodeGraphs:
         self.tokens.store(rows, tokens)
         # float64 holds both the token ids and the float32 logprobs exactly
         return torch.stack((tokens.double(), logprobs.double()))  # [2, batch]
+
+    def _head_forward(self, batch: int, packed: torch.Tensor) -> torch.Tensor:
+        """--speculative mtp: the MTP head's pass behind a plain decode step of `batch` rows, as
+        MTPStep.store_kv_on_device runs it eagerly: at each row's position q, (the step's final hidden
+        state, the token it sampled at q + 1, packed [2, batch] row 0) -> the head's outputs [batch, H],
+        its KV stored at the step's slots (one more layer of the pool)."""
+        embeds = self.model.model.embed_tokens(packed[0].long())  # [batch, H]
+        return self.model.mtp(embeds, self.hidden[batch], self.ints[_ROPE_POSITION, :batch], self._attention(batch))
 
     def capture(self, warm_up: bool = True) -> None:
         """warm_up=False skips the eager pass over every bucket: for a re-capture after a memory
@@ -156,19 +174,26 @@ class DecodeGraphs:
                 for batch in self.buckets:
                     if self.shared_prefix:  # every row alone: one group of prefix 0
                         self.groups.copy_(self._group_rows(None, batch, self.groups.shape[1]))
-                    self._forward(batch)
+                    packed = self._forward(batch)
+                    if self.head_graphs is not None:
+                        self._head_forward(batch, packed)
                 # eager mixed steps use split counts no bucket has; q is the model's dtype (the pool's may be e4m3)
                 warm_decode_splits(self.kv, self.req_to_token, self.pad_row, self.scale,
                                    self.model.model.embed_tokens.weight.dtype, _attention_heads(self.model),
                                    shared_prefix=self.shared_prefix)
             torch.cuda.current_stream().wait_stream(side)
         pool = None
-        for batch in reversed(self.buckets):  # largest first so smaller graphs reuse its pool
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                packed = self._forward(batch)
-            pool = graph.pool()
-            self.graphs[batch] = (graph, packed)
+        with garbage_collection_paused():
+            for batch in reversed(self.buckets):  # largest first so smaller graphs reuse its pool
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    packed = self._forward(batch)
+                pool = graph.pool()
+                self.graphs[batch] = (graph, packed)
+                if self.head_graphs is not None:  # the same pool: replayed right behind its decode graph
+                    head = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(head, pool=pool):
+                        self.head_graphs[batch] = (head, self._head_forward(batch, packed))
         torch.cuda.synchronize()
         self.capture_seconds = time.monotonic() - start
 
@@ -241,6 +266,16 @@ class DecodeGraphs:
         """The last replay's final hidden states [batch, H] (keep_hidden graphs), until the next replay."""
         packed, batch = self._last_replay
         return self.hidden[packed.shape[1]][:batch]
+
+    def run_head(self) -> torch.Tensor:
+        """--speculative mtp, after `run` of a plain decode step: replay the head's graph of its bucket
+        (the head's KV at the step's slots) -> a copy of the head's outputs [batch, H], which the next
+        replay would overwrite."""
+        packed, batch = self._last_replay
+        graph, out = self.head_graphs[packed.shape[1]]
+        graph.replay()
+        self.head_replays += 1
+        return out[:batch].clone()
 
     def results_to_host(self) -> torch.Tensor:
         """Queue the copy of the last replay's results to pinned memory; returns its [2, batch] view

@@ -295,7 +295,8 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         if self.mtp_step is not None:  # behind the results' copy: collecting them need not wait for it
-            self.mtp_step.at_launch(out, self.graphs.last_hidden(), self.graphs.last_sampled)
+            self.mtp_step.at_launch(out, self.graphs.last_hidden(), self.graphs.last_sampled,
+                                    self.graphs.run_head if self.graphs.head_graphs is not None else None)
         return StepHandle(out, host=host, ready=ready, timing=timing, graph_step=True, launch_time=started)
 
     def _forward_logits(self, out: ScheduleOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:

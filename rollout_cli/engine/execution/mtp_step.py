@@ -1,10 +1,11 @@
 """The MTP head's pass after each step (`--speculative mtp`, models/mtp.py): its KV and the next draft.
 
 A plain decode step (one new token per request, no drafts) runs the pass right behind it on the device
-(store_kv_on_device: the token each row sampled is already there), so the host needs none of its results
-and the next step may be planned and launched ahead of them, as without speculation: with the speculation
-gate saying "plain" at large batches, most steps are these. Its drafts are read after post-processing
-(drafts_from). Other steps (prefill chunks, verify steps) run it after post-processing (run).
+(store_kv_on_device, or the head's CUDA graph after a replayed step: the token each row sampled is already
+there), so the host needs none of its results and the next step may be planned and launched ahead of them,
+as without speculation: with the speculation gate saying "plain" at large batches, most steps are these.
+Its drafts are read after post-processing (drafts_from). Other steps (prefill chunks, verify steps) run it
+after post-processing (run).
 
 After a step is post-processed the scheduler knows which of its positions hold accepted tokens (all of
 a prefill chunk's, the last token and the accepted drafts of a verify step) and the token that follows
@@ -43,14 +44,16 @@ class MTPStep:
         self.model = runner.model
         self.drafting = True  # the scheduler has an MTP drafter (after_step says; `rollout bench` times without)
 
-    def at_launch(self, out, hidden: torch.Tensor, tokens) -> None:
+    def at_launch(self, out, hidden: torch.Tensor, tokens, head_graph=None) -> None:
         """A step just launched with its final hidden states [T, H]: a plain decode step (each entry one
         sampled token past its prompt, no drafts) runs the pass behind it now, on the tokens it sampled
-        (`tokens()` [B] on the device); any other step keeps its hidden states for after_step."""
+        (`tokens()` [B] on the device), by `head_graph()` where the step replayed a decode graph
+        (DecodeGraphs.run_head); any other step keeps its hidden states for after_step."""
         plain = all(e.num_new_tokens == 1 and e.sample and not e.num_draft and e.score_targets is None
                     and e.start >= e.request.num_prompt_tokens for e in out.entries)
         if plain and self.drafting:
-            out.mtp_head_out = self.store_kv_on_device(out.entries, hidden, tokens())
+            out.mtp_head_out = (head_graph() if head_graph is not None
+                                else self.store_kv_on_device(out.entries, hidden, tokens()))
         else:
             out.mtp_hidden = hidden
 
