@@ -48,13 +48,16 @@
 # graphs and chained drafts on the hybrids), overlap (issue 25 item 2: decoder layers of the 8B / 0.6B shapes as one batch,
 # as two halves on one stream, and as two halves on two streams, each a CUDA graph), specmodels (issue 22's targets: scripts/train_speculation_models.py trains a small Qwen3-Next-shaped model with
 # its MTP head and a dense one on the standard library's code, 2 minutes each, then bench --speculative mtp at
-# batch 32 (128 prompts), siblings on 64 x n16 held-out code prompts, and mtp at batch 256 (compute-bound: no slower), greedy; then scripts/diagnose_mtp.py: the GPU's tokens and drafts against the CPU's). masktests (--sampling-mask: the kept-set kernel
+# batch 32 (128 prompts), siblings on 64 x n16 held-out code prompts, and mtp at batch 256 (compute-bound: no slower), greedy; then scripts/diagnose_mtp.py: the GPU's tokens and drafts against the CPU's; its parts spectrain specmtp32 specsiblings
+# specmtp256 specdiag run alone too, SPEC_MINUTES sets the training time). masktests (--sampling-mask: the kept-set kernel
 # compiled against the sampler, masked samples beside graph-replayed ones, HF logits replayed over the masks).
 # Logs and JSON go to $OUT.
 # torch_memory_saver and the daemon's web stack travel as wheels: `bash scripts/device_wheels.sh`, then carry .whl.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 PARTS=${*:-tests b06 b8 mixed grpo moe30 moe30hf control memtests}
+PARTS=${PARTS//specmodels/spectrain specmtp32 specsiblings specmtp256 specdiag}  # issue 22's trained pair, in order
+SPEC=${SPEC:-/tmp/spec}  # where spectrain writes the pair; a later call on the same warm machine finds it there
 Q06=recipes/configs/qwen3-0.6b Q8=recipes/configs/qwen3-8b Q30=recipes/configs/qwen3-30b-a3b
 QVL8=recipes/configs/qwen3-vl-8b
 NEXT=recipes/configs/qwen3-next-80b-a3b-12l DENSE12=recipes/configs/qwen3-dense-a3b-12l
@@ -210,17 +213,18 @@ for heads in (16, 32):  # the 0.6B's and the 8B's heads, 8 kv heads; GRPO: 16 gr
                MAX_NEW_TOKENS=128 TRAIN_STEPS=2 ROLLOUT="python3 -m rollout_cli.cli.main" PYTHON=python3 \
                timeout 400 bash recipes/grpo_loop.sh 2>&1 | tee "$OUT/recipe06.log" | tail -4
            grep -q "^error: rollout serve" "$OUT/recipe06.log" && tail -25 /tmp/grpo06/serve.log ;;
-    specmodels) S=/tmp/spec  # issue 22's targets: train the pair (2 min each), then bench on held-out code
-               timeout 330 python3 scripts/train_speculation_models.py --out $S --minutes 2 2>&1 | tee "$OUT/train_spec.log" \
-               | grep -E "step .*000 |wrote|tokens"
-               bench spec_mtp32 120 --model $S/hybrid --data $S/prompts.parquet --num-prompts 128 --max-running 32 \
-                   --output-len 256 --temperature 0 --speculative mtp --num-draft-tokens 2
-               bench spec_siblings 120 --model $S/dense --data $S/prompts.parquet --num-prompts 64 --n 16 \
-                   --output-len 256 --temperature 0 --speculative siblings
-               bench spec_mtp256 100 --model $S/hybrid --data $S/prompts.parquet --num-prompts 256 --output-len 256 \
-                   --temperature 0 --speculative mtp --num-draft-tokens 2
-               timeout 150 python3 scripts/diagnose_mtp.py --model $S/hybrid --data $S/prompts.parquet 2>&1 \
-                   | tee "$OUT/diagnose_mtp.log" | grep -E "^(cpu|cuda)" ;;
+    spectrain) timeout 330 python3 scripts/train_speculation_models.py --out $SPEC --minutes ${SPEC_MINUTES:-2} 2>&1 \
+               | tee "$OUT/train_spec.log" | grep -E "step .*000 |wrote|tokens" ;;
+    # the trained checkpoints' own weights: bench() passes --load-format dummy, and the last one given wins
+    specmtp32) bench spec_mtp32 120 --model $SPEC/hybrid --data $SPEC/prompts.parquet --load-format auto \
+               --num-prompts 128 --max-running 32 --output-len 256 --temperature 0 --speculative mtp \
+               --num-draft-tokens 2 ;;
+    specsiblings) bench spec_siblings 120 --model $SPEC/dense --data $SPEC/prompts.parquet --load-format auto \
+               --num-prompts 64 --n 16 --output-len 256 --temperature 0 --speculative siblings ;;
+    specmtp256) bench spec_mtp256 100 --model $SPEC/hybrid --data $SPEC/prompts.parquet --load-format auto \
+               --num-prompts 256 --output-len 256 --temperature 0 --speculative mtp --num-draft-tokens 2 ;;
+    specdiag) timeout 150 python3 scripts/diagnose_mtp.py --model $SPEC/hybrid --data $SPEC/prompts.parquet 2>&1 \
+               | tee "$OUT/diagnose_mtp.log" | grep -E "^(cpu|cuda)" ;;
     control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;
     controlfp8) timeout 250 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp --quantization fp8 2>&1 \
                | tee "$OUT/control_plane_fp8.log" | tail -13 ;;
