@@ -80,6 +80,11 @@ def bench_command(
                           long_tail=long_tail, carry_over=carry_over, carry_at=carry_at, images=images,
                           image_size=tuple(image_size))
         engine_config = opt.engine_config(model=model, **engine_options)
+        if engine_config.speculative == "mtp" and engine_config.load_format == "dummy":
+            # session 35 read a random head's 1.00 tokens per verifying step as a GPU bug
+            console.print("note: --load-format dummy gives the MTP head random weights, which draft nothing the "
+                          "model samples: this prices the head's pass, not speculation (load the checkpoint's "
+                          "weights for that)")
         hf_config = load_model_config(engine_config.model)  # a hub id's snapshot directory
         if tp != 1:
             engine_config = _tensor_parallel_rank(engine_config, hf_config, tp, cfg, lambda: checked_workload(

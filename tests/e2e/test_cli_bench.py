@@ -359,3 +359,19 @@ def test_speculative_times_decoding_with_and_without_drafts(tmp_path):
     assert report["speculation_speedup"] == pytest.approx(plain / drafted)
     assert report["rollout"]["acceptance_length"] > 1 and "acceptance_length" not in report["rollout_plain"]
     assert "speculation speedup" in result.stdout and "tokens per verifying step" in result.stdout
+
+
+def test_mtp_on_dummy_weights_says_the_head_is_random(tiny_hybrid_checkpoints, tmp_path):
+    """--speculative mtp --load-format dummy: a random head drafts nothing the model samples, and the report
+    says so (its 1.00 tokens per verifying step once read as a GPU bug); the checkpoint's own head gets no note."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from mtp_fixtures import with_mtp_head
+
+    model = with_mtp_head(tiny_hybrid_checkpoints["qwen3_next"], tmp_path / "mtp")
+    notes = []
+    for load_format in ("dummy", "auto"):
+        result = _bench("--model", model, "--device", "cpu", "--dtype", "float32", "--num-prompts", 2, "--input-len", 6,
+                        "--output-len", 4, "--temperature", 0, "--speculative", "mtp", "--load-format", load_format)
+        assert result.returncode == 0, result.stderr
+        notes.append("gives the MTP head random weights" in result.stdout)
+    assert notes == [True, False]
