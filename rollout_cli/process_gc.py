@@ -15,7 +15,6 @@ keep the trainer's own objects from ever being collected.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 
 FIRST_GENERATION_THRESHOLD = 50_000  # CPython's default is 700 (2,000 from 3.13)
@@ -28,19 +27,3 @@ def freeze_long_lived_objects() -> None:
     first, second, third = gc.get_threshold()
     gc.set_threshold(max(FIRST_GENERATION_THRESHOLD, first), second, third)
 
-
-@contextlib.contextmanager
-def garbage_collection_paused():
-    """Collect now, then not until the block ends (CUDA graph capture). The collector freeing a dead
-    engine's CUDA graphs (held by a reference cycle) in the middle of a capture destroys graphs while a
-    stream captures, which CUDA forbids: the capture is invalidated and its next kernel fails
-    (CUBLAS_STATUS_EXECUTION_FAILED on the H100 when a test built a second engine). torch.cuda.graph no
-    longer collects on entry."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()

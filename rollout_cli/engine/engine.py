@@ -132,11 +132,11 @@ class Engine:
                                    linear_state_slots=state_slots, admission_pacing=cfg.admission_pacing)
         self.set_speculation(cfg.speculative is not None)
         self.cuda_graph_capture_seconds = None
-        # MoE models too (the fused MoE kernels read no tensor on the host), and hybrid models (their
-        # decode steps read state slots from a static buffer, engine/execution/linear_state.py).
+        # MoE and hybrid models too (no kernel reads a tensor on the host; hybrids' state slots: a static buffer)
         capturable = self.tp is None  # --tp: eager steps for now
         if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs and capturable:
             self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256))
+            self.scheduler.pacing.price_eager_steps(self.runner.graphs.eager_over_replay)  # measured at capture
 
     def enable_routing_capture(self) -> str:
         """Record every token's expert ids from now on; returns the routing dtype name ("uint8"/"int16").

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_cli.engine.scheduling.admission_pacing import EAGER_STEP_COST, MAX_WAIT_STEPS, AdmissionPacing
+from rollout_cli.engine.scheduling.admission_pacing import (EAGER_STEP_COST, MAX_WAIT_EAGER_STEPS, MAX_WAIT_STEPS,
+                                                             AdmissionPacing, eager_step_cost)
 from rollout_cli.engine.scheduling.scheduler import Scheduler
 
 from scheduler_oracle import FakeRunner, drive, drive_overlapped, expected_output, make_request, random_workload
@@ -49,6 +50,37 @@ def test_one_free_seat_in_a_large_batch_waits_at_most_max_wait_steps():
         assert not pacing.due()
         pacing.step_done(decode_only=True, graph_step=True, running=255, empty_seats=1)
     assert pacing.due() and pacing.forgone_steps < EAGER_STEP_COST
+
+
+def test_the_measured_eager_price_lands_on_a_rung():
+    """DecodeGraphs' eager-over-replayed time ratio -> the extra cost in decode steps, on coarse rungs: the
+    0.6B shape's 28.1 / 8.5 ms keeps the old constant, the small hybrid's 18.5 / 0.73 ms is 24 steps, and
+    nearby measurements agree (reruns pace alike)."""
+    assert eager_step_cost(28.1 / 8.5) == EAGER_STEP_COST == 2.0
+    assert eager_step_cost(18.5 / 0.73) == eager_step_cost(24.0) == eager_step_cost(27.0) == 24.0
+    assert eager_step_cost(1.0) == 2.0 and eager_step_cost(0.5) == 2.0  # no cheaper than the old constant
+    assert eager_step_cost(400.0) == 32.0
+
+
+def test_a_dearer_eager_step_holds_longer_and_bounds_the_wait_in_eager_steps():
+    """With eager steps 24 decode steps dear, 2 empty seats of 8 wait 96 steps (not 8), and one free seat
+    in a batch of 255 waits 16 eager steps' worth (384 steps), not MAX_WAIT_STEPS."""
+    pacing = AdmissionPacing()
+    pacing.price_eager_steps(18.5 / 0.73)
+    assert pacing.cost == 24.0 and pacing.max_wait_steps == MAX_WAIT_EAGER_STEPS * 24 > MAX_WAIT_STEPS
+    pacing.step_done(decode_only=True, graph_step=True, running=8, empty_seats=0)
+    pacing.admitted()
+    steps = 0
+    while not pacing.due():
+        pacing.step_done(decode_only=True, graph_step=True, running=8, empty_seats=2)
+        steps += 1
+    assert steps == 24 * 4
+    pacing.admitted()
+    steps = 0
+    while not pacing.due():
+        pacing.step_done(decode_only=True, graph_step=True, running=255, empty_seats=1)
+        steps += 1
+    assert steps == pacing.max_wait_steps == 384
 
 
 def _staggered_workload(s: Scheduler) -> list:

@@ -20,6 +20,8 @@ MoE models record their expert ids into a `GraphRoutingBuffer` while the graphs 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 
 import torch
@@ -32,7 +34,6 @@ from rollout_cli.engine.execution.token_table import TokenTable
 from rollout_cli.engine.execution.triton_attention import (SharedPrefixMetadata, TritonAttentionBatch,
                                                            invariant_decode_attention, warm_decode_splits)
 from rollout_cli.models.moe import routing_recorder_swapped
-from rollout_cli.process_gc import garbage_collection_paused
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -62,6 +63,23 @@ def group_slots(bucket: int) -> int:
 def _attention_heads(model) -> int:
     """Query heads of the model's (full) attention layers; a hybrid model's first layer may be linear."""
     return next(layer.self_attn for layer in model.model.layers if getattr(layer, "self_attn", None)).num_heads
+
+
+@contextlib.contextmanager
+def garbage_collection_paused():
+    """Collect now, then not until the block ends (CUDA graph capture). The collector freeing a dead
+    engine's CUDA graphs (held by a reference cycle) in the middle of a capture destroys graphs while a
+    stream captures, which CUDA forbids: the capture is invalidated and its next kernel fails
+    (CUBLAS_STATUS_EXECUTION_FAILED on the H100 when a test built a second engine). torch.cuda.graph no
+    longer collects on entry."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class DecodeGraphs:
@@ -113,6 +131,7 @@ class DecodeGraphs:
             {} if keep_hidden and hasattr(model, "mtp") else None)
         self.head_replays = 0
         self.capture_seconds = 0.0
+        self.eager_over_replay: float | None = None  # measured at the first capture (admission pacing's price)
         self.replays = 0  # decode steps served by a replay (tests check graphs really ran)
         moe_layers = getattr(model, "moe_layers", None)
         self.routing = (GraphRoutingBuffer(self.max_batch, len(moe_layers), model.top_k, model.num_experts, device)
@@ -195,7 +214,30 @@ class DecodeGraphs:
                     with torch.cuda.graph(head, pool=pool):
                         self.head_graphs[batch] = (head, self._head_forward(batch, packed))
         torch.cuda.synchronize()
+        if warm_up:  # a re-capture after a memory release keeps the first measurement
+            self.eager_over_replay = self._eager_over_replay(self.buckets[-1])
         self.capture_seconds = time.monotonic() - start
+
+    def _eager_over_replay(self, batch: int, repeats: int = 3) -> float:
+        """A decode step of `batch` (padding) rows run eagerly over the same step replayed, best of `repeats`
+        each: admission pacing's price of an eager step (scheduling/admission_pacing.py)."""
+        graph, _ = self.graphs[batch]
+        kept = self.hidden.get(batch)  # the eager forward would replace the graph's hidden-state buffer
+
+        def best(run) -> float:
+            seconds = []
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                begin = time.perf_counter()
+                run()
+                torch.cuda.synchronize()
+                seconds.append(time.perf_counter() - begin)
+            return min(seconds)
+
+        eager = best(lambda: self._forward(batch))
+        if kept is not None:
+            self.hidden[batch] = kept
+        return eager / best(graph.replay)
 
     def can_run(self, entries) -> bool:
         """A decode-only step within the largest bucket; samples that want their positions' top
