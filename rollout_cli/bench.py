@@ -329,6 +329,7 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig, flops_per_s
         "preemptions": stats.preemptions - stats_before.preemptions,
         "recomputed_tokens": stats.recomputed_tokens - stats_before.recomputed_tokens,
         "admission_held_steps": stats.admission_held_steps - stats_before.admission_held_steps,
+        "eager_step_cost": engine.scheduler.pacing.cost,  # in decode steps: measured at graph capture
         "peak_running": stats.peak_running,
         "last_10pct_seconds": seconds - ninety,
         "kv_cache_tokens": engine.kv.num_slots - 1,  # slot 0 is padding

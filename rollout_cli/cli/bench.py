@@ -314,7 +314,8 @@ def _table(report: dict) -> Table:
         table.add_row("episodes open at once", f"{e['peak_open_episodes']:,} at most ({e['episode_rows_held_for_kv']:,} "
                       "prompt rows waited for KV room)")
     if r["prefill_steps"]:
-        held = f" (admission held in {r['admission_held_steps']:,} decode steps)" if r["admission_held_steps"] else ""
+        held = (f" (admission held in {r['admission_held_steps']:,} decode steps; an eager step priced at "
+                f"{r['eager_step_cost']:g})" if r["admission_held_steps"] else "")
         table.add_row("prefill steps", f"{r['prefill_steps']} x {r['prefill_step_ms']:.1f} ms{held}")
     if r["decode_gpu_idle_share"] is not None:
         table.add_row("decode step / GPU idle", f"{r['decode_step_ms']:.2f} ms / {r['decode_gpu_idle_share']:.1%}")

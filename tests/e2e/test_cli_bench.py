@@ -103,6 +103,7 @@ def test_episodes_start_only_while_their_kv_fits_so_later_turns_never_re_prefill
     episodes = rollout["episodes"]
     assert episodes["turns"] == 16 * 6
     assert rollout["admission_held_steps"] == 0  # admission pacing holds nothing while steps run eagerly (CPU)
+    assert rollout["eager_step_cost"] == 2.0  # nothing measured it: no CUDA graphs
     assert episodes["later_turns_prefilling_only_new_tokens"] == 1.0
     # only each first prompt and each later turn's 8 observation tokens + the last response token are computed
     assert episodes["turn_prompt_tokens"] - episodes["turn_cached_tokens"] == 16 * 64 + 16 * 5 * 9
