@@ -135,7 +135,8 @@ class Engine:
         # MoE and hybrid models too (no kernel reads a tensor on the host; hybrids' state slots: a static buffer)
         capturable = self.tp is None  # --tp: eager steps for now
         if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs and capturable:
-            self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256))
+            drafts = (cfg.num_draft_tokens or 0, cfg.speculative_max_batch)  # dense verify steps replay graphs too
+            self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256), drafts)
             self.scheduler.pacing.price_eager_steps(self.runner.graphs.eager_over_replay)  # measured at capture
 
     def enable_routing_capture(self) -> str:
@@ -267,13 +268,9 @@ class Engine:
         results = list(self.stream(inputs, params))
         return sorted(results, key=lambda t: (t.prompt_index, t.sample_index))
 
-    def stream(
-        self,
-        prompts: Iterable[PromptInput | PartialSample],
-        params: SamplingParams,
-        skip: set[tuple[int, int]] | frozenset = frozenset(),
-        on_step: Callable[[], None] | None = None,
-    ) -> Iterator[Trajectory]:
+    def stream(self, prompts: Iterable[PromptInput | PartialSample], params: SamplingParams,
+               skip: set[tuple[int, int]] | frozenset = frozenset(),
+               on_step: Callable[[], None] | None = None) -> Iterator[Trajectory]:
         """Yield trajectories as they finish; (prompt_index, sample_index) pairs in `skip` are not run.
         A PartialSample is one sample continued from its response so far (the trajectory holds the
         whole response). A live source (the daemon's online requests) yields NO_PROMPT_YET when it has

@@ -175,6 +175,35 @@ def test_verify_steps_replay_the_decode_graphs(tiny_checkpoints, deterministic):
     assert engine.runner.graphs.replays >= stats.verify_steps // 12  # one replay per step of 12 verifying requests
 
 
+def test_verify_steps_wider_than_the_batch_replay_verify_graphs(tiny_checkpoints):
+    """With --speculative on a dense model the engine also captures graphs for verify steps' 1 + d rows per
+    request (4 running x 1 + 4 drafts = 20 rows, past the decode batch of 4): they replay, greedy tokens of
+    plain decoding in float32, drafts right and wrong; admission pacing got a measured eager-step price."""
+    import sys
+    from pathlib import Path
+
+    from rollout_cli.engine.trajectory import PromptInput
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from speculative_oracle import OracleDrafter
+
+    model_dir = tiny_checkpoints["qwen3"]
+    prompts = [PromptInput(i, p) for i, p in enumerate(_prompts(300, 6, seed=4))]
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    options = dict(dtype="float32", attention_backend="triton", max_running=4)
+    want = sorted(_engine(model_dir, **options).stream(prompts, params), key=lambda t: (t.prompt_index, t.sample_index))
+    truth = {(t.prompt_index, t.sample_index): t.response_token_ids for t in want}
+    engine = _engine(model_dir, speculative="siblings", num_draft_tokens=4, speculative_gate=False, **options)
+    assert engine.runner.graphs.buckets[-1] == 20 and engine.runner.graphs.decode_batch == 4
+    assert engine.runner.graphs.eager_over_replay > 0 and engine.scheduler.pacing.cost >= 2
+    engine.scheduler.enable_speculation(OracleDrafter(truth, lambda k: k == 2), 4)  # the third draft is wrong
+    got = sorted(engine.stream(prompts, params), key=lambda t: (t.prompt_index, t.sample_index))
+    assert [t.response_token_ids for t in got] == [t.response_token_ids for t in want]
+    stats = engine.scheduler.stats
+    assert stats.verify_steps > 0 and 0 < stats.accepted_draft_tokens < stats.draft_tokens
+    assert engine.runner.graphs.replays >= stats.verify_steps // 4  # every step of up to 4 verifying requests
+
+
 def test_sampling_masks_on_the_gpu_sampler(tiny_checkpoints, hf_ref):
     """--sampling-mask on CUDA (bf16, graphs captured): masked samples run eagerly beside graph-replayed
     ones, each token lies in its mask (the compiled sampler's own kept set), and HF's float32 logits

@@ -36,10 +36,30 @@ from rollout_cli.engine.execution.triton_attention import (SharedPrefixMetadata,
 from rollout_cli.models.moe import routing_recorder_swapped
 
 
-def batch_buckets(max_batch: int) -> list[int]:
+# the widest step a graph replays: verify steps of a model without linear layers run as 1 + d one-token rows
+# per request (256 running x 1 + 4 sibling drafts, the defaults: 1,280); wider ones run eagerly. The graphs'
+# pool keeps the widest step's activations, logits [rows, vocab] among them (about 1.2 GB at a 150k vocab,
+# what such a step allocates eagerly too).
+MAX_VERIFY_ROWS = 1280
+
+
+def verify_graph_rows(max_batch: int, draft_tokens: int, drafting_batch: int | None) -> int | None:
+    """The widest verify step graphs replay for a model without linear layers: draft_tokens per request
+    (0: no speculation, None), drafting up to `drafting_batch` running requests (--speculative-max-batch)."""
+    if not draft_tokens:
+        return None
+    return min(min(max_batch, drafting_batch or max_batch) * (1 + draft_tokens), MAX_VERIFY_ROWS)
+
+
+def batch_buckets(max_batch: int, widest: int | None = None) -> list[int]:
+    """Graph sizes: 1, 2, 4, 8, then every 16 up to max_batch (decode steps); above it every 64 up to
+    `widest` (verify steps' rows, which decode steps never reach)."""
     buckets = [b for b in (1, 2, 4, 8) if b < max_batch]
     buckets += list(range(16, max_batch, 16))
-    return sorted(set(buckets + [max_batch]))
+    buckets = sorted(set(buckets + [max_batch]))
+    if widest is not None and widest > max_batch:
+        buckets += list(range(max_batch + 64, widest, 64)) + [widest]
+    return buckets
 
 
 # rows of the int64 input buffer: the step's inputs (a PENDING token is read from the token table), the
@@ -90,7 +110,7 @@ class DecodeGraphs:
 
     def __init__(self, model, kv, req_to_token: torch.Tensor, tokens: TokenTable, pad_row: int, scale: float,
                  max_batch: int, linear_states=None, deterministic: bool = False, keep_hidden: bool = False,
-                 shared_prefix: bool = False):
+                 shared_prefix: bool = False, verify_rows: int | None = None):
         self.model = model
         self.tokens = tokens  # each row's last sampled token: read for PENDING inputs, written by every replay
         self.kv = kv
@@ -99,8 +119,9 @@ class DecodeGraphs:
         self.pad_row = pad_row
         self.scale = scale
         self.deterministic = deterministic  # the on-policy mode: the batch-invariant attention
-        self.buckets = batch_buckets(max_batch)
-        self.max_batch = self.buckets[-1]
+        self.buckets = batch_buckets(max_batch, verify_rows)
+        self.max_batch = self.buckets[-1]  # verify_rows where speculative verify steps replay graphs
+        self.decode_batch = max_batch  # the widest decode step: admission pacing's measurement runs it
         device = req_to_token.device
         self.ints = torch.zeros((_NUM_INT_ROWS, self.max_batch), dtype=torch.int64, device=device)
         self.floats = torch.zeros((NUM_FLOAT_ROWS, self.max_batch), dtype=torch.float32, device=device)
@@ -215,7 +236,7 @@ class DecodeGraphs:
                         self.head_graphs[batch] = (head, self._head_forward(batch, packed))
         torch.cuda.synchronize()
         if warm_up:  # a re-capture after a memory release keeps the first measurement
-            self.eager_over_replay = self._eager_over_replay(self.buckets[-1])
+            self.eager_over_replay = self._eager_over_replay(self.decode_batch)
         self.capture_seconds = time.monotonic() - start
 
     def _eager_over_replay(self, batch: int, repeats: int = 3) -> float:

@@ -133,18 +133,23 @@ class ModelRunner:
         self._set_mode(deterministic)
         if self.graphs is not None:
             self.graphs = None
-            self.capture_cuda_graphs(self._graph_max_batch)
+            self.capture_cuda_graphs(self._graph_max_batch, self._graph_drafts)
 
-    def capture_cuda_graphs(self, max_batch: int, warm_up: bool = True) -> float:
-        """Capture decode graphs for batches up to max_batch; returns the capture time in seconds."""
-        from rollout_cli.engine.execution.cuda_graphs import DecodeGraphs  # Triton: optional on the CPU
+    def capture_cuda_graphs(self, max_batch: int, drafts: tuple[int, int | None] = (0, None),
+                            warm_up: bool = True) -> float:
+        """Capture decode graphs for batches up to max_batch, and with speculation on a model without linear
+        layers (drafts: draft tokens per request, the batch up to which steps draft or None) for the verify
+        steps' 1 + d rows per request up to MAX_VERIFY_ROWS; returns the capture time in seconds."""
+        from rollout_cli.engine.execution.cuda_graphs import DecodeGraphs, verify_graph_rows  # Triton: CPU-optional
 
         assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
+        verify_rows = verify_graph_rows(max_batch, *drafts) if self.linear_states is None else None
         self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.tokens, self.pad_row, self.scale,
                                    max_batch, self.linear_states, deterministic=self.deterministic,
-                                   keep_hidden=self.mtp_step is not None, shared_prefix=self.shared_prefix_attention)
+                                   keep_hidden=self.mtp_step is not None, shared_prefix=self.shared_prefix_attention,
+                                   verify_rows=verify_rows)
         self.graphs.capture(warm_up)
-        self._graph_max_batch = max_batch
+        self._graph_max_batch, self._graph_drafts = max_batch, drafts
         self.graphs_dropped = False
         return self.graphs.capture_seconds
 
@@ -155,7 +160,7 @@ class ModelRunner:
             self.graphs_dropped = True
 
     def recapture_cuda_graphs(self) -> float:
-        return self.capture_cuda_graphs(self._graph_max_batch, warm_up=False)
+        return self.capture_cuda_graphs(self._graph_max_batch, self._graph_drafts, warm_up=False)
 
     def _write_table(self, entries) -> None:
         rows, cols, slots = [], [], []
