@@ -50,20 +50,29 @@ class SiblingDrafter:
 
     def observe(self, request) -> None:
         """Index the response tokens `request` appended since the last call (and, at its first call, the
-        prompt's last n-gram, after which every sample's response starts)."""
-        group = self._groups.setdefault(group_key(request), _Group())
-        response = request.output_token_ids
-        group.responses[request.request_id] = response  # the live list: later tokens show up as they come
-        first = group.indexed.get(request.request_id, -1) + 1
+        prompt's last n-gram, after which every sample's response starts). Runs for every request of every
+        verify step, on the host between the step's results and the next launch: the loop is kept tight."""
+        rid, response, n = request.request_id, request.output_token_ids, self.ngram
+        group = self._groups.get(group_key(request))
+        if group is None:
+            group = self._groups[group_key(request)] = _Group()
+        group.responses[rid] = response  # the live list: later tokens show up as they come
+        first = group.indexed.get(rid, -1) + 1
+        ends, keep = group.ends, self.max_sources
         for end in range(first, len(response) + 1):  # the n-gram ending just before response[end]
-            window = self._last_ngram(request.prompt_token_ids, response, end)
+            # past the first n tokens the window lies inside the response (the common case, inline)
+            window = tuple(response[end - n:end]) if end >= n else self._last_ngram(request.prompt_token_ids,
+                                                                                 response, end)
             if window is None:
                 continue
-            seen = group.ends.setdefault(window, [])
-            seen.append((request.request_id, end))
-            if len(seen) > self.max_sources:
-                del seen[0]
-        group.indexed[request.request_id] = len(response)
+            seen = ends.get(window)
+            if seen is None:
+                ends[window] = [(rid, end)]
+            else:
+                seen.append((rid, end))
+                if len(seen) > keep:
+                    del seen[0]
+        group.indexed[rid] = len(response)
 
     def propose(self, request, max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens a sibling wrote after `request`'s last n-gram ([] if none did)."""
@@ -75,9 +84,9 @@ class SiblingDrafter:
         for source, end in reversed(group.ends.get(tail, ())):
             if source == request.request_id:
                 continue
-            draft = group.responses[source][end:end + max_tokens]
+            draft = group.responses[source][end:end + max_tokens]  # a slice: a new list
             if draft:
-                return list(draft)
+                return draft
         return []
 
     def _last_ngram(self, prompt: list[int], response: list[int], end: int) -> tuple[int, ...] | None:
