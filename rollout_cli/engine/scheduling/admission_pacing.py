@@ -2,7 +2,7 @@
 
 Only decode-only steps replay CUDA graphs; a step that carries a prefill runs eagerly, longer than a
 replayed one by `cost` decode steps: about 2 on the Qwen3-0.6B shape (H100, 256 rows: such steps averaged
-28.1 ms in a sibling-draft run, some verifying drafts, against 8.5 ms replayed), about 25 on the 50M-parameter
+28.1 ms in a sibling-draft run, some verifying drafts, against 8.5 ms replayed), about 25 on the 59M-parameter
 hybrid of issue 22 (18.5 ms against 0.73 ms: its eager steps are the host's kernel launches). Where requests
 finish at staggered steps (sibling drafts accepted unevenly, episode turns, eos), admitting each waiting
 request the step a seat frees makes nearly every step an eager one: session 28 measured 940 such steps in a
@@ -33,7 +33,7 @@ import math
 
 # an admitting (eager) step's time beyond a replayed decode step's, in decode steps, until the engine measured
 # its own (eager_step_cost): 2.3 measured on the 0.6B shape; larger models spend longer in each replayed step
-# for the same launches, so less; small ones far more (a 50M-parameter hybrid: 25 on the H100, session 36)
+# for the same launches, so less; small ones far more (a 59M-parameter hybrid: 25 on the H100, session 36)
 EAGER_STEP_COST = 2.0
 MAX_WAIT_STEPS = 32  # at most this many decode steps with a free seat and a waiting request before admitting
 # ... or the decode steps worth this many eager steps, where eager steps cost more than EAGER_STEP_COST: in
