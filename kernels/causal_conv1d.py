@@ -192,16 +192,23 @@ if triton is not None:
         x_ptr, w_ptr, b_ptr, state_ptr, index_ptr, cu_ptr, start_ptr, len_ptr, seq_ptr, o_ptr,
         sx0, sw0, ss0, ss1, so0, C,
         WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+        PER_SEQ: tl.constexpr = False,
     ):
         # one program: a block of <= BT rows of one sequence, channels [cb * BC, cb * BC + BC);
         # out[t] = sum_j w[:, j] * input[t - (WIDTH - 1) + j], the input before the sequence's first row
         # coming from its conv state. Reads the state only: _conv_state_write_kernel updates it afterwards.
+        # PER_SEQ: program b is sequence b whole (<= BT rows), its rows read from cu alone (no host blocks)
         blk = tl.program_id(0)
         cols = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
         mask_c = cols < C
-        start = tl.load(start_ptr + blk).to(tl.int64)
-        n = tl.load(len_ptr + blk)
-        seq = tl.load(seq_ptr + blk)
+        if PER_SEQ:
+            seq = blk
+            start = tl.load(cu_ptr + seq).to(tl.int64)
+            n = (tl.load(cu_ptr + seq + 1) - start).to(tl.int32)
+        else:
+            start = tl.load(start_ptr + blk).to(tl.int64)
+            n = tl.load(len_ptr + blk)
+            seq = tl.load(seq_ptr + blk)
         seq_start = tl.load(cu_ptr + seq).to(tl.int64)
         slot = tl.load(index_ptr + seq).to(tl.int64)
         ri = tl.arange(0, BT)
@@ -227,10 +234,10 @@ if triton is not None:
         # (positions L - (WIDTH - 1) .. L - 1, older ones from the old state when L < WIDTH - 1)
         b = tl.program_id(0)
         cols = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
-        mask_c = cols < C
         seq_start = tl.load(cu_ptr + b).to(tl.int64)
         length = tl.load(cu_ptr + b + 1).to(tl.int64) - seq_start
         slot = tl.load(index_ptr + b).to(tl.int64)
+        mask_c = cols < tl.where(slot >= 0, C, 0)  # a negative slot (a graph's padding entry) touches nothing
         taps = tl.arange(0, BW)
         mask_t = taps < WIDTH - 1
         window = _window_tap(x_ptr, state_ptr, length - (WIDTH - 1) + taps.to(tl.int64), seq_start, slot, cols,
@@ -294,23 +301,43 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         conv_states: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: list[int],
+                         conv_states: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: list[int] | torch.Tensor,
                          fork_slots: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
     """A step verifying drafts, as causal_conv1d_verify_ref: the fork slots written first (the state after
     each draft position, read from the old state and the step's inputs), then the varlen conv (its taps
     summed in the decode kernel's order: each token's output has a decode's bits) writes the outputs and
-    the final state. fork_slots [B, F] int64, -1: none."""
+    the final state. fork_slots [B, F] int64, -1: none.
+
+    cu_seqlens may be a device tensor [B + 1] int64 (a CUDA graph's static layout: nothing read on the
+    host): then each sequence has at most 1 + F rows (and at most 64), rows past cu_seqlens[B] are left
+    unwritten, and a sequence of no rows may have state slot -1."""
     assert triton is not None, "causal_conv1d_verify needs triton"
-    _, C, width = _check_conv_args(x, weight, bias, conv_states, activation)
-    B = len(cu_seqlens) - 1
+    T, C, width = _check_conv_args(x, weight, bias, conv_states, activation)
+    on_device = isinstance(cu_seqlens, torch.Tensor)
+    B = cu_seqlens.shape[0] - 1 if on_device else len(cu_seqlens) - 1
     assert fork_slots.dim() == 2 and fork_slots.shape[0] == B and fork_slots.dtype == torch.int64 \
         and fork_slots.is_contiguous(), f"fork_slots must be [{B}, F] int64, contiguous"
+    block_c, block_w = min(triton.next_power_of_2(C), 128), max(2, triton.next_power_of_2(width - 1))
+    cu = cu_seqlens if on_device else torch.tensor(cu_seqlens, dtype=torch.int64, device=x.device)
     if B and fork_slots.shape[1]:
-        block_c = min(triton.next_power_of_2(C), 128)
-        cu = torch.tensor(cu_seqlens, dtype=torch.int64, device=x.device)
         _conv_fork_write_kernel[(B, triton.cdiv(C, block_c), fork_slots.shape[1])](
             x, conv_states, state_indices, cu, fork_slots, x.stride(0), conv_states.stride(0), conv_states.stride(1),
-            C, fork_slots.shape[1], WIDTH=width, BW=max(2, triton.next_power_of_2(width - 1)), BC=block_c,
-            num_warps=4,
+            C, fork_slots.shape[1], WIDTH=width, BW=block_w, BC=block_c, num_warps=4,
         )
-    return causal_conv1d_varlen(x, weight, bias, conv_states, state_indices, cu_seqlens, activation)
+    if not on_device:
+        return causal_conv1d_varlen(x, weight, bias, conv_states, state_indices, cu_seqlens, activation)
+    assert cu.dtype == torch.int64 and state_indices.shape == (B,) and 1 + fork_slots.shape[1] <= 64
+    out = torch.empty((T, C), dtype=x.dtype, device=x.device)
+    if B == 0:
+        return out
+    _causal_conv1d_varlen_kernel[(B, triton.cdiv(C, block_c))](
+        x, weight, bias if bias is not None else weight, conv_states, state_indices, cu, cu, cu, cu, out,
+        x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), out.stride(0), C,
+        WIDTH=width, BT=64, BC=block_c, HAS_BIAS=bias is not None, SILU=activation is not None, PER_SEQ=True,
+        num_warps=4,
+    )
+    _conv_state_write_kernel[(B, triton.cdiv(C, block_c))](
+        x, conv_states, state_indices, cu, x.stride(0), conv_states.stride(0), conv_states.stride(1), C,
+        WIDTH=width, BW=block_w, BC=block_c, num_warps=4,
+    )
+    return out

@@ -250,23 +250,29 @@ def _check_delta_args(q, k, v, g, beta, ssm_states) -> tuple[int, int, int, int,
     return T, Hk, dk, Hv, dv
 
 
-def _launch_delta(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens: list[int] | None,
+def _launch_delta(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens: list[int] | torch.Tensor | None,
                   use_qk_l2norm: bool, fork_slots: torch.Tensor | None = None) -> torch.Tensor:
     """Check, then launch grid (sequences, Hv, value-column blocks) -> o [T, Hv, dv] in v's dtype. Decode
     (cu_seqlens None: row b is sequence b's one token) and the recurrent prefill (sequence b is rows
     cu_seqlens[b]:cu_seqlens[b+1]) run one kernel with block sizes from the head dims only, so they
-    tile a state alike."""
+    tile a state alike. cu_seqlens may be a device tensor [B + 1] int64 (a CUDA graph's static layout,
+    nothing read on the host): rows past cu_seqlens[B] are left unwritten."""
     T, Hk, dk, Hv, dv = _check_delta_args(q, k, v, g, beta, ssm_states)
-    sequences = T if cu_seqlens is None else len(cu_seqlens) - 1
+    on_device = isinstance(cu_seqlens, torch.Tensor)
+    sequences = T if cu_seqlens is None else (cu_seqlens.shape[0] if on_device else len(cu_seqlens)) - 1
     name = "B" if cu_seqlens is None else "len(cu_seqlens) - 1"
     assert state_indices.shape == (sequences,) and state_indices.dtype == torch.int64, \
         f"state_indices must be [{name}] int64"
-    if cu_seqlens is not None:
+    if cu_seqlens is not None and not on_device:
         assert cu_seqlens[0] == 0 and cu_seqlens[-1] == T, f"cu_seqlens must run from 0 to T={T}, got {cu_seqlens}"
     out = torch.empty((T, Hv, dv), dtype=v.dtype, device=v.device)
-    if T == 0:
+    if T == 0 or sequences == 0:
         return out
-    cu = torch.tensor(cu_seqlens, dtype=torch.int64, device=q.device) if cu_seqlens is not None else state_indices
+    if on_device:
+        assert cu_seqlens.dtype == torch.int64, "a device cu_seqlens must be int64"
+        cu = cu_seqlens
+    else:
+        cu = torch.tensor(cu_seqlens, dtype=torch.int64, device=q.device) if cu_seqlens is not None else state_indices
     if fork_slots is not None:
         assert fork_slots.dim() == 2 and fork_slots.shape[0] == sequences and fork_slots.dtype == torch.int64 \
             and fork_slots.is_contiguous(), f"fork_slots must be [{sequences}, F] int64, contiguous"
@@ -306,9 +312,10 @@ def recurrent_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch
 
 def recurrent_gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                       beta: torch.Tensor, ssm_states: torch.Tensor, state_indices: torch.Tensor,
-                                      cu_seqlens: list[int], fork_slots: torch.Tensor,
+                                      cu_seqlens: list[int] | torch.Tensor, fork_slots: torch.Tensor,
                                       use_qk_l2norm: bool = True) -> torch.Tensor:
     """A step verifying drafts in one launch, as recurrent_gated_delta_rule_verify_ref: each sequence's
     tokens run the decode kernel's step in order (the bits a decode of each gives), and the state after
-    token j is also stored at fork_slots[b, j] ([B, F] int64, -1: none)."""
+    token j is also stored at fork_slots[b, j] ([B, F] int64, -1: none). cu_seqlens may be a device tensor
+    (a CUDA graph's static layout): a sequence of no rows may then have state slot -1."""
     return _launch_delta(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, use_qk_l2norm, fork_slots)

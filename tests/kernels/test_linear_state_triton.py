@@ -98,3 +98,39 @@ def test_graph_decode_batch_reads_slots_from_its_static_buffer(monkeypatch):
         torch.testing.assert_close(graph_pool.conv[:, 1:], eager_pool.conv[:, 1:], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(graph_pool.ssm[:, 1:], eager_pool.ssm[:, 1:], atol=1e-4, rtol=1e-4)
     assert not torch.equal(graph_pool.ssm[:, 0], eager_pool.ssm[:, 0])  # the padding rows wrote slot 0 only
+
+
+def test_a_verify_step_on_a_graph_layout_equals_its_host_layout():
+    """LinearBatch with verify_cu on the device (the layout a CUDA graph of verify steps replays: real entries,
+    then one-row padding entries on the padding slot 0, then empty ones on slot -1) gives the real rows and
+    the pool the host layout gives, bit for bit; no prefill part."""
+    hk, hv, dk, dv, width = 1, 2, 16, 16, 4
+    conv_dim = 2 * hk * dk + hv * dv
+    pools = [LinearStatePool(LinearStateShape(2, conv_dim, width, hv, dk, dv), 8, DEV) for _ in range(2)]
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    init_conv = torch.randn(pools[0].conv.shape, generator=gen, device=DEV)
+    init_ssm = torch.randn(pools[0].ssm.shape, generator=gen, device=DEV)
+    for pool in pools:
+        pool.conv.copy_(init_conv)
+        pool.ssm.copy_(init_ssm)
+    cu, own, forks = [0, 3, 4], [3, 6], [[1, 2], [-1, -1]]  # entry 0: 2 drafts (forks 1, 2); entry 1: none
+    rows, T = 6, cu[-1]
+    long = dict(dtype=torch.long, device=DEV)
+    host = LinearBatch(pools[0], torch.tensor(own, **long), triton_kernels=True,
+                       verify=(cu, torch.tensor(forks, **long)))
+    on_device = LinearBatch(pools[1], torch.tensor(own + [0, 0, -1], **long), triton_kernels=True,
+                            verify=(torch.tensor(cu + [5, 6, 6], **long), torch.tensor(forks + [[-1, -1]] * 3, **long)))
+    assert host.num_decodes == T and on_device.verify_on_device
+    x = torch.randn(rows, conv_dim, generator=gen, device=DEV)
+    weight = torch.randn(conv_dim, width, generator=gen, device=DEV)
+    g, beta = -0.3 * torch.rand(rows, hv, generator=gen, device=DEV), torch.rand(rows, hv, generator=gen, device=DEV)
+    outs = []
+    for batch, n in ((host, T), (on_device, rows)):
+        mixed = batch.conv(1, x[:n], weight, None, "silu")
+        q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        out = batch.delta_rule(1, q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv), g[:n], beta[:n])
+        outs.append((mixed[:T], out[:T]))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    kept = [1, 2, 3, 4, 5, 6, 7]  # every slot but the padding slot 0
+    assert torch.equal(pools[0].conv[1][kept], pools[1].conv[1][kept])
+    assert torch.equal(pools[0].ssm[1][kept], pools[1].ssm[1][kept])

@@ -99,3 +99,53 @@ def test_conv_verify(width, bias):
     bits = _token_by_token(lambda xt, states, one: causal_conv1d_update(xt, weight, b, states, one), (x,), own,
                            forks, cu, bits_pool)
     assert torch.equal(got, bits) and torch.equal(got_pool[written], bits_pool[written])
+
+
+def _graph_layout(cu, own, forks, padding_slot: int, rows: int, entries: int):
+    """The same step as a CUDA graph's static layout holds it: cu [entries + 1], slots and forks on the device;
+    after the real sequences, each leftover row of the `rows` bucket is a one-row padding sequence on
+    `padding_slot` (no forks), then sequences of no rows on slot -1."""
+    real, T = len(own), cu[-1]
+    padded_cu = cu + list(range(T + 1, rows + 1))
+    padded_cu += [rows] * (entries + 1 - len(padded_cu))
+    slots = torch.full((entries,), -1, dtype=torch.long, device=DEV)
+    slots[:real] = own
+    slots[real:real + rows - T] = padding_slot
+    padded_forks = torch.full((entries, forks.shape[1]), -1, dtype=torch.long, device=DEV)
+    padded_forks[:real] = forks
+    return torch.tensor(padded_cu, dtype=torch.long, device=DEV), slots, padded_forks
+
+
+def test_verify_kernels_on_a_graph_layout_write_what_the_host_layout_writes():
+    """cu_seqlens as a device tensor (what a verify step's CUDA graph would pass, nothing read on the host): the
+    real sequences' outputs, states and forks bit for bit those of the host layout; padding rows stay on
+    their padding slot, empty sequences on slot -1 write nothing."""
+    cu, own, forks, untouched = _layout()
+    T, rows, entries, pad = cu[-1], cu[-1] + 3, len(DRAFTS) + 6, int(untouched[-1])
+    untouched = untouched[untouched != pad]
+    dev_cu, slots, padded_forks = _graph_layout(cu, own, forks, pad, rows, entries)
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    hk, hv, dk, dv, C, width = 2, 4, 32, 24, 40, 4
+    q, k = (torch.randn(rows, hk, dk, generator=gen, device=DEV) for _ in range(2))
+    v = torch.randn(rows, hv, dv, generator=gen, device=DEV)
+    g, beta = -torch.rand(rows, hv, generator=gen, device=DEV), torch.rand(rows, hv, generator=gen, device=DEV)
+    x = torch.randn(rows, C, generator=gen, device=DEV)
+    weight, bias = torch.randn(C, width, generator=gen, device=DEV), torch.randn(C, generator=gen, device=DEV)
+    # pools with a guard slot in front: a write through slot -1 would land there
+    guarded_states = torch.full((17, hv, dk, dv), float("nan"), device=DEV)
+    guarded_conv = torch.full((17, C, width - 1), float("nan"), device=DEV)
+    states, conv = guarded_states[1:], guarded_conv[1:]
+    states[own], conv[own] = (torch.randn(len(own), *t.shape[1:], generator=gen, device=DEV) for t in (states, conv))
+    states[pad], conv[pad] = 0.0, 0.0
+
+    host_states, host_conv = states.clone(), conv.clone()
+    want_o = recurrent_gated_delta_rule_verify(q[:T], k[:T], v[:T], g[:T], beta[:T], host_states, own, cu, forks)
+    want_y = causal_conv1d_verify(x[:T], weight, bias, host_conv, own, cu, forks)
+    got_o = recurrent_gated_delta_rule_verify(q, k, v, g, beta, states, slots, dev_cu, padded_forks)
+    got_y = causal_conv1d_verify(x, weight, bias, conv, slots, dev_cu, padded_forks)
+    assert torch.equal(got_o[:T], want_o) and torch.equal(got_y[:T], want_y)
+    assert got_o[T:].isfinite().all() and got_y[T:].isfinite().all()  # padding rows: computed, on slot pad
+    real = torch.tensor([s for s in range(16) if s != pad and s not in untouched.tolist()], device=DEV)
+    assert torch.equal(states[real], host_states[real]) and torch.equal(conv[real], host_conv[real])
+    assert states[untouched].isnan().all() and conv[untouched].isnan().all()
+    assert guarded_states[0].isnan().all() and guarded_conv[0].isnan().all()

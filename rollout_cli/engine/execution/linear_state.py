@@ -70,11 +70,13 @@ class LinearBatch:
     verify_cu[b]:verify_cu[b+1] and the state slots [D, F] (-1: none) that receive its state after each
     draft position j < d, so the scheduler can put back the state after the last accepted token. The
     verify kernels run each entry's tokens in order with the decode step (a verified token has a
-    decode's bits) in one launch per layer."""
+    decode's bits) in one launch per layer. verify_cu may be a device tensor [B + 1] (the static layout a
+    CUDA graph of verify steps would replay, with decode_slots [B]: entries of no rows on slot -1, leftover
+    rows of the bucket one-row entries on the padding slot); then there is no prefill part."""
 
     def __init__(self, pool: LinearStatePool, decode_slots: torch.Tensor, prefill_slots: torch.Tensor | None = None,
                  cu_seqlens: list[int] | None = None, triton_kernels: bool = False, invariant: bool = False,
-                 verify: tuple[list[int], torch.Tensor] | None = None):
+                 verify: tuple[list[int] | torch.Tensor, torch.Tensor] | None = None):
         from rollout_kernels import causal_conv1d, gated_delta_rule  # Triton: optional on the CPU
 
         self._conv_ops, self._delta_ops = causal_conv1d, gated_delta_rule
@@ -89,8 +91,13 @@ class LinearBatch:
         self.triton_kernels = triton_kernels
         self.pool = pool
         self.verify = verify
+        # a CUDA graph's verify step passes its layout on the device (verify_cu a tensor [B + 1]): every
+        # row is then a decode part's row, and nothing of it is read on the host
+        self.verify_on_device = verify is not None and isinstance(verify[0], torch.Tensor)
+        assert not (self.verify_on_device and prefill_slots is not None), "a graph's verify step has no prefill"
         # rows of the decode part: one per decode, or 1 + num_draft per entry of a step verifying drafts
-        self.num_decodes = decode_slots.shape[0] if verify is None else verify[0][-1]
+        self.num_decodes = (decode_slots.shape[0] if verify is None
+                            else None if self.verify_on_device else verify[0][-1])
         self.decode_slots = decode_slots
         self.prefill_slots = prefill_slots
         self.cu_seqlens = cu_seqlens if prefill_slots is not None else [0]
@@ -127,6 +134,8 @@ class LinearBatch:
                                                                ops.causal_conv1d_verify_ref))
         if self.prefill_slots is None and self.verify is None:  # decodes only (every graph step)
             return update(x, weight, bias, states, self.decode_slots, activation)
+        if self.verify_on_device:
+            return verify(x, weight, bias, states, self.decode_slots, *self.verify, activation)
         out = torch.empty_like(x)
         if self.verify is not None:
             out[:D] = verify(x[:D], weight, bias, states, self.decode_slots, *self.verify, activation)
@@ -149,6 +158,8 @@ class LinearBatch:
             verify = ops.recurrent_gated_delta_rule_verify_ref
         if self.prefill_slots is None and self.verify is None:
             return update(q, k, v, g, beta, states, self.decode_slots)
+        if self.verify_on_device:
+            return verify(q, k, v, g, beta, states, self.decode_slots, *self.verify)
         out = torch.empty_like(v)
         if self.verify is not None:
             out[:D] = verify(q[:D], k[:D], v[:D], g[:D], beta[:D], states, self.decode_slots, *self.verify)
