@@ -281,6 +281,40 @@ def test_verify_steps_become_one_token_rows_for_the_decode_graphs(arch, example_
     assert checked and all((rows is None) == (arch != "example") for rows in checked)
 
 
+def test_a_verify_step_that_also_prefills_stays_eager(example_model_dir):
+    """A request admitted beside drafting decodes (2 seats, 3 prompts of different lengths) prefills in the
+    verify step: such a step keeps off the decode graphs (ModelRunner._graph_rows: None), since its prompt
+    rows would each sample and the step's results would not line up with its entries; drafting steps of
+    decodes alone expand."""
+    from types import SimpleNamespace
+
+    from rollout_cli.engine.execution.cuda_graphs import DecodeGraphs
+
+    prompts = [PromptInput(i, p, params=SamplingParams(max_new_tokens=8 + 7 * i, temperature=0.0, ignore_eos=True))
+               for i, p in enumerate(PROMPTS)]
+    options = dict(device="cpu", dtype="float32", max_model_len=256, kv_cache_tokens=4096)
+    want = sorted(Engine(example_model_dir, **options).stream(prompts, SamplingParams()), key=lambda t: t.prompt_index)
+    truth = {(r.prompt_index, r.sample_index): r.response_token_ids for r in want}
+    engine = Engine(example_model_dir, max_running=2, **options)
+    engine.scheduler.enable_speculation(OracleDrafter(truth, CORRUPTIONS["last"]), 5)
+    runner, seen = engine.runner, []
+    runner_eager = runner._run_eager
+
+    def spy(out):
+        if any(e.num_draft for e in out.entries):
+            runner.graphs = SimpleNamespace(can_run=lambda rows: DecodeGraphs.can_run(SimpleNamespace(max_batch=256),
+                                                                                     rows))
+            prefills = any(e.num_new_tokens > 1 + e.num_draft for e in out.entries)
+            seen.append((prefills, runner._graph_rows(out.entries) is None))
+            runner.graphs = None
+        return runner_eager(out)
+
+    runner._run_eager = spy
+    _assert_same(sorted(engine.stream(prompts, SamplingParams()), key=lambda t: t.prompt_index), want)
+    assert (True, True) in seen and (False, False) in seen
+    assert all(prefills == eager for prefills, eager in seen)
+
+
 def test_no_drafts_above_the_max_batch(example_model_dir):
     """--speculative-max-batch 2: steps of more running requests decode without drafts (and may be scheduled
     ahead); once samples finish and two or fewer run, drafts resume. Tokens as plain decoding's."""

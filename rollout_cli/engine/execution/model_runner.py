@@ -271,9 +271,11 @@ class ModelRunner:
         row j decodes token j at start + j, attends through the decode kernel to its own prefix (the
         drafts before it included: each layer stores every row's k/v before it attends) and samples at
         its own position, as the entry's row j does in an eager step. Hybrid models keep a state per
-        draft position (linear_state.LinearBatch's verify kernels) and verify eagerly."""
+        draft position (linear_state.LinearBatch's verify kernels) and verify eagerly; so does a step that
+        also prefills a request admitted beside the drafts (its prompt rows would each sample, and the
+        step's results would no longer be one per sampling entry plus its drafts)."""
         if any(e.num_draft for e in entries):
-            if self.linear_states is not None:
+            if self.linear_states is not None or any(e.num_new_tokens != 1 + e.num_draft for e in entries):
                 return None
             entries = [BatchEntry(e.request, e.table_row, e.start + j, [e.token_ids[j]], e.start + j, [e.new_slots[j]],
                                   True) for e in entries for j in range(e.num_new_tokens)]
