@@ -162,6 +162,41 @@ def test_verified_drafts_on_graphs_are_bitwise_plain_decoding(tiny_hybrid_checkp
     assert 0 < engine.scheduler.stats.accepted_draft_tokens < engine.scheduler.stats.draft_tokens
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
+def test_verify_steps_replay_verify_graphs(tiny_hybrid_checkpoints, name, deterministic):
+    """An engine built with --speculative captures verify graphs for a hybrid (engine/execution/verify_layout.py:
+    the linear layers read each step's layout from device buffers): verify steps replay them, 4 running x
+    1 + 4 drafts, rows of entries with fewer drafts and padding rows included; greedy tokens of plain
+    decoding in float32, and in the on-policy mode bf16 tokens and logprobs bit for bit."""
+    import sys
+    from pathlib import Path
+
+    from rollout_cli.engine.trajectory import PromptInput
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from speculative_oracle import OracleDrafter
+
+    model_dir = tiny_hybrid_checkpoints[name]
+    prompts = [PromptInput(i, p, params=SamplingParams(n=2, max_new_tokens=12 + 5 * i, **GREEDY))
+               for i, p in enumerate(_prompts(300, 5, seed=9))]
+    options = dict(dtype="bfloat16" if deterministic else "float32", deterministic=deterministic, max_running=4)
+    want = sorted(_engine(model_dir, **options).stream(prompts, SamplingParams()),
+                  key=lambda t: (t.prompt_index, t.sample_index))
+    truth = {(t.prompt_index, t.sample_index): t.response_token_ids for t in want}
+    engine = _engine(model_dir, speculative="siblings", num_draft_tokens=4, speculative_gate=False, **options)
+    assert engine.runner.graphs.verify_buckets[-1] == 20
+    rng = random.Random(2)
+    engine.scheduler.enable_speculation(OracleDrafter(truth, lambda k: rng.random() < 0.3), 4)
+    got = sorted(engine.stream(prompts, SamplingParams()), key=lambda t: (t.prompt_index, t.sample_index))
+    assert [t.response_token_ids for t in got] == [t.response_token_ids for t in want]
+    if deterministic:
+        assert [t.response_logprobs for t in got] == [t.response_logprobs for t in want]
+    stats = engine.scheduler.stats
+    assert 0 < stats.accepted_draft_tokens < stats.draft_tokens
+    assert engine.runner.graphs.verify_replays >= stats.verify_steps // 8  # many steps of up to 4 verifying
+
+
 @pytest.mark.parametrize("draft_tokens", [1, 3])
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
 def test_mtp_drafts_on_the_gpu_change_no_token(tiny_hybrid_checkpoints, tmp_path, name, draft_tokens):

@@ -263,8 +263,8 @@ def test_verify_steps_become_one_token_rows_for_the_decode_graphs(arch, example_
 
     def spy(out):
         if any(e.num_draft for e in out.entries):
-            runner.graphs = SimpleNamespace(can_run=lambda rows: DecodeGraphs.can_run(SimpleNamespace(max_batch=256),
-                                                                                     rows))
+            runner.graphs = SimpleNamespace(verify=None, can_run=lambda rows, verify=False: DecodeGraphs.can_run(
+                SimpleNamespace(buckets=[256], verify_buckets=[]), rows, verify))
             rows = runner._graph_rows(out.entries)
             runner.graphs = None
             checked.append(rows)
@@ -302,8 +302,8 @@ def test_a_verify_step_that_also_prefills_stays_eager(example_model_dir):
 
     def spy(out):
         if any(e.num_draft for e in out.entries):
-            runner.graphs = SimpleNamespace(can_run=lambda rows: DecodeGraphs.can_run(SimpleNamespace(max_batch=256),
-                                                                                     rows))
+            runner.graphs = SimpleNamespace(verify=None, can_run=lambda rows, verify=False: DecodeGraphs.can_run(
+                SimpleNamespace(buckets=[256], verify_buckets=[]), rows, verify))
             prefills = any(e.num_new_tokens > 1 + e.num_draft for e in out.entries)
             seen.append((prefills, runner._graph_rows(out.entries) is None))
             runner.graphs = None

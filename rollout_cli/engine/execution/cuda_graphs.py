@@ -33,6 +33,7 @@ from rollout_cli.engine.execution.sampler import FLOAT_PADDING, NUM_FLOAT_ROWS, 
 from rollout_cli.engine.execution.token_table import TokenTable
 from rollout_cli.engine.execution.triton_attention import (SharedPrefixMetadata, TritonAttentionBatch,
                                                            invariant_decode_attention, warm_decode_splits)
+from rollout_cli.engine.execution.verify_layout import VerifyLayout
 from rollout_cli.models.moe import routing_recorder_swapped
 
 
@@ -110,7 +111,7 @@ class DecodeGraphs:
 
     def __init__(self, model, kv, req_to_token: torch.Tensor, tokens: TokenTable, pad_row: int, scale: float,
                  max_batch: int, linear_states=None, deterministic: bool = False, keep_hidden: bool = False,
-                 shared_prefix: bool = False, verify_rows: int | None = None):
+                 shared_prefix: bool = False, verify_rows: int | None = None, hybrid_verify_drafts: int = 0):
         self.model = model
         self.tokens = tokens  # each row's last sampled token: read for PENDING inputs, written by every replay
         self.kv = kv
@@ -119,10 +120,21 @@ class DecodeGraphs:
         self.pad_row = pad_row
         self.scale = scale
         self.deterministic = deterministic  # the on-policy mode: the batch-invariant attention
-        self.buckets = batch_buckets(max_batch, verify_rows)
-        self.max_batch = self.buckets[-1]  # verify_rows where speculative verify steps replay graphs
-        self.decode_batch = max_batch  # the widest decode step: admission pacing's measurement runs it
         device = req_to_token.device
+        # a hybrid model's verify steps (--speculative with drafts up to hybrid_verify_drafts) replay graphs
+        # of their own, whose linear layers read a VerifyLayout; a dense model's run as one-token decode rows
+        self.verify = None
+        self.verify_buckets: list[int] = []
+        if linear_states is not None and hybrid_verify_drafts and verify_rows:
+            self.verify_buckets = batch_buckets(verify_rows)
+            self.verify = VerifyLayout(verify_rows, hybrid_verify_drafts, device)
+            verify_rows = None
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.verify_hidden: dict[int, torch.Tensor] = {}
+        self.verify_replays = 0  # hybrid verify steps served by a replay (tests check they ran)
+        self.buckets = batch_buckets(max_batch, verify_rows)
+        self.max_batch = max(self.buckets[-1], *self.verify_buckets)  # the static buffers' width
+        self.decode_batch = max_batch  # the widest decode step: admission pacing's measurement runs it
         self.ints = torch.zeros((_NUM_INT_ROWS, self.max_batch), dtype=torch.int64, device=device)
         self.floats = torch.zeros((NUM_FLOAT_ROWS, self.max_batch), dtype=torch.float32, device=device)
         self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)  # int32 for the kernel
@@ -171,17 +183,20 @@ class DecodeGraphs:
         return TritonAttentionBatch(self.kv, self.req_to_token, slots, rows, self.seq_lens[:batch], None,
                                     self.scale, shared_prefix=shared)
 
-    def _forward(self, batch: int) -> torch.Tensor:
+    def _forward(self, batch: int, verify: bool = False) -> torch.Tensor:
+        """One step of `batch` rows over the static buffers -> packed (token ids, logprobs) [2, batch];
+        `verify`: a hybrid's verify step, its linear layers reading the VerifyLayout."""
         given, positions, rows, slots = (self.ints[i, :batch] for i in (_TOKEN, _POSITION, _ROW, _SLOT))
         ids = self.tokens.input_ids(given, rows)  # [batch]
         self.req_to_token[rows, positions] = slots.to(torch.int32)  # this step's slots, inside the graph
         attn = self._attention(batch)
         if self.linear_states is not None:  # hybrid: state slots from the static buffer, filled before each replay
-            linear = LinearBatch(self.linear_states, self.ints[_STATE_SLOT, :batch], triton_kernels=True)
+            linear = (self.verify.linear_batch(self.linear_states, batch) if verify else
+                      LinearBatch(self.linear_states, self.ints[_STATE_SLOT, :batch], triton_kernels=True))
             attn = HybridBatch(attn, linear)
         hidden = self.model(ids, self.ints[_ROPE_POSITION, :batch], attn)
         if self.keep_hidden:
-            self.hidden[batch] = hidden
+            (self.verify_hidden if verify else self.hidden)[batch] = hidden
         logits = self.model.compute_logits(hidden, upcast=False)  # [batch, vocab]
         tokens, logprobs = sample_rows(logits, self.ints[_SAMPLING:], self.floats, use_triton=True)
         self.tokens.store(rows, tokens)
@@ -217,6 +232,10 @@ class DecodeGraphs:
                     packed = self._forward(batch)
                     if self.head_graphs is not None:
                         self._head_forward(batch, packed)
+                if self.verify is not None:
+                    self.verify.fill_padding()
+                    for batch in self.verify_buckets:
+                        self._forward(batch, verify=True)
                 # eager mixed steps use split counts no bucket has; q is the model's dtype (the pool's may be e4m3)
                 warm_decode_splits(self.kv, self.req_to_token, self.pad_row, self.scale,
                                    self.model.model.embed_tokens.weight.dtype, _attention_heads(self.model),
@@ -234,6 +253,13 @@ class DecodeGraphs:
                     head = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(head, pool=pool):
                         self.head_graphs[batch] = (head, self._head_forward(batch, packed))
+            if self.verify is not None:  # filled with padding at warm-up; a re-capture fills it again
+                self.verify.fill_padding()
+            for batch in reversed(self.verify_buckets):  # the same pool: a step replays one graph or the other
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    packed = self._forward(batch, verify=True)
+                self.verify_graphs[batch] = (graph, packed)
         torch.cuda.synchronize()
         if warm_up:  # a re-capture after a memory release keeps the first measurement
             self.eager_over_replay = self._eager_over_replay(self.decode_batch)
@@ -260,20 +286,24 @@ class DecodeGraphs:
             self.hidden[batch] = kept
         return eager / best(graph.replay)
 
-    def can_run(self, entries) -> bool:
-        """A decode-only step within the largest bucket; samples that want their positions' top
-        logprobs run eagerly (the graphs copy back the sampled token and its logprob only)."""
-        return 0 < len(entries) <= self.max_batch and all(
+    def can_run(self, entries, verify: bool = False) -> bool:
+        """A decode-only step within the largest bucket (`verify`: a hybrid's verify rows, within the
+        verify graphs'); samples that want their positions' top logprobs run eagerly (the graphs copy back
+        the sampled token and its logprob only)."""
+        widest = (self.verify_buckets or [0])[-1] if verify else self.buckets[-1]
+        return 0 < len(entries) <= widest and all(
             e.num_new_tokens == 1 and e.sample and not e.request.params.per_token_extras for e in entries)
 
-    def run(self, entries) -> torch.Tensor:
+    def run(self, entries, verify_entries=None) -> torch.Tensor:
         """Replay for a decode-only step; returns (token ids, logprobs) as float64 [2, len(entries)],
         valid until the next replay. An entry scheduled ahead (token PENDING) decodes its row's token from
-        the token table, where the step before stored it.
+        the token table, where the step before stored it. `verify_entries`: a hybrid's verify step, whose
+        one-token rows `entries` are (1 + d rows per verify entry, in order); its layout goes up too.
 
         Padding rows (bucket past the batch) decode token 0 at position 0 in slot 0 and sample greedily."""
         batch = len(entries)
-        bucket = next(b for b in self.buckets if b >= batch)
+        buckets = self.verify_buckets if verify_entries is not None else self.buckets
+        bucket = next(b for b in buckets if b >= batch)
         pad = [0] * (bucket - batch)
         sampling = SamplingRows([e.request for e in entries], [e.start + 1 for e in entries])  # drawn at start + 1
         self._parity ^= 1
@@ -302,10 +332,13 @@ class DecodeGraphs:
         self.ints.copy_(ints, non_blocking=True)
         self.floats.copy_(floats, non_blocking=True)
         self.seq_lens.copy_(seq_lens, non_blocking=True)
-        graph, packed = self.graphs[bucket]
+        if verify_entries is not None:
+            self.verify.fill(verify_entries, bucket, self._parity)
+        graph, packed = (self.verify_graphs if verify_entries is not None else self.graphs)[bucket]
         graph.replay()
         self.replays += 1
-        self._last_replay = (packed, batch)
+        self.verify_replays += verify_entries is not None
+        self._last_replay = (packed, batch, self.verify_hidden if verify_entries is not None else self.hidden)
         return packed[:, :batch]
 
     @staticmethod
@@ -322,19 +355,19 @@ class DecodeGraphs:
 
     def last_sampled(self) -> torch.Tensor:
         """The last replay's sampled tokens [batch] int64 on the device, until the next replay."""
-        packed, batch = self._last_replay
+        packed, batch, _ = self._last_replay
         return packed[0, :batch].long()
 
     def last_hidden(self) -> torch.Tensor:
         """The last replay's final hidden states [batch, H] (keep_hidden graphs), until the next replay."""
-        packed, batch = self._last_replay
-        return self.hidden[packed.shape[1]][:batch]
+        packed, batch, hidden = self._last_replay
+        return hidden[packed.shape[1]][:batch]
 
     def run_head(self) -> torch.Tensor:
         """--speculative mtp, after `run` of a plain decode step: replay the head's graph of its bucket
         (the head's KV at the step's slots) -> a copy of the head's outputs [batch, H], which the next
         replay would overwrite."""
-        packed, batch = self._last_replay
+        packed, batch, _ = self._last_replay
         graph, out = self.head_graphs[packed.shape[1]]
         graph.replay()
         self.head_replays += 1
@@ -344,7 +377,7 @@ class DecodeGraphs:
         """Queue the copy of the last replay's results to pinned memory; returns its [2, batch] view
         there, to read once the stream got past the copy. Both sides are contiguous [2, bucket]
         buffers, so the copy is one asynchronous DMA (a strided copy would stage through the host)."""
-        packed, batch = self._last_replay
+        packed, batch, _ = self._last_replay
         host = self.results[self._parity][: packed.numel()].view(packed.shape)
         host.copy_(packed, non_blocking=True)
         return host[:, :batch]

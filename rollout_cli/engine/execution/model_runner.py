@@ -21,6 +21,7 @@ from rollout_cli.engine.execution.on_policy import PoolTokenAttention, token_for
 from rollout_cli.engine.execution.prefix_groups import group_shared_prefixes
 from rollout_cli.engine.execution.sampler import SamplingRows, sample_extras, sample_rows, teacher_logprobs
 from rollout_cli.engine.execution.token_table import TokenTable
+from rollout_cli.engine.execution.verify_layout import graph_rows
 from rollout_cli.engine.execution.vision_step import EncoderCache, step_positions_and_images
 from rollout_cli.engine.scheduling.schedule_output import PENDING, BatchEntry, ScheduleOutput
 
@@ -143,11 +144,13 @@ class ModelRunner:
         from rollout_cli.engine.execution.cuda_graphs import DecodeGraphs, verify_graph_rows  # Triton: CPU-optional
 
         assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
-        verify_rows = verify_graph_rows(max_batch, *drafts) if self.linear_states is None else None
+        # hybrids verify on graphs of their own; MTP's chained drafts (K > 1) are drawn inside the step: eager
+        chained = self.mtp_step is not None and drafts[0] > 1
         self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.tokens, self.pad_row, self.scale,
                                    max_batch, self.linear_states, deterministic=self.deterministic,
                                    keep_hidden=self.mtp_step is not None, shared_prefix=self.shared_prefix_attention,
-                                   verify_rows=verify_rows)
+                                   verify_rows=verify_graph_rows(max_batch, *drafts),
+                                   hybrid_verify_drafts=0 if chained else drafts[0])
         self.graphs.capture(warm_up)
         self._graph_max_batch, self._graph_drafts = max_batch, drafts
         self.graphs_dropped = False
@@ -266,20 +269,7 @@ class ModelRunner:
         return [int(t) for t in token_values], logprob_values, scores, tops, extras
 
     def _graph_rows(self, entries) -> list | None:
-        """The one-token rows a decode graph replays for this step, or None where no graph can run it.
-        A verify entry (speculative decoding) of a model without linear layers becomes its 1 + d rows:
-        row j decodes token j at start + j, attends through the decode kernel to its own prefix (the
-        drafts before it included: each layer stores every row's k/v before it attends) and samples at
-        its own position, as the entry's row j does in an eager step. Hybrid models keep a state per
-        draft position (linear_state.LinearBatch's verify kernels) and verify eagerly; so does a step that
-        also prefills a request admitted beside the drafts (its prompt rows would each sample, and the
-        step's results would no longer be one per sampling entry plus its drafts)."""
-        if any(e.num_draft for e in entries):
-            if self.linear_states is not None or any(e.num_new_tokens != 1 + e.num_draft for e in entries):
-                return None
-            entries = [BatchEntry(e.request, e.table_row, e.start + j, [e.token_ids[j]], e.start + j, [e.new_slots[j]],
-                                  True) for e in entries for j in range(e.num_new_tokens)]
-        return entries if self.graphs.can_run(entries) else None
+        return graph_rows(entries, self.graphs, hybrid=self.linear_states is not None)
 
     def _launch_graph(self, out: ScheduleOutput, rows: list, started: float) -> StepHandle:
         """A decode-only step by graph replay (forward and sampling) of its one-token `rows`, all sampling."""
@@ -292,7 +282,8 @@ class ModelRunner:
         if self.time_decode_steps:
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record()
-        self.graphs.run(rows)
+        hybrid_verify = self.linear_states is not None and any(e.num_draft for e in out.entries)
+        self.graphs.run(rows, out.entries if hybrid_verify else None)
         if self.routing_pool is not None:  # the graph recorded this step's ids; eager steps record directly
             self.routing_pool.store(*self.graphs.routing_rows(len(rows)))
         if timing is not None:
