@@ -40,3 +40,22 @@ def test_hybrid_verify_steps_expand_only_where_verify_graphs_exist_and_no_draft_
     prefill = _entry(4, [1, 2, 3, 4])
     prefill.num_draft = 0  # an admitted prompt's chunk beside the drafts
     assert graph_rows(entries + [prefill], graphs, hybrid=True) is None
+
+
+def test_mtp_drafts_come_from_each_entrys_newest_accepted_row():
+    """MTPStep.drafts_from after a step whose head pass ran at launch over every row (a plain step's one row
+    per entry, a verify step's 1 + d): each running request's draft comes from its last accepted row."""
+    import torch
+
+    from rollout_cli.engine.execution.mtp_step import MTPStep
+
+    def entry(name, start, rows, computed, finished=False, ghost=False):
+        request = SimpleNamespace(name=name, num_computed_tokens=computed, finish_reason="length" if finished else None)
+        return SimpleNamespace(request=request, start=start, num_new_tokens=rows, ghost=ghost)
+
+    step, picked = MTPStep.__new__(MTPStep), {}
+    step._propose = lambda requests, head_out, rows: picked.update(zip((r.name for r in requests), rows))
+    entries = [entry("plain", 10, 1, 11), entry("two accepted", 20, 4, 22), entry("done", 5, 3, 8, finished=True),
+               entry("ghost", 7, 1, 7, ghost=True), entry("all accepted", 30, 3, 33)]
+    step.drafts_from(entries, torch.zeros(12, 4))
+    assert picked == {"plain": 0, "two accepted": 1 + 1, "all accepted": 1 + 4 + 3 + 1 + 2}

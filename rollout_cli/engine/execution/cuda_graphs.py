@@ -162,6 +162,7 @@ class DecodeGraphs:
         # the host 2.6 ms of launches a step (the trained pair of issue 22 on the H100), 3x the step itself
         self.head_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] | None = (
             {} if keep_hidden and hasattr(model, "mtp") else None)
+        self.verify_head_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.head_replays = 0
         self.capture_seconds = 0.0
         self.eager_over_replay: float | None = None  # measured at the first capture (admission pacing's price)
@@ -203,13 +204,17 @@ class DecodeGraphs:
         # float64 holds both the token ids and the float32 logprobs exactly
         return torch.stack((tokens.double(), logprobs.double()))  # [2, batch]
 
-    def _head_forward(self, batch: int, packed: torch.Tensor) -> torch.Tensor:
+    def _head_forward(self, batch: int, packed: torch.Tensor, verify: bool = False) -> torch.Tensor:
         """--speculative mtp: the MTP head's pass behind a plain decode step of `batch` rows, as
         MTPStep.store_kv_on_device runs it eagerly: at each row's position q, (the step's final hidden
         state, the token it sampled at q + 1, packed [2, batch] row 0) -> the head's outputs [batch, H],
-        its KV stored at the step's slots (one more layer of the pool)."""
+        its KV stored at the step's slots (one more layer of the pool). `verify`: behind a hybrid's verify
+        step, over every row: at an accepted position the token sampled there is the next token (the next
+        draft, or the token drawn after the last accepted one), so the rows up to each entry's last
+        accepted one are what the eager pass after the step computes; later rows' KV slots go back."""
         embeds = self.model.model.embed_tokens(packed[0].long())  # [batch, H]
-        return self.model.mtp(embeds, self.hidden[batch], self.ints[_ROPE_POSITION, :batch], self._attention(batch))
+        hidden = (self.verify_hidden if verify else self.hidden)[batch]
+        return self.model.mtp(embeds, hidden, self.ints[_ROPE_POSITION, :batch], self._attention(batch))
 
     def capture(self, warm_up: bool = True) -> None:
         """warm_up=False skips the eager pass over every bucket: for a re-capture after a memory
@@ -235,7 +240,9 @@ class DecodeGraphs:
                 if self.verify is not None:
                     self.verify.fill_padding()
                     for batch in self.verify_buckets:
-                        self._forward(batch, verify=True)
+                        packed = self._forward(batch, verify=True)
+                        if self.head_graphs is not None:
+                            self._head_forward(batch, packed, verify=True)
                 # eager mixed steps use split counts no bucket has; q is the model's dtype (the pool's may be e4m3)
                 warm_decode_splits(self.kv, self.req_to_token, self.pad_row, self.scale,
                                    self.model.model.embed_tokens.weight.dtype, _attention_heads(self.model),
@@ -260,6 +267,10 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     packed = self._forward(batch, verify=True)
                 self.verify_graphs[batch] = (graph, packed)
+                if self.head_graphs is not None:
+                    head = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(head, pool=pool):
+                        self.verify_head_graphs[batch] = (head, self._head_forward(batch, packed, verify=True))
         torch.cuda.synchronize()
         if warm_up:  # a re-capture after a memory release keeps the first measurement
             self.eager_over_replay = self._eager_over_replay(self.decode_batch)
@@ -364,11 +375,11 @@ class DecodeGraphs:
         return hidden[packed.shape[1]][:batch]
 
     def run_head(self) -> torch.Tensor:
-        """--speculative mtp, after `run` of a plain decode step: replay the head's graph of its bucket
-        (the head's KV at the step's slots) -> a copy of the head's outputs [batch, H], which the next
-        replay would overwrite."""
-        packed, batch, _ = self._last_replay
-        graph, out = self.head_graphs[packed.shape[1]]
+        """--speculative mtp, after `run` of a plain decode step (or a hybrid's verify step): replay the head's
+        graph of its bucket (the head's KV at the step's slots) -> a copy of the head's outputs [batch, H],
+        which the next replay would overwrite."""
+        packed, batch, hidden = self._last_replay
+        graph, out = (self.verify_head_graphs if hidden is self.verify_hidden else self.head_graphs)[packed.shape[1]]
         graph.replay()
         self.head_replays += 1
         return out[:batch].clone()

@@ -47,11 +47,13 @@ class MTPStep:
     def at_launch(self, out, hidden: torch.Tensor, tokens, head_graph=None) -> None:
         """A step just launched with its final hidden states [T, H]: a plain decode step (each entry one
         sampled token past its prompt, no drafts) runs the pass behind it now, on the tokens it sampled
-        (`tokens()` [B] on the device), by `head_graph()` where the step replayed a decode graph
-        (DecodeGraphs.run_head); any other step keeps its hidden states for after_step."""
-        plain = all(e.num_new_tokens == 1 and e.sample and not e.num_draft and e.score_targets is None
-                    and e.start >= e.request.num_prompt_tokens for e in out.entries)
-        if plain and self.drafting:
+        (`tokens()` [B] on the device), by `head_graph()` where the step replayed a graph
+        (DecodeGraphs.run_head); so does a verify step that replayed one (every row, on the tokens sampled
+        there: DecodeGraphs._head_forward); any other step keeps its hidden states for after_step."""
+        decoded = all(e.num_new_tokens == 1 + e.num_draft and e.sample and e.score_targets is None
+                      and e.start >= e.request.num_prompt_tokens for e in out.entries)
+        plain = decoded and not any(e.num_draft for e in out.entries)
+        if self.drafting and (plain or decoded and head_graph is not None):
             out.mtp_head_out = (head_graph() if head_graph is not None
                                 else self.store_kv_on_device(out.entries, hidden, tokens()))
         else:
@@ -113,13 +115,19 @@ class MTPStep:
         return self._head(head_entries, hidden, [e.new_slots[0] for e in entries], tokens)
 
     def drafts_from(self, entries, head_out: torch.Tensor) -> None:
-        """After post-processing the plain decode step of `entries`: the next draft of each request still
-        running, from its row of store_kv_on_device's outputs [B, H]. Asked only when the next step drafts,
-        which is then seldom launched ahead (schedule_ahead asks the gate too), so reading the drafts mostly
-        waits for this step's pass alone."""
-        live = [i for i, e in enumerate(entries) if not e.ghost and e.request.finish_reason is None]
-        if live:
-            self._propose([entries[i].request for i in live], head_out, live)
+        """After post-processing the decode step of `entries` whose pass ran at launch: the next draft of each
+        request still running, from the row of its newest accepted position in the head's outputs [rows, H]
+        (a plain step: row i for entry i; a verify step: the entry's last accepted row). Asked only when the
+        next step drafts, which is then seldom launched ahead (schedule_ahead asks the gate too), so reading
+        the drafts mostly waits for this step's pass alone."""
+        requests, rows, offset = [], [], 0
+        for e in entries:
+            if not e.ghost and e.request.finish_reason is None:
+                requests.append(e.request)
+                rows.append(offset + e.request.num_computed_tokens - e.start - 1)
+            offset += e.num_new_tokens
+        if requests:
+            self._propose(requests, head_out, rows)
 
     def _propose(self, requests: list, head_out: torch.Tensor, rows: list[int]) -> None:
         """Each request's draft for the position after its newest token, from its row of the head's outputs
