@@ -240,6 +240,8 @@ class DecodeGraphs:
                 if self.verify is not None:
                     self.verify.fill_padding()
                     for batch in self.verify_buckets:
+                        if self.shared_prefix:
+                            self.groups.copy_(self._group_rows(None, batch, self.groups.shape[1]))
                         packed = self._forward(batch, verify=True)
                         if self.head_graphs is not None:
                             self._head_forward(batch, packed, verify=True)
