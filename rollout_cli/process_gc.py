@@ -26,4 +26,3 @@ def freeze_long_lived_objects() -> None:
     gc.freeze()
     first, second, third = gc.get_threshold()
     gc.set_threshold(max(FIRST_GENERATION_THRESHOLD, first), second, third)
-

@@ -12,11 +12,13 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from rollout_cli import Engine, SamplingParams
 from rollout_cli.config import EngineConfig
+from rollout_cli.engine.execution.cuda_graphs import DecodeGraphs
 from rollout_cli.engine.trajectory import PromptInput
 from rollout_cli.errors import RolloutError
 
@@ -243,15 +245,22 @@ def test_routing_capture_records_the_accepted_tokens_only(tiny_moe_checkpoints):
     assert engine.scheduler.stats.draft_tokens > 0
 
 
+def _rows_graphs_would_replay(runner, entries):
+    """ModelRunner._graph_rows with stand-in decode graphs of up to 256 rows and no verify graphs (the CPU
+    captures none)."""
+    runner.graphs = SimpleNamespace(verify=None, can_run=lambda rows, verify=False: DecodeGraphs.can_run(
+        SimpleNamespace(buckets=[256], verify_buckets=[]), rows, verify))
+    try:
+        return runner._graph_rows(entries)
+    finally:
+        runner.graphs = None
+
+
 @pytest.mark.parametrize("arch", ["example", "qwen3_next"])
 def test_verify_steps_become_one_token_rows_for_the_decode_graphs(arch, example_model_dir, tiny_hybrid_checkpoints):
     """A verify step's entries expand into the one-token rows a decode graph replays (ModelRunner._graph_rows):
     row j of an entry decodes its token j at start + j into its slot j and samples; hybrid models keep
     verifying eagerly (None). The graph itself runs on the GPU (tests/e2e/test_gpu_engine.py)."""
-    from types import SimpleNamespace
-
-    from rollout_cli.engine.execution.cuda_graphs import DecodeGraphs
-
     model = example_model_dir if arch == "example" else tiny_hybrid_checkpoints[arch]
     params = PARAMS["greedy"]
     _, want = _run(model, params)
@@ -263,10 +272,7 @@ def test_verify_steps_become_one_token_rows_for_the_decode_graphs(arch, example_
 
     def spy(out):
         if any(e.num_draft for e in out.entries):
-            runner.graphs = SimpleNamespace(verify=None, can_run=lambda rows, verify=False: DecodeGraphs.can_run(
-                SimpleNamespace(buckets=[256], verify_buckets=[]), rows, verify))
-            rows = runner._graph_rows(out.entries)
-            runner.graphs = None
+            rows = _rows_graphs_would_replay(runner, out.entries)
             checked.append(rows)
             if rows is not None:
                 expected = [(e.request, e.start + j, e.token_ids[j], e.new_slots[j], e.table_row)
@@ -286,10 +292,6 @@ def test_a_verify_step_that_also_prefills_stays_eager(example_model_dir):
     verify step: such a step keeps off the decode graphs (ModelRunner._graph_rows: None), since its prompt
     rows would each sample and the step's results would not line up with its entries; drafting steps of
     decodes alone expand."""
-    from types import SimpleNamespace
-
-    from rollout_cli.engine.execution.cuda_graphs import DecodeGraphs
-
     prompts = [PromptInput(i, p, params=SamplingParams(max_new_tokens=8 + 7 * i, temperature=0.0, ignore_eos=True))
                for i, p in enumerate(PROMPTS)]
     options = dict(device="cpu", dtype="float32", max_model_len=256, kv_cache_tokens=4096)
@@ -302,11 +304,8 @@ def test_a_verify_step_that_also_prefills_stays_eager(example_model_dir):
 
     def spy(out):
         if any(e.num_draft for e in out.entries):
-            runner.graphs = SimpleNamespace(verify=None, can_run=lambda rows, verify=False: DecodeGraphs.can_run(
-                SimpleNamespace(buckets=[256], verify_buckets=[]), rows, verify))
             prefills = any(e.num_new_tokens > 1 + e.num_draft for e in out.entries)
-            seen.append((prefills, runner._graph_rows(out.entries) is None))
-            runner.graphs = None
+            seen.append((prefills, _rows_graphs_would_replay(runner, out.entries) is None))
         return runner_eager(out)
 
     runner._run_eager = spy

@@ -12,18 +12,28 @@ from rollout_cli.engine.execution.linear_state import LinearBatch, LinearStatePo
 from rollout_cli.models.gated_deltanet import LinearStateShape
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+HEADS = (1, 2, 16, 16, 4)  # key heads, value heads, key dim, value dim, conv width
 
 
-def test_triton_linear_batch_matches_reference_step():
-    hk, hv, dk, dv, width = 1, 2, 16, 16, 4
+def _two_equal_pools(seed: int) -> tuple[list[LinearStatePool], torch.Generator]:
+    """Two state pools of 8 slots (2 layers) holding the same random states, and the generator after them."""
+    hk, hv, dk, dv, width = HEADS
     conv_dim = 2 * hk * dk + hv * dv
     pools = [LinearStatePool(LinearStateShape(2, conv_dim, width, hv, dk, dv), 8, DEV) for _ in range(2)]
-    gen = torch.Generator(device=DEV).manual_seed(0)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
     init_conv = torch.randn(pools[0].conv.shape, generator=gen, device=DEV)
     init_ssm = torch.randn(pools[0].ssm.shape, generator=gen, device=DEV)
     for pool in pools:
         pool.conv.copy_(init_conv)
         pool.ssm.copy_(init_ssm)
+    return pools, gen
+
+
+def test_triton_linear_batch_matches_reference_step():
+    hk, hv, dk, dv, width = HEADS
+    conv_dim = 2 * hk * dk + hv * dv
+    pools, gen = _two_equal_pools(0)
+    init_ssm = pools[0].ssm.clone()
     # decodes first (slots 3, 6), then prefill chunks of 5 and 70 tokens (slots 1, 7)
     entries = [SimpleNamespace(num_new_tokens=n, num_draft=0, request=SimpleNamespace(state_slot=s))
                for n, s in ((1, 3), (1, 6), (5, 1), (70, 7))]
@@ -104,15 +114,9 @@ def test_a_verify_step_on_a_graph_layout_equals_its_host_layout():
     """LinearBatch with verify_cu on the device (the layout a CUDA graph of verify steps replays: real entries,
     then one-row padding entries on the padding slot 0, then empty ones on slot -1) gives the real rows and
     the pool the host layout gives, bit for bit; no prefill part."""
-    hk, hv, dk, dv, width = 1, 2, 16, 16, 4
+    hk, hv, dk, dv, width = HEADS
     conv_dim = 2 * hk * dk + hv * dv
-    pools = [LinearStatePool(LinearStateShape(2, conv_dim, width, hv, dk, dv), 8, DEV) for _ in range(2)]
-    gen = torch.Generator(device=DEV).manual_seed(1)
-    init_conv = torch.randn(pools[0].conv.shape, generator=gen, device=DEV)
-    init_ssm = torch.randn(pools[0].ssm.shape, generator=gen, device=DEV)
-    for pool in pools:
-        pool.conv.copy_(init_conv)
-        pool.ssm.copy_(init_ssm)
+    pools, gen = _two_equal_pools(1)
     cu, own, forks = [0, 3, 4], [3, 6], [[1, 2], [-1, -1]]  # entry 0: 2 drafts (forks 1, 2); entry 1: none
     rows, T = 6, cu[-1]
     long = dict(dtype=torch.long, device=DEV)

@@ -20,4 +20,3 @@ def test_freeze_moves_objects_out_and_raises_the_threshold():
     finally:
         gc.unfreeze()
         gc.set_threshold(*threshold)
-
