@@ -12,24 +12,20 @@ acceptance length. Equal tokens with unequal drafts point at the head's pass; un
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
-from test_mtp import _LoggingDrafter  # noqa: E402  (records every draft the engine proposes)
-
-from rollout_cli import Engine, SamplingParams  # noqa: E402
-from rollout_cli.engine.trajectory import PromptInput  # noqa: E402
+from rollout_cli import Engine, SamplingParams
+from rollout_cli.engine.scheduling.mtp_drafts import RecordingMTPDrafter
+from rollout_cli.engine.trajectory import PromptInput
 
 
 def run(model: str, prompts: list, device: str, dtype: str, new_tokens: int) -> tuple[list, dict, float]:
     engine = Engine(model, device=device, dtype=dtype, max_model_len=1024, speculative="mtp", speculative_gate=False,
                     enable_prefix_cache=False)
     log = {}
-    engine.scheduler.enable_speculation(_LoggingDrafter(log), 1)
+    engine.scheduler.enable_speculation(RecordingMTPDrafter(log), 1)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     results = sorted(engine.stream(prompts, params), key=lambda t: t.prompt_index)
     return [t.response_token_ids for t in results], log, engine.scheduler.stats.acceptance_length

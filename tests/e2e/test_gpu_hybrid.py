@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from rollout_cli import Engine, SamplingParams
+from rollout_cli.engine.scheduling.mtp_drafts import RecordingMTPDrafter
 
 pytestmark = pytest.mark.gpu
 
@@ -264,7 +265,6 @@ def test_mtp_drafts_on_graphs_are_the_heads_drafts_on_the_cpu(tiny_hybrid_checkp
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from mtp_fixtures import with_mtp_head
-    from test_mtp import _LoggingDrafter
 
     model_dir = with_mtp_head(tiny_hybrid_checkpoints["qwen3_next"], tmp_path / "mtp")
     # 12 running, down to none: the head's KV built behind graph replays, its drafts read once 4 or fewer run
@@ -277,7 +277,7 @@ def test_mtp_drafts_on_graphs_are_the_heads_drafts_on_the_cpu(tiny_hybrid_checkp
                        max_model_len=256, max_running=16, enable_prefix_cache=False)
         engine = (Engine(model_dir, device="cpu", **options) if device == "cpu" else _engine(model_dir, **options))
         log = {}
-        engine.scheduler.enable_speculation(_LoggingDrafter(log), 1, 4)
+        engine.scheduler.enable_speculation(RecordingMTPDrafter(log), 1, 4)
         list(engine.stream(prompts, SamplingParams()))
         logs.append(log)
     assert engine.runner.graphs.replays > 0 and engine.runner.graphs.head_replays > 0

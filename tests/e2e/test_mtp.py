@@ -17,7 +17,7 @@ import torch
 
 from rollout_cli import Engine, SamplingParams
 from rollout_cli.config import EngineConfig
-from rollout_cli.engine.scheduling.mtp_drafts import MTPDrafter
+from rollout_cli.engine.scheduling.mtp_drafts import RecordingMTPDrafter
 from rollout_cli.engine.trajectory import PromptInput
 from rollout_cli.errors import RolloutError
 
@@ -64,18 +64,6 @@ def test_mtp_drafts_change_no_token(arch, sampling, draft_tokens, mtp_checkpoint
     assert engine.kv.k.shape[0] == engine.model.num_kv_layers == 2  # the full-attention layer and the head's
 
 
-class _LoggingDrafter(MTPDrafter):
-    """Records every draft proposed: (prompt, sample, position) -> token."""
-
-    def __init__(self, log: dict):
-        self.log = log
-
-    def propose(self, request, max_tokens: int) -> list[int]:
-        if request.mtp_draft is not None and request.mtp_draft[0] == request.num_tokens:
-            self.log[(request.prompt_index, request.sample_index, request.num_tokens)] = request.mtp_draft[1]
-        return super().propose(request, max_tokens)
-
-
 class _CausalAttention:
     """The head's attention over the whole sequence at once: plain causal softmax attention (GQA)."""
 
@@ -112,7 +100,7 @@ def test_every_draft_is_the_heads_prediction(arch, layout, mtp_checkpoints):
     engine = Engine(mtp_checkpoints[arch], device="cpu", dtype="float32", max_model_len=128, kv_cache_tokens=2048,
                     speculative="mtp", **options)
     log = {}
-    engine.scheduler.enable_speculation(_LoggingDrafter(log), 1)
+    engine.scheduler.enable_speculation(RecordingMTPDrafter(log), 1)
     results = list(engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], params))
     checked = 0
     for result in results:
@@ -138,7 +126,7 @@ def test_above_the_max_batch_the_head_keeps_its_kv_and_drafts_resume(mtp_checkpo
                   key=lambda t: (t.prompt_index, t.sample_index))
     engine = Engine(model, speculative="mtp", speculative_max_batch=2, **options)
     log, ahead = {}, []
-    engine.scheduler.enable_speculation(_LoggingDrafter(log), 1, 2)
+    engine.scheduler.enable_speculation(RecordingMTPDrafter(log), 1, 2)
     plan_ahead = engine.scheduler.schedule_ahead
     engine.scheduler.schedule_ahead = lambda prev: ahead.append(plan_ahead(prev)) or ahead[-1]
     got = sorted(engine.stream(prompts, SamplingParams()), key=lambda t: (t.prompt_index, t.sample_index))
@@ -216,7 +204,7 @@ def test_on_policy_mode_with_mtp_drafts_bit_for_bit(arch, dtype, mtp_checkpoints
                   key=lambda t: (t.prompt_index, t.sample_index))
     engine = Engine(model, speculative="mtp", num_draft_tokens=2, **options)
     log = {}
-    engine.scheduler.enable_speculation(_LoggingDrafter(log), 2)
+    engine.scheduler.enable_speculation(RecordingMTPDrafter(log), 2)
     got = sorted(engine.stream([PromptInput(i, p) for i, p in enumerate(PROMPTS)], params),
                  key=lambda t: (t.prompt_index, t.sample_index))
     assert [t.response_token_ids for t in got] == [t.response_token_ids for t in want]
@@ -284,7 +272,7 @@ def test_multimodal_qwen3_5_drafts_from_image_prompts(arch, tmp_path):
     want = sorted(Engine(model, **options).stream(inputs, params), key=lambda t: t.prompt_index)
     engine = Engine(model, speculative="mtp", num_draft_tokens=2, **options)
     log = {}
-    engine.scheduler.enable_speculation(_LoggingDrafter(log), 2)
+    engine.scheduler.enable_speculation(RecordingMTPDrafter(log), 2)
     got = sorted(engine.stream(inputs, params), key=lambda t: t.prompt_index)
     assert [t.response_token_ids for t in got] == [t.response_token_ids for t in want]
     assert engine.scheduler.stats.verify_steps > 0

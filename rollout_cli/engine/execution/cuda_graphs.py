@@ -45,8 +45,9 @@ MAX_VERIFY_ROWS = 1280
 
 
 def verify_graph_rows(max_batch: int, draft_tokens: int, drafting_batch: int | None) -> int | None:
-    """The widest verify step graphs replay for a model without linear layers: draft_tokens per request
-    (0: no speculation, None), drafting up to `drafting_batch` running requests (--speculative-max-batch)."""
+    """The widest verify step graphs replay for a model without linear layers, with up to draft_tokens
+    drafts per request in steps of up to `drafting_batch` running requests (--speculative-max-batch; None:
+    any); None without speculation (draft_tokens 0)."""
     if not draft_tokens:
         return None
     return min(min(max_batch, drafting_batch or max_batch) * (1 + draft_tokens), MAX_VERIFY_ROWS)

@@ -30,3 +30,16 @@ class MTPDrafter:
 
     def expect(self, request, count: int) -> None:
         pass
+
+
+class RecordingMTPDrafter(MTPDrafter):
+    """An MTPDrafter that also records every first draft it is handed: (prompt, sample, position) -> token in
+    `log`, for diagnostics (scripts/diagnose_mtp.py compares the GPU's drafts with the CPU's) and tests."""
+
+    def __init__(self, log: dict):
+        self.log = log
+
+    def propose(self, request, max_tokens: int) -> list[int]:
+        if request.mtp_draft is not None and request.mtp_draft[0] == request.num_tokens:
+            self.log[(request.prompt_index, request.sample_index, request.num_tokens)] = request.mtp_draft[1]
+        return super().propose(request, max_tokens)
