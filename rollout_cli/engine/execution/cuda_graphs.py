@@ -122,8 +122,7 @@ class DecodeGraphs:
         self.scale = scale
         self.deterministic = deterministic  # the on-policy mode: the batch-invariant attention
         device = req_to_token.device
-        # a hybrid model's verify steps (--speculative with drafts up to hybrid_verify_drafts) replay graphs
-        # of their own, whose linear layers read a VerifyLayout; a dense model's run as one-token decode rows
+        # a hybrid's verify steps replay graphs of their own (linear layers read a VerifyLayout); a dense one's: rows
         self.verify = None
         self.verify_buckets: list[int] = []
         if linear_states is not None and hybrid_verify_drafts and verify_rows:
