@@ -122,7 +122,7 @@ class DecodeGraphs:
         self.scale = scale
         self.deterministic = deterministic  # the on-policy mode: the batch-invariant attention
         device = req_to_token.device
-        # a hybrid's verify steps replay graphs of their own (linear layers read a VerifyLayout); a dense one's: rows
+        # a hybrid's verify steps replay graphs of their own, whose linear layers read a VerifyLayout
         self.verify = None
         self.verify_buckets: list[int] = []
         if linear_states is not None and hybrid_verify_drafts and verify_rows:
