@@ -159,6 +159,9 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out
 
 
+_BLOCK_T = 64  # rows of one varlen conv program
+
+
 def _token_blocks(cu_seqlens: list[int], block: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (first row [N] int64, rows [N] int32, sequence [N] int32) of each block of <= `block` rows."""
     starts, lens, seqs = [], [], []
@@ -285,19 +288,30 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     out = torch.empty((T, C), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    block_t, block_c = 64, min(triton.next_power_of_2(C), 128)
-    starts, lens, seqs = _token_blocks(cu_seqlens, block_t, x.device)
     cu = torch.tensor(cu_seqlens, dtype=torch.int64, device=x.device)
-    _causal_conv1d_varlen_kernel[(starts.shape[0], triton.cdiv(C, block_c))](
+    _launch_conv(x, weight, bias, conv_states, state_indices, cu, _token_blocks(cu_seqlens, _BLOCK_T, x.device),
+                 activation, out)
+    return out
+
+
+def _launch_conv(x, weight, bias, conv_states, state_indices, cu, blocks, activation, out) -> None:
+    """The varlen conv into out [T, C], then each sequence's new conv state: cu [B + 1] int64 on the device;
+    blocks (first row, rows, sequence) of <= _BLOCK_T rows each (_token_blocks), or None for one program per
+    sequence of at most _BLOCK_T rows, read from cu alone (a CUDA graph's static layout)."""
+    C, width, B = x.shape[1], weight.shape[1], state_indices.shape[0]
+    block_c = min(triton.next_power_of_2(C), 128)
+    programs = B if blocks is None else blocks[0].shape[0]
+    starts, lens, seqs = (cu, cu, cu) if blocks is None else blocks  # PER_SEQ reads none of the three
+    _causal_conv1d_varlen_kernel[(programs, triton.cdiv(C, block_c))](
         x, weight, bias if bias is not None else weight, conv_states, state_indices, cu, starts, lens, seqs, out,
         x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), out.stride(0), C,
-        WIDTH=width, BT=block_t, BC=block_c, HAS_BIAS=bias is not None, SILU=activation is not None, num_warps=4,
+        WIDTH=width, BT=_BLOCK_T, BC=block_c, HAS_BIAS=bias is not None, SILU=activation is not None,
+        PER_SEQ=blocks is None, num_warps=4,
     )
     _conv_state_write_kernel[(B, triton.cdiv(C, block_c))](
         x, conv_states, state_indices, cu, x.stride(0), conv_states.stride(0), conv_states.stride(1), C,
         WIDTH=width, BW=max(2, triton.next_power_of_2(width - 1)), BC=block_c, num_warps=4,
     )
-    return out
 
 
 def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -326,18 +340,8 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         )
     if not on_device:
         return causal_conv1d_varlen(x, weight, bias, conv_states, state_indices, cu_seqlens, activation)
-    assert cu.dtype == torch.int64 and state_indices.shape == (B,) and 1 + fork_slots.shape[1] <= 64
+    assert cu.dtype == torch.int64 and state_indices.shape == (B,) and 1 + fork_slots.shape[1] <= _BLOCK_T
     out = torch.empty((T, C), dtype=x.dtype, device=x.device)
-    if B == 0:
-        return out
-    _causal_conv1d_varlen_kernel[(B, triton.cdiv(C, block_c))](
-        x, weight, bias if bias is not None else weight, conv_states, state_indices, cu, cu, cu, cu, out,
-        x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), out.stride(0), C,
-        WIDTH=width, BT=64, BC=block_c, HAS_BIAS=bias is not None, SILU=activation is not None, PER_SEQ=True,
-        num_warps=4,
-    )
-    _conv_state_write_kernel[(B, triton.cdiv(C, block_c))](
-        x, conv_states, state_indices, cu, x.stride(0), conv_states.stride(0), conv_states.stride(1), C,
-        WIDTH=width, BW=block_w, BC=block_c, num_warps=4,
-    )
+    if B:
+        _launch_conv(x, weight, bias, conv_states, state_indices, cu, None, activation, out)
     return out

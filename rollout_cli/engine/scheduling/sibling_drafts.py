@@ -53,9 +53,10 @@ class SiblingDrafter:
         prompt's last n-gram, after which every sample's response starts). Runs for every request of every
         verify step, on the host between the step's results and the next launch: the loop is kept tight."""
         rid, response, n = request.request_id, request.output_token_ids, self.ngram
-        group = self._groups.get(group_key(request))
+        key = group_key(request)
+        group = self._groups.get(key)
         if group is None:
-            group = self._groups[group_key(request)] = _Group()
+            group = self._groups[key] = _Group()
         group.responses[rid] = response  # the live list: later tokens show up as they come
         first = group.indexed.get(rid, -1) + 1
         ends, keep = group.ends, self.max_sources
