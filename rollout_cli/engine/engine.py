@@ -132,12 +132,15 @@ class Engine:
                                    linear_state_slots=state_slots, admission_pacing=cfg.admission_pacing)
         self.set_speculation(cfg.speculative is not None)
         self.cuda_graph_capture_seconds = None
-        # MoE and hybrid models too (no kernel reads a tensor on the host; hybrids' state slots: a static buffer)
-        capturable = self.tp is None  # --tp: eager steps for now
-        if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs and capturable:
-            drafts = (cfg.num_draft_tokens or 0, cfg.speculative_max_batch)  # dense verify steps replay graphs too
-            self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(cfg.max_running, 256), drafts)
-            self.scheduler.pacing.price_eager_steps(self.runner.graphs.eager_over_replay)  # measured at capture
+        # MoE and hybrids too (no kernel reads a tensor on the host; hybrids' state slots: a static buffer); --tp: eager
+        if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.cuda_graphs and self.tp is None:
+            self.capture_decode_graphs()
+
+    def capture_decode_graphs(self) -> None:
+        """Decode and verify steps replay graphs from now on (CPU engines on Triton: graph_replay's stand-in)."""
+        drafts = (self.config.num_draft_tokens or 0, self.config.speculative_max_batch)  # verify steps too
+        self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(self.config.max_running, 256), drafts)
+        self.scheduler.pacing.price_eager_steps(self.runner.graphs.eager_over_replay)  # measured at capture
 
     def enable_routing_capture(self) -> str:
         """Record every token's expert ids from now on; returns the routing dtype name ("uint8"/"int16").

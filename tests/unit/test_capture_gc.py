@@ -1,11 +1,11 @@
-"""garbage_collection_paused (engine/execution/cuda_graphs.py): no collection while CUDA graphs are captured."""
+"""garbage_collection_paused (engine/execution/graph_replay.py): no collection while CUDA graphs are captured."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from rollout_cli.engine.execution.cuda_graphs import garbage_collection_paused
+from rollout_cli.engine.execution.graph_replay import garbage_collection_paused
 
 
 def test_collection_is_paused_inside_the_block_after_collecting_what_is_dead():

@@ -16,16 +16,20 @@ Hybrid linear-attention models also read each row's state slot from the ints buf
 MoE models record their expert ids into a `GraphRoutingBuffer` while the graphs are captured
 (rows [0, B) after a replay of B tokens), whatever recorder the model has outside the graphs;
 `routing_rows` hands them to the runner, which stores them in the routing pool when capture is on.
+
+On the CPU (Triton's interpreter) the same class runs with graph_replay.CallReplay in each graph's place,
+which re-runs the step: how CI tests this path (tests/kernels/test_engine_graph_replay.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
+import functools
 import time
 
 import torch
 
+from rollout_cli.engine.execution.graph_replay import (best_seconds, capture, garbage_collection_paused,
+                                                        host_buffer, side_stream, synchronize)
 from rollout_cli.engine.execution.linear_state import HybridBatch, LinearBatch
 from rollout_cli.engine.execution.prefix_groups import PrefixGroups, group_shared_prefixes
 from rollout_cli.engine.execution.routing_pool import GraphRoutingBuffer
@@ -87,23 +91,6 @@ def _attention_heads(model) -> int:
     return next(layer.self_attn for layer in model.model.layers if getattr(layer, "self_attn", None)).num_heads
 
 
-@contextlib.contextmanager
-def garbage_collection_paused():
-    """Collect now, then not until the block ends (CUDA graph capture). The collector freeing a dead
-    engine's CUDA graphs (held by a reference cycle) in the middle of a capture destroys graphs while a
-    stream captures, which CUDA forbids: the capture is invalidated and its next kernel fails
-    (CUBLAS_STATUS_EXECUTION_FAILED on the H100 when a test built a second engine). torch.cuda.graph no
-    longer collects on entry."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 class DecodeGraphs:
     """Each graph runs a whole decode step: forward, logits, and the Triton sampler with its
     counter-based keys, ending in one float64 [2, bucket] tensor (token ids, logprobs) that the
@@ -121,7 +108,7 @@ class DecodeGraphs:
         self.pad_row = pad_row
         self.scale = scale
         self.deterministic = deterministic  # the on-policy mode: the batch-invariant attention
-        device = req_to_token.device
+        self.device = device = req_to_token.device
         # a hybrid's verify steps replay graphs of their own, whose linear layers read a VerifyLayout
         self.verify = None
         self.verify_buckets: list[int] = []
@@ -140,18 +127,15 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)  # int32 for the kernel
         # Two of each host buffer: while step k runs, step k + 1 is prepared (and step k - 1's
         # results read); a buffer is rewritten only after the step that used it was collected.
-        self.staging_ints = [torch.zeros((_NUM_INT_ROWS, self.max_batch), dtype=torch.int64).pin_memory()
-                             for _ in range(2)]
-        self.staging_floats = [torch.zeros((NUM_FLOAT_ROWS, self.max_batch), dtype=torch.float32).pin_memory()
-                               for _ in range(2)]
-        self.staging_seq_lens = [torch.ones(self.max_batch, dtype=torch.int32).pin_memory() for _ in range(2)]
-        self.results = [torch.zeros(2 * self.max_batch, dtype=torch.float64).pin_memory() for _ in range(2)]
+        self.staging_ints = [host_buffer((_NUM_INT_ROWS, self.max_batch), torch.int64, device) for _ in range(2)]
+        self.staging_floats = [host_buffer((NUM_FLOAT_ROWS, self.max_batch), torch.float32, device) for _ in range(2)]
+        self.staging_seq_lens = [host_buffer(self.max_batch, torch.int32, device, fill=1) for _ in range(2)]
+        self.results = [host_buffer(2 * self.max_batch, torch.float64, device) for _ in range(2)]
         # shared-prefix decode attention (triton_attention.SharedPrefixMetadata): each replay's groups
         self.shared_prefix = shared_prefix and not deterministic
         if self.shared_prefix:
             self.groups = torch.zeros((3, self.max_batch + 1), dtype=torch.int32, device=device)
-            self.staging_groups = [torch.zeros((3, self.max_batch + 1), dtype=torch.int32).pin_memory()
-                                   for _ in range(2)]
+            self.staging_groups = [host_buffer((3, self.max_batch + 1), torch.int32, device) for _ in range(2)]
         self._parity = 0  # which of the two buffer sets this replay uses
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # --speculative mtp: each graph's final hidden states [bucket, H], which the MTP head's pass reads
@@ -228,9 +212,7 @@ class DecodeGraphs:
         self.ints[_ROW].fill_(self.pad_row)
         self.floats.copy_(torch.tensor(FLOAT_PADDING)[:, None].expand_as(self.floats))  # greedy, unfiltered
         if warm_up:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # compiles the kernels, initialises cuBLAS, settles the allocator
+            with side_stream(self.device):  # compiles the kernels, initialises cuBLAS, settles the allocator
                 for batch in self.buckets:
                     if self.shared_prefix:  # every row alone: one group of prefix 0
                         self.groups.copy_(self._group_rows(None, batch, self.groups.shape[1]))
@@ -249,55 +231,37 @@ class DecodeGraphs:
                 warm_decode_splits(self.kv, self.req_to_token, self.pad_row, self.scale,
                                    self.model.model.embed_tokens.weight.dtype, _attention_heads(self.model),
                                    shared_prefix=self.shared_prefix)
-            torch.cuda.current_stream().wait_stream(side)
         pool = None
         with garbage_collection_paused():
             for batch in reversed(self.buckets):  # largest first so smaller graphs reuse its pool
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    packed = self._forward(batch)
+                graph, packed = capture(functools.partial(self._forward, batch), self.device, pool)
                 pool = graph.pool()
                 self.graphs[batch] = (graph, packed)
                 if self.head_graphs is not None:  # the same pool: replayed right behind its decode graph
-                    head = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(head, pool=pool):
-                        self.head_graphs[batch] = (head, self._head_forward(batch, packed))
+                    step = functools.partial(self._head_forward, batch, packed)
+                    self.head_graphs[batch] = capture(step, self.device, pool)
             if self.verify is not None:  # filled with padding at warm-up; a re-capture fills it again
                 self.verify.fill_padding()
             for batch in reversed(self.verify_buckets):  # the same pool: a step replays one graph or the other
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    packed = self._forward(batch, verify=True)
+                graph, packed = capture(functools.partial(self._forward, batch, verify=True), self.device, pool)
                 self.verify_graphs[batch] = (graph, packed)
                 if self.head_graphs is not None:
-                    head = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(head, pool=pool):
-                        self.verify_head_graphs[batch] = (head, self._head_forward(batch, packed, verify=True))
-        torch.cuda.synchronize()
+                    step = functools.partial(self._head_forward, batch, packed, verify=True)
+                    self.verify_head_graphs[batch] = capture(step, self.device, pool)
+        synchronize(self.device)
         if warm_up:  # a re-capture after a memory release keeps the first measurement
             self.eager_over_replay = self._eager_over_replay(self.decode_batch)
         self.capture_seconds = time.monotonic() - start
 
-    def _eager_over_replay(self, batch: int, repeats: int = 3) -> float:
-        """A decode step of `batch` (padding) rows run eagerly over the same step replayed, best of `repeats`
-        each: admission pacing's price of an eager step (scheduling/admission_pacing.py)."""
+    def _eager_over_replay(self, batch: int) -> float:
+        """A decode step of `batch` (padding) rows run eagerly over the same step replayed, best of 3 each:
+        admission pacing's price of an eager step (scheduling/admission_pacing.py)."""
         graph, _ = self.graphs[batch]
         kept = self.hidden.get(batch)  # the eager forward would replace the graph's hidden-state buffer
-
-        def best(run) -> float:
-            seconds = []
-            for _ in range(repeats):
-                torch.cuda.synchronize()
-                begin = time.perf_counter()
-                run()
-                torch.cuda.synchronize()
-                seconds.append(time.perf_counter() - begin)
-            return min(seconds)
-
-        eager = best(lambda: self._forward(batch))
+        eager = best_seconds(lambda: self._forward(batch), self.device)
         if kept is not None:
             self.hidden[batch] = kept
-        return eager / best(graph.replay)
+        return eager / best_seconds(graph.replay, self.device)
 
     def can_run(self, entries, verify: bool = False) -> bool:
         """A decode-only step within the largest bucket (`verify`: a hybrid's verify rows, within the

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout_cli.engine.execution.attention import KVCache, prepare_attention
+from rollout_cli.engine.execution.graph_replay import results_ready_event
 from rollout_cli.engine.execution.linear_state import HybridBatch, begin_step, prepare_step
 from rollout_cli.engine.execution.mtp_step import MTPStep
 from rollout_cli.engine.execution.on_policy import PoolTokenAttention, token_forward
@@ -279,7 +280,7 @@ class ModelRunner:
         if self.linear_states is not None:  # state copies and zeroing stay outside the graph
             prepare_step(self.linear_states, out)
         timing = None
-        if self.time_decode_steps:
+        if self.time_decode_steps and self.device.type == "cuda":  # the GPU's time (rollout bench)
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record()
         hybrid_verify = self.linear_states is not None and any(e.num_draft for e in out.entries)
@@ -290,8 +291,7 @@ class ModelRunner:
             timing[1].record()
         # Copied out before the next replay can overwrite the graph's output (graphs share one pool).
         host = self.graphs.results_to_host()
-        ready = torch.cuda.Event()
-        ready.record()
+        ready = results_ready_event(self.device)
         if self.mtp_step is not None:  # behind the results' copy: collecting them need not wait for it
             self.mtp_step.at_launch(out, self.graphs.last_hidden(), self.graphs.last_sampled,
                                     self.graphs.run_head if self.graphs.head_graphs is not None else None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from rollout_cli.engine.execution.graph_replay import host_buffer
 from rollout_cli.engine.execution.linear_state import LinearBatch
 from rollout_cli.engine.scheduling.schedule_output import DRAFT_LATER, BatchEntry
 
@@ -74,7 +75,7 @@ class VerifyLayout:
         self.slots = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.forks = torch.full((max_rows, max_drafts), -1, dtype=torch.int64, device=device)
         size = max_rows + 1 + max_rows + max_rows * max_drafts
-        self.staging = [torch.zeros(size, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.staging = [host_buffer(size, torch.int64, device) for _ in range(2)]
 
     def linear_batch(self, pool, bucket: int) -> LinearBatch:
         """The LinearBatch a graph of `bucket` rows captures: views of the static buffers."""
