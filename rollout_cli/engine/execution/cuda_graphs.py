@@ -120,7 +120,7 @@ class DecodeGraphs:
         self.verify_hidden: dict[int, torch.Tensor] = {}
         self.verify_replays = 0  # hybrid verify steps served by a replay (tests check they ran)
         self.buckets = batch_buckets(max_batch, verify_rows)
-        self.max_batch = max(self.buckets[-1], *self.verify_buckets)  # the static buffers' width
+        self.max_batch = max([self.buckets[-1], *self.verify_buckets])  # the static buffers' width
         self.decode_batch = max_batch  # the widest decode step: admission pacing's measurement runs it
         self.ints = torch.zeros((_NUM_INT_ROWS, self.max_batch), dtype=torch.int64, device=device)
         self.floats = torch.zeros((NUM_FLOAT_ROWS, self.max_batch), dtype=torch.float32, device=device)
