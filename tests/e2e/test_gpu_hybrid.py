@@ -201,8 +201,8 @@ def test_verify_steps_replay_verify_graphs(tiny_hybrid_checkpoints, name, determ
 @pytest.mark.parametrize("draft_tokens", [1, 3])
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
 def test_mtp_drafts_on_the_gpu_change_no_token(tiny_hybrid_checkpoints, tmp_path, name, draft_tokens):
-    """--speculative mtp on the Triton backend in float32 (the head's KV layer in the pool; 1 token: verify
-    steps and the head's pass behind them replay graphs; 3 tokens: the head chained inside eager verify steps):
+    """--speculative mtp on the Triton backend in float32 (the head's KV layer in the pool): verify steps and the
+    head's pass behind them replay graphs (3 tokens: the head's chain inside the verify graphs, mtp_chain.py);
     the greedy tokens of plain decoding with CUDA graphs."""
     import sys
     from pathlib import Path
@@ -224,10 +224,9 @@ def test_mtp_drafts_on_the_gpu_change_no_token(tiny_hybrid_checkpoints, tmp_path
     for plain, spec in zip(*runs, strict=True):
         assert spec.response_token_ids == plain.response_token_ids
     assert engine.scheduler.stats.verify_steps > 0
-    if draft_tokens == 1:  # verify steps replay verify graphs, the head's pass behind them too
-        assert engine.runner.graphs.verify_replays > 0 and engine.runner.graphs.verify_head_graphs
-    else:  # the head chained inside the step: eager verify steps
-        assert engine.runner.graphs.verify is None
+    # verify steps replay verify graphs, the head's pass behind them too; 3 tokens: its chain inside them
+    assert engine.runner.graphs.verify_replays > 0 and engine.runner.graphs.verify_head_graphs
+    assert (engine.runner.graphs.verify.chain is not None) == (draft_tokens > 1)
 
 
 def test_mtp_plain_steps_replay_graphs_above_the_max_batch(tiny_hybrid_checkpoints, tmp_path):

@@ -18,6 +18,7 @@ from rollout_cli.engine.execution.graph_replay import CallReplay
 from mtp_fixtures import with_mtp_head
 from rollout_cli.engine.execution.mtp_step import MTPStep
 from rollout_cli.engine.scheduling.mtp_drafts import RecordingMTPDrafter
+from rollout_cli.engine.scheduling.scheduler import Scheduler
 from speculative_oracle import OracleDrafter
 
 pytestmark = [interpreter_only]
@@ -95,9 +96,9 @@ def mtp_checkpoint(tiny_hybrid_checkpoints, tmp_path_factory) -> str:
 def test_mtp_heads_graph_computes_what_its_eager_pass_does(mtp_checkpoint, monkeypatch):
     """--speculative mtp --speculative-max-batch 2 at 4 running: steps of 3 or 4 requests decode without drafts
     on the graphs, the head's pass behind each a graph of its own (it reads the decode graph's hidden states and
-    sampled tokens); smaller steps verify drafts eagerly. Behind every replay the head's graph gives what its
-    eager pass gives on the same step; against the same engine without graphs, the same tokens, and the same
-    drafts where both drafted."""
+    sampled tokens); smaller steps verify drafts on verify graphs. Behind every plain replay the head's graph
+    gives what its eager pass gives on the same step; against the same engine without graphs, the same tokens,
+    and the same drafts where both drafted."""
     real, gaps = MTPStep.at_launch, []
 
     def checked(self, out, hidden, tokens, head_graph=None):
@@ -105,7 +106,8 @@ def test_mtp_heads_graph_computes_what_its_eager_pass_does(mtp_checkpoint, monke
             from_graph = head_graph()  # [B, H]
             gaps.append((from_graph - self.store_kv_on_device(out.entries, hidden, tokens())).abs().max().item())
             return from_graph
-        return real(self, out, hidden, tokens, graph_then_eager if head_graph is not None else None)
+        plain = head_graph is not None and not any(e.num_draft for e in out.entries)  # verify steps: a graph too
+        return real(self, out, hidden, tokens, graph_then_eager if plain else head_graph)
 
     monkeypatch.setattr(MTPStep, "at_launch", checked)
     prompts = [PromptInput(p.prompt_index, p.prompt_token_ids, params=SamplingParams(
@@ -121,7 +123,7 @@ def test_mtp_heads_graph_computes_what_its_eager_pass_does(mtp_checkpoint, monke
     shared = logs[0].keys() & logs[1].keys()  # overlapped graph steps draft at other times than eager steps
     assert len(shared) >= 5 and all(logs[0][k] == logs[1][k] for k in shared)
     graphs = engine.runner.graphs
-    assert graphs.head_replays == len(gaps) >= 5 and max(gaps) < 1e-4, gaps  # attention split other ways
+    assert graphs.head_replays >= len(gaps) >= 5 and max(gaps) < 1e-4, gaps  # attention split other ways
     assert engine.scheduler.stats.verify_steps > 0
 
 
@@ -171,3 +173,43 @@ def test_mtp_verify_steps_and_the_heads_pass_behind_them_replay_graphs(mtp_check
     shared = logs[0].keys() & logs[1].keys()
     assert len(shared) >= 10 and all(logs[0][k] == logs[1][k] for k in shared)
     assert engine.runner.graphs.verify_replays >= sum(behind_verify) >= 5
+
+
+def test_mtp_chains_its_drafts_inside_the_verify_graphs(mtp_checkpoint, monkeypatch):
+    """--speculative mtp with three draft tokens: the head's chain (drafts 2 and 3) runs inside the verify graph
+    before the target's forward (engine/execution/mtp_chain.py) and the step hands its drafts back with its
+    tokens. Against the same engine without graphs (the chain drawn eagerly, MTPStep.extend_drafts): the same
+    tokens, and every draft chain proposed where both verified the same position equal."""
+    chains = []
+    real = MTPStep.extend_drafts
+
+    def spy(self, entries):  # the eager chain: what it drew, per (prompt, sample, position)
+        real(self, entries)
+        chains.extend(((e.request.prompt_index, e.request.sample_index, e.start), tuple(e.token_ids[1:]))
+                      for e in entries if e.num_draft > 1)
+
+    monkeypatch.setattr(MTPStep, "extend_drafts", spy)
+    verified = []
+    real_postprocess = Scheduler.postprocess
+
+    def record(self, out, *args, **kwargs):  # every verify entry's drafts, as post-processing compares them
+        verified.extend(((e.request.prompt_index, e.request.sample_index, e.start), tuple(e.token_ids[1:]))
+                        for e in out.entries if e.num_draft > 1)
+        return real_postprocess(self, out, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "postprocess", record)
+    prompts = [PromptInput(p.prompt_index, p.prompt_token_ids, params=SamplingParams(
+        n=2, max_new_tokens=5 + 3 * i, temperature=0.0, ignore_eos=True)) for i, p in enumerate(_prompts(3, seed=5))]
+    runs, drafts = [], []
+    for graphs in (False, True):
+        engine = _engine(mtp_checkpoint, graphs=graphs, speculative="mtp", num_draft_tokens=3,
+                         speculative_gate=False)
+        verified.clear()
+        runs.append(_samples(engine, prompts, SamplingParams()))
+        drafts.append(dict(verified))
+    _assert_same(runs[1], runs[0])
+    assert chains and all(-2 not in d for d in drafts[1].values())  # every DRAFT_LATER filled in
+    shared = drafts[0].keys() & drafts[1].keys()
+    assert len(shared) >= 10 and all(drafts[0][k] == drafts[1][k] for k in shared)
+    graphs = engine.runner.graphs
+    assert graphs.verify.chain is not None and graphs.verify_replays >= 5

@@ -28,15 +28,18 @@ def test_the_layout_pads_with_one_row_entries_then_empty_ones():
     assert full[:4] == [0, 3, 3, 3] and full[4:7] == [3, -1, -1]  # no padding rows: the rest empty
 
 
-def test_hybrid_verify_steps_expand_only_where_verify_graphs_exist_and_no_draft_is_chained():
-    graphs = SimpleNamespace(verify=object(), can_run=lambda rows, verify=False: verify and len(rows) <= 8)
+def test_hybrid_verify_steps_expand_only_where_verify_graphs_exist_and_can_chain_their_drafts():
+    graphs = SimpleNamespace(verify=SimpleNamespace(chain=None),
+                             can_run=lambda rows, verify=False: verify and len(rows) <= 8)
     entries = [_entry(3, [7, 8, 9], forks=[11, 12]), _entry(5, [4])]
     rows = graph_rows(entries, graphs, hybrid=True)
     assert [(r.start, r.token_ids, r.new_slots) for r in rows] == [
         (10, [7], [130]), (11, [8], [131]), (12, [9], [132]), (10, [4], [150])]
     assert graph_rows(entries, SimpleNamespace(verify=None, can_run=graphs.can_run), hybrid=True) is None
     chained = [_entry(3, [7, 8, DRAFT_LATER], forks=[11, 12])]  # MTP's draft 2 is drawn inside the step
-    assert graph_rows(chained, graphs, hybrid=True) is None
+    assert graph_rows(chained, graphs, hybrid=True) is None  # graphs without the head's chain (mtp_chain.py)
+    chaining = SimpleNamespace(verify=SimpleNamespace(chain=object()), can_run=graphs.can_run)
+    assert [r.token_ids for r in graph_rows(chained, chaining, hybrid=True)] == [[7], [8], [DRAFT_LATER]]
     prefill = _entry(4, [1, 2, 3, 4])
     prefill.num_draft = 0  # an admitted prompt's chunk beside the drafts
     assert graph_rows(entries + [prefill], graphs, hybrid=True) is None

@@ -31,6 +31,7 @@ import torch
 from rollout_cli.engine.execution.graph_replay import (best_seconds, capture, garbage_collection_paused,
                                                         host_buffer, side_stream, synchronize)
 from rollout_cli.engine.execution.linear_state import HybridBatch, LinearBatch
+from rollout_cli.engine.execution.mtp_chain import ChainedDrafts
 from rollout_cli.engine.execution.prefix_groups import PrefixGroups, group_shared_prefixes
 from rollout_cli.engine.execution.routing_pool import GraphRoutingBuffer
 from rollout_cli.engine.execution.sampler import FLOAT_PADDING, NUM_FLOAT_ROWS, NUM_INT_ROWS, SamplingRows, sample_rows
@@ -114,7 +115,11 @@ class DecodeGraphs:
         self.verify_buckets: list[int] = []
         if linear_states is not None and hybrid_verify_drafts and verify_rows:
             self.verify_buckets = batch_buckets(verify_rows)
-            self.verify = VerifyLayout(verify_rows, hybrid_verify_drafts, device)
+            chain = None
+            if hybrid_verify_drafts > 1 and keep_hidden and hasattr(model, "mtp"):  # the head's chain inside
+                embed = model.model.embed_tokens.weight  # [vocab, H]
+                chain = ChainedDrafts(verify_rows, hybrid_verify_drafts, embed.shape[1], embed.dtype, pad_row, device)
+            self.verify = VerifyLayout(verify_rows, hybrid_verify_drafts, device, chain)
             verify_rows = None
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_hidden: dict[int, torch.Tensor] = {}
@@ -130,7 +135,7 @@ class DecodeGraphs:
         self.staging_ints = [host_buffer((_NUM_INT_ROWS, self.max_batch), torch.int64, device) for _ in range(2)]
         self.staging_floats = [host_buffer((NUM_FLOAT_ROWS, self.max_batch), torch.float32, device) for _ in range(2)]
         self.staging_seq_lens = [host_buffer(self.max_batch, torch.int32, device, fill=1) for _ in range(2)]
-        self.results = [host_buffer(2 * self.max_batch, torch.float64, device) for _ in range(2)]
+        self.results = [host_buffer(3 * self.max_batch, torch.float64, device) for _ in range(2)]  # 3: chains
         # shared-prefix decode attention (triton_attention.SharedPrefixMetadata): each replay's groups
         self.shared_prefix = shared_prefix and not deterministic
         if self.shared_prefix:
@@ -158,22 +163,31 @@ class DecodeGraphs:
     def _attention(self, batch: int):
         """The full-attention metadata of a replay of `batch` rows, over the static buffers."""
         positions, rows, slots = (self.ints[i, :batch] for i in (_POSITION, _ROW, _SLOT))
-        if self.deterministic:  # the same kernel as eager steps, so a replayed token equals an eager one
-            return invariant_decode_attention(self.kv, self.req_to_token, slots, rows, positions, self.scale)
         shared = None
-        if self.shared_prefix:
+        if self.shared_prefix:  # never in the on-policy mode
             num_groups = group_slots(batch)
             shared = SharedPrefixMetadata(self.groups[_ORDER, :batch], self.groups[_GROUP_STARTS, :num_groups + 1],
                                           self.groups[_PREFIX_LENS, :num_groups])
-        return TritonAttentionBatch(self.kv, self.req_to_token, slots, rows, self.seq_lens[:batch], None,
-                                    self.scale, shared_prefix=shared)
+        return self.row_attention(slots, rows, self.seq_lens[:batch], positions, shared)
+
+    def row_attention(self, slots, rows, seq_lens, positions, shared: SharedPrefixMetadata | None = None):
+        """Decode attention of one token per row (slots, req_to_token rows and positions [B] int64, seq_lens [B]
+        int32), over device tensors: what a graph captures."""
+        if self.deterministic:  # the same kernel as eager steps, so a replayed token equals an eager one
+            return invariant_decode_attention(self.kv, self.req_to_token, slots, rows, positions, self.scale)
+        return TritonAttentionBatch(self.kv, self.req_to_token, slots, rows, seq_lens, None, self.scale,
+                                    shared_prefix=shared)
 
     def _forward(self, batch: int, verify: bool = False) -> torch.Tensor:
         """One step of `batch` rows over the static buffers -> packed (token ids, logprobs) [2, batch];
-        `verify`: a hybrid's verify step, its linear layers reading the VerifyLayout."""
+        `verify`: a hybrid's verify step, its linear layers reading the VerifyLayout (with MTP's chain: its
+        input ids too, [3, batch])."""
         given, positions, rows, slots = (self.ints[i, :batch] for i in (_TOKEN, _POSITION, _ROW, _SLOT))
         ids = self.tokens.input_ids(given, rows)  # [batch]
         self.req_to_token[rows, positions] = slots.to(torch.int32)  # this step's slots, inside the graph
+        chain = self.verify.chain if verify else None
+        if chain is not None:  # MTP's drafts 2.. drawn by the head, into ids, before the target's forward
+            ids = chain.draft_inside(self, batch, ids)
         attn = self._attention(batch)
         if self.linear_states is not None:  # hybrid: state slots from the static buffer, filled before each replay
             linear = (self.verify.linear_batch(self.linear_states, batch) if verify else
@@ -185,8 +199,8 @@ class DecodeGraphs:
         logits = self.model.compute_logits(hidden, upcast=False)  # [batch, vocab]
         tokens, logprobs = sample_rows(logits, self.ints[_SAMPLING:], self.floats, use_triton=True)
         self.tokens.store(rows, tokens)
-        # float64 holds both the token ids and the float32 logprobs exactly
-        return torch.stack((tokens.double(), logprobs.double()))  # [2, batch]
+        # float64 holds the token ids and the float32 logprobs exactly; a chain's input ids (its drafts) too
+        return torch.stack((tokens.double(), logprobs.double(), *([ids.double()] if chain is not None else [])))
 
     def _head_forward(self, batch: int, packed: torch.Tensor, verify: bool = False) -> torch.Tensor:
         """--speculative mtp: the MTP head's pass behind a plain decode step of `batch` rows, as

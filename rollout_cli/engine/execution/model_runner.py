@@ -17,6 +17,7 @@ import torch
 from rollout_cli.engine.execution.attention import KVCache, prepare_attention
 from rollout_cli.engine.execution.graph_replay import results_ready_event
 from rollout_cli.engine.execution.linear_state import HybridBatch, begin_step, prepare_step
+from rollout_cli.engine.execution.mtp_chain import fill_drafts
 from rollout_cli.engine.execution.mtp_step import MTPStep
 from rollout_cli.engine.execution.on_policy import PoolTokenAttention, token_forward
 from rollout_cli.engine.execution.prefix_groups import group_shared_prefixes
@@ -60,7 +61,8 @@ def distinct_context_tokens(decodes) -> int:
 @dataclass
 class StepHandle:
     """A launched step. Eager steps carry their results; graph steps fill `host` ([2, B] float64,
-    pinned: token ids, logprobs) behind the `ready` event, read by ModelRunner.collect."""
+    pinned: token ids, logprobs; [3, B] where MTP chained drafts inside a verify graph: its input ids too)
+    behind the `ready` event, read by ModelRunner.collect."""
 
     out: ScheduleOutput
     tokens: list[int] | None = None
@@ -145,13 +147,12 @@ class ModelRunner:
         from rollout_cli.engine.execution.cuda_graphs import DecodeGraphs, verify_graph_rows  # Triton: CPU-optional
 
         assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
-        # hybrids verify on graphs of their own; MTP's chained drafts (K > 1) are drawn inside the step: eager
-        chained = self.mtp_step is not None and drafts[0] > 1
+        # hybrids verify on graphs of their own (MTP's chained drafts, K > 1, drawn inside them)
         self.graphs = DecodeGraphs(self.model, self.kv, self.req_to_token, self.tokens, self.pad_row, self.scale,
                                    max_batch, self.linear_states, deterministic=self.deterministic,
                                    keep_hidden=self.mtp_step is not None, shared_prefix=self.shared_prefix_attention,
                                    verify_rows=verify_graph_rows(max_batch, *drafts),
-                                   hybrid_verify_drafts=0 if chained else drafts[0])
+                                   hybrid_verify_drafts=drafts[0])
         self.graphs.capture(warm_up)
         self._graph_max_batch, self._graph_drafts = max_batch, drafts
         self.graphs_dropped = False
@@ -221,7 +222,9 @@ class ModelRunner:
             handle.ready.synchronize()
             if handle.timing is not None:
                 self.traffic.wait_seconds += time.perf_counter() - waited
-            token_values, logprob_values = handle.host.tolist()
+            token_values, logprob_values, *chain_ids = handle.host.tolist()
+            if chain_ids:  # a verify graph's input ids: MTP's drafts 2.., drawn inside it (mtp_chain.py)
+                fill_drafts(handle.out.entries, chain_ids[0])
             handle.tokens, handle.logprobs = [int(t) for t in token_values], logprob_values
             if handle.timing is not None:
                 self.traffic.timed_steps += 1

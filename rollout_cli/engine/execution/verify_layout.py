@@ -20,6 +20,7 @@ import torch
 
 from rollout_cli.engine.execution.graph_replay import host_buffer
 from rollout_cli.engine.execution.linear_state import LinearBatch
+from rollout_cli.engine.execution.mtp_chain import ChainedDrafts
 from rollout_cli.engine.scheduling.schedule_output import DRAFT_LATER, BatchEntry
 
 PADDING_SLOT = 0  # the linear-state pool's slot that padding rows use (never a request's)
@@ -52,14 +53,16 @@ def graph_rows(entries, graphs, hybrid: bool) -> list | None:
     included: each layer stores every row's k/v before it attends) and samples at its own position, as the
     entry's row j does in an eager step. A `hybrid` model keeps a state per draft position: its rows replay
     the verify graphs, whose linear layers read the entries' layout (VerifyLayout), or run eagerly where
-    none were captured or MTP chains its drafts inside the step (DRAFT_LATER). A step that also prefills a
-    request admitted beside the drafts runs eagerly (its prompt rows would each sample, and the step's
-    results would no longer be one per sampling entry plus its drafts)."""
+    none were captured. MTP's chained drafts (DRAFT_LATER) are drawn inside those graphs (mtp_chain.py), or
+    eagerly where none chains. A step that also prefills a request admitted beside the drafts runs eagerly
+    (its prompt rows would each sample, and the step's results would no longer be one per sampling entry
+    plus its drafts)."""
     if not any(e.num_draft for e in entries):
         return entries if graphs.can_run(entries) else None
     if any(e.num_new_tokens != 1 + e.num_draft for e in entries):
         return None
-    if hybrid and (graphs.verify is None or any(DRAFT_LATER in e.token_ids for e in entries)):
+    chained = any(DRAFT_LATER in e.token_ids for e in entries)  # MTP's drafts 2.., drawn inside the step
+    if (hybrid or chained) and (graphs.verify is None or chained and graphs.verify.chain is None):
         return None
     rows = [BatchEntry(e.request, e.table_row, e.start + j, [e.token_ids[j]], e.start + j, [e.new_slots[j]], True)
             for e in entries for j in range(e.num_new_tokens)]
@@ -69,8 +72,9 @@ def graph_rows(entries, graphs, hybrid: bool) -> list | None:
 class VerifyLayout:
     """The device buffers (one set, sized for the widest bucket) and their two pinned staging copies."""
 
-    def __init__(self, max_rows: int, max_drafts: int, device: torch.device):
+    def __init__(self, max_rows: int, max_drafts: int, device: torch.device, chain: ChainedDrafts | None = None):
         self.max_rows, self.max_drafts = max_rows, max_drafts
+        self.chain = chain  # --speculative mtp, K > 1: the head's chain drawn inside the step (mtp_chain.py)
         self.cu = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
         self.slots = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.forks = torch.full((max_rows, max_drafts), -1, dtype=torch.int64, device=device)
@@ -92,9 +96,13 @@ class VerifyLayout:
         self.cu[:bucket + 1].copy_(cu, non_blocking=True)
         self.slots[:bucket].copy_(slots, non_blocking=True)
         self.forks[:bucket].copy_(forks.view(bucket, self.max_drafts), non_blocking=True)
+        if self.chain is not None:
+            self.chain.fill(entries, bucket, parity)
 
     def fill_padding(self) -> None:
         """Every row an entry of its own on the padding slot, no forks: what warm-up and capture run."""
         self.cu.copy_(torch.arange(self.max_rows + 1))
         self.slots.fill_(PADDING_SLOT)
         self.forks.fill_(-1)
+        if self.chain is not None:
+            self.chain.fill_padding()
