@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--speculative", choices=["none", "siblings", "mtp"], default="none")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--rows", type=int, default=30, help="profile rows to print")
+    parser.add_argument("--sort", choices=["cumulative", "tottime"], default="cumulative",
+                        help="order rows by time inside the function and its callees, or inside it alone")
     args = parser.parse_args()
 
     from rollout_cli import Engine, PromptInput, SamplingParams  # heavy: torch
@@ -75,13 +77,12 @@ def main() -> None:
     stats, steps = engine.scheduler.stats, max(1, steps[0])
     print(f"{args.speculative}: {wall:.2f} s, {steps} steps, {stats.verify_steps} request-steps verified drafts, "
           f"{stats.accepted_draft_tokens} of {stats.draft_tokens} drafts accepted")
-    rows = pstats.Stats(profile).sort_stats("cumulative")
-    print(f"{'ms / step':>10} {'calls':>8}  function")
-    shown = 0
-    for (path, line, name), (_, calls, _, cumulative, _) in sorted(rows.stats.items(), key=lambda kv: -kv[1][3]):
-        if "rollout_cli" in path and shown < args.rows:
-            print(f"{1e3 * cumulative / steps:10.3f} {calls:8d}  {path.split('rollout_cli/')[-1]}:{line}({name})")
-            shown += 1
+    column = 3 if args.sort == "cumulative" else 2  # pstats rows: (calls, primitive calls, tottime, cumtime, ...)
+    rows = sorted(pstats.Stats(profile).stats.items(), key=lambda kv: -kv[1][column])
+    print(f"{'ms / step':>10} {'calls':>8}  function ({args.sort})")
+    shown = [row for row in rows if "rollout_cli" in row[0][0]][:args.rows]
+    for (path, line, name), numbers in shown:
+        print(f"{1e3 * numbers[column] / steps:10.3f} {numbers[1]:8d}  {path.split('rollout_cli/')[-1]}:{line}({name})")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from backends import interpreter_only
@@ -67,6 +68,24 @@ def test_replayed_decode_steps_sample_what_eager_steps_do(sampling_checkpoint):
     assert engine.runner.graphs.buckets == [1, 2, 4]
     _assert_same(_samples(engine, prompts, params), want)
     assert engine.runner.graphs.replays > 10
+
+
+def test_moe_graphs_record_the_routing_eager_steps_record(tiny_moe_checkpoints):
+    """A MoE model's graphs record each replay's expert ids into their static routing buffer, which the runner
+    stores in the routing pool (routing capture on): every trajectory's routing equals the eager engine's, one
+    row per token that was an input."""
+    prompts = _prompts(6, seed=7)
+    params = SamplingParams(n=1, temperature=1.0, seed=5, max_new_tokens=8, ignore_eos=True)
+    runs = []
+    for graphs in (False, True):
+        engine = _engine(tiny_moe_checkpoints["qwen3_moe"], graphs=graphs)
+        engine.enable_routing_capture()
+        runs.append(_samples(engine, prompts, params))
+    assert engine.runner.graphs.routing is not None and engine.runner.graphs.replays > 5
+    _assert_same(runs[1], runs[0])
+    for replayed, eager in zip(*runs, strict=True):
+        assert replayed.routed_experts.shape[0] == len(eager.prompt_token_ids) + len(eager.response_token_ids) - 1
+        assert np.array_equal(replayed.routed_experts, eager.routed_experts)
 
 
 def test_verify_steps_wider_than_the_batch_replay_verify_graphs(sampling_checkpoint):

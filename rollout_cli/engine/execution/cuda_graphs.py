@@ -23,7 +23,6 @@ which re-runs the step: how CI tests this path (tests/kernels/test_engine_graph_
 
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
@@ -248,24 +247,33 @@ class DecodeGraphs:
         pool = None
         with garbage_collection_paused():
             for batch in reversed(self.buckets):  # largest first so smaller graphs reuse its pool
-                graph, packed = capture(functools.partial(self._forward, batch), self.device, pool)
+                graph, packed = capture(self._as_captured(self._forward, batch), self.device, pool)
                 pool = graph.pool()
                 self.graphs[batch] = (graph, packed)
                 if self.head_graphs is not None:  # the same pool: replayed right behind its decode graph
-                    step = functools.partial(self._head_forward, batch, packed)
+                    step = self._as_captured(self._head_forward, batch, packed)
                     self.head_graphs[batch] = capture(step, self.device, pool)
             if self.verify is not None:  # filled with padding at warm-up; a re-capture fills it again
                 self.verify.fill_padding()
             for batch in reversed(self.verify_buckets):  # the same pool: a step replays one graph or the other
-                graph, packed = capture(functools.partial(self._forward, batch, verify=True), self.device, pool)
+                graph, packed = capture(self._as_captured(self._forward, batch, verify=True), self.device, pool)
                 self.verify_graphs[batch] = (graph, packed)
                 if self.head_graphs is not None:
-                    step = functools.partial(self._head_forward, batch, packed, verify=True)
+                    step = self._as_captured(self._head_forward, batch, packed, verify=True)
                     self.verify_head_graphs[batch] = capture(step, self.device, pool)
         synchronize(self.device)
         if warm_up:  # a re-capture after a memory release keeps the first measurement
             self.eager_over_replay = self._eager_over_replay(self.decode_batch)
         self.capture_seconds = time.monotonic() - start
+
+    def _as_captured(self, step, *args, **kwargs):
+        """step(*args, **kwargs) as its graph runs it: MoE layers recording into the graphs' routing buffer. A
+        CUDA graph keeps what capture() set up; the CPU's stand-in calls the step again at each replay, outside
+        capture(), so the swap is part of the step."""
+        def captured():
+            with routing_recorder_swapped(self.model, self.routing):
+                return step(*args, **kwargs)
+        return captured
 
     def _eager_over_replay(self, batch: int) -> float:
         """A decode step of `batch` (padding) rows run eagerly over the same step replayed, best of 3 each:
