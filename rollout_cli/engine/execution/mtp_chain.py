@@ -32,9 +32,9 @@ def chain_width(rows: int) -> int:
     return max(1, rows // 3)
 
 
-def chaining(entries) -> list:
-    """The entries whose drafts 2.. the head draws inside the step."""
-    return [e for e in entries if e.num_draft > 1 and e.token_ids[2] == DRAFT_LATER]
+def chains(entry) -> bool:
+    """Whether the head draws `entry`'s drafts 2.. inside its step (MTPDrafter left them DRAFT_LATER)."""
+    return entry.num_draft > 1 and entry.token_ids[2] == DRAFT_LATER
 
 
 def fill_drafts(entries, input_ids: list) -> None:
@@ -42,7 +42,7 @@ def fill_drafts(entries, input_ids: list) -> None:
     third row, one float per row in entry order)."""
     offset = 0
     for e in entries:
-        if e.num_draft > 1 and e.token_ids[2] == DRAFT_LATER:
+        if chains(e):
             for j in range(2, 1 + e.num_draft):
                 e.token_ids[j] = int(input_ids[offset + j])
         offset += e.num_new_tokens
@@ -69,7 +69,7 @@ class ChainedDrafts:
         columns, hidden = [], []
         offset = 0
         for e in entries:
-            if e.num_draft > 1 and e.token_ids[2] == DRAFT_LATER:
+            if chains(e):
                 column = []
                 for j in range(1, self.passes + 1):
                     if e.num_draft > j:  # pass j draws draft j + 1 at position start + j - 1

@@ -32,8 +32,9 @@ from __future__ import annotations
 import torch
 
 from rollout_cli.engine.execution.host_to_device import to_device
+from rollout_cli.engine.execution.mtp_chain import chains
 from rollout_cli.engine.execution.vision_step import step_positions_and_images
-from rollout_cli.engine.scheduling.schedule_output import DRAFT_LATER, BatchEntry
+from rollout_cli.engine.scheduling.schedule_output import BatchEntry
 
 
 class MTPStep:
@@ -140,13 +141,13 @@ class MTPStep:
         """Fill in the DRAFT_LATER positions of a step's verify entries, before its forward (the step's
         slots are in the req_to_token table). Pass j runs the head at position start + j - 1 on (its
         output there, draft token j) and drafts token j + 1, for every entry drafting that far."""
-        chains = [e for e in entries if e.num_draft > 1 and e.token_ids[2] == DRAFT_LATER]
-        if not chains:
+        chained = [e for e in entries if chains(e)]
+        if not chained:
             return
-        hidden = torch.stack([e.request.mtp_hidden for e in chains])  # [N, H]: the head's output before d1
-        for j in range(1, max(e.num_draft for e in chains)):
-            live = [i for i, e in enumerate(chains) if e.num_draft > j]
-            step = [chains[i] for i in live]
+        hidden = torch.stack([e.request.mtp_hidden for e in chained])  # [N, H]: the head's output before d1
+        for j in range(1, max(e.num_draft for e in chained)):
+            live = [i for i, e in enumerate(chained) if e.num_draft > j]
+            step = [chained[i] for i in live]
             head_entries = [BatchEntry(e.request, e.table_row, e.start + j - 1, [e.token_ids[j]], e.start + j, [], False)
                             for e in step]
             rows = torch.tensor(live, device=hidden.device)
@@ -154,7 +155,7 @@ class MTPStep:
             hidden = hidden.index_copy(0, rows, out)
             for e, token in zip(step, self._greedy(out)):
                 e.token_ids[j + 1] = token
-        for e in chains:
+        for e in chained:
             e.request.mtp_hidden = None
 
     def _head(self, head_entries, target_hidden: torch.Tensor, slots: list[int],
