@@ -346,13 +346,15 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig, flops_per_s
         "decode_gpu_ms": 1e3 * traffic.gpu_seconds / traffic.timed_steps if traffic.timed_steps else None,
         "prefill_steps": traffic.prefill_steps,
         "prefill_step_ms": 1e3 * traffic.prefill_wall_seconds / traffic.prefill_steps if traffic.prefill_steps else None,
+        "prefill_step_max_ms": 1e3 * traffic.prefill_max_seconds,
         "cuda_graph_capture_s": engine.cuda_graph_capture_seconds,
         **({"episodes": episode_report(episodes, results)} if episodes is not None else {}),
         **(vision_report(engine, seconds, flops_per_s) if workload.images else {}),
         **({"acceptance_length": 1 + (stats.accepted_draft_tokens - stats_before.accepted_draft_tokens) / verify_steps,
             "verify_steps": verify_steps} if (verify_steps := stats.verify_steps - stats_before.verify_steps) else {}),
         **({"gate_drafting_steps": stats.gate_drafting_steps - stats_before.gate_drafting_steps,
-            "gate_plain_steps": stats.gate_plain_steps - stats_before.gate_plain_steps}
+            "gate_plain_steps": stats.gate_plain_steps - stats_before.gate_plain_steps,
+            "gate_busiest_bucket": engine.scheduler.draft_gate.busiest()}
            if engine.scheduler.draft_gate is not None else {}),
     }
 
@@ -394,4 +396,7 @@ def profile_decode(engine: Engine, workload: Workload, cfg: BenchConfig, steps: 
         list(engine.stream(prompts, params))
         sync_device(engine.device)
     sort_by = "cuda_time_total" if engine.device.type == "cuda" else "cpu_time_total"
-    return prof.key_averages().table(sort_by=sort_by, row_limit=rows)
+    averages = prof.key_averages()
+    # the host's side too: a host-bound step shows in the operators' own CPU time, not in the kernels'
+    return (averages.table(sort_by=sort_by, row_limit=rows) + "\nby the host's own time\n"
+            + averages.table(sort_by="self_cpu_time_total", row_limit=rows))

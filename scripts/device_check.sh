@@ -50,7 +50,7 @@
 # its MTP head and a dense one on the standard library's code, 2 minutes each, then bench --speculative mtp at
 # batch 32 (128 prompts), siblings on 64 x n16 held-out code prompts, and mtp at batch 256 (compute-bound: no slower), greedy; then scripts/diagnose_mtp.py: the GPU's tokens and drafts against the CPU's; its parts spectrain specmtp32 specsiblings
 # specmtp256 specdiag run alone too, SPEC_MINUTES sets the training time; specmtp32k1: one draft token; specprof: the
-# MTP line at batch 32 under cProfile, its rollout_cli and Triton-compile rows, for the slow prefill steps). masktests (--sampling-mask: the kept-set kernel
+# MTP line at batch 32 with --profile: torch.profiler's kernels and host operators of a short run, prefill included). masktests (--sampling-mask: the kept-set kernel
 # compiled against the sampler, masked samples beside graph-replayed ones, HF logits replayed over the masks).
 # Logs and JSON go to $OUT.
 # torch_memory_saver and the daemon's web stack travel as wheels: `bash scripts/device_wheels.sh`, then carry .whl.
@@ -226,11 +226,11 @@ for heads in (16, 32):  # the 0.6B's and the 8B's heads, 8 kv heads; GRPO: 16 gr
                --num-prompts 64 --n 16 --output-len 256 --temperature 0 --speculative siblings ;;
     specmtp256) bench spec_mtp256 100 --model $SPEC/hybrid --data $SPEC/prompts.parquet --load-format auto \
                --num-prompts 256 --output-len 256 --temperature 0 --speculative mtp --num-draft-tokens 2 ;;
-    specprof) timeout 200 python3 -m cProfile -o "$OUT/spec_mtp32.prof" -m rollout_cli.cli.main bench --model $SPEC/hybrid \
-               --data $SPEC/prompts.parquet --num-prompts 128 --max-running 32 --output-len 256 --temperature 0 \
-               --speculative mtp --num-draft-tokens 2 2>&1 | grep -E "prefill steps|speculation|plain, drafts"
-              python3 -c "import pstats; pstats.Stats('$OUT/spec_mtp32.prof').sort_stats('cumulative').print_stats(
-                  'rollout_cli|triton/compiler|triton/runtime/jit', 45)" | tail -50 ;;
+    specprof) COLUMNS=200 timeout 200 python3 -m rollout_cli.cli.main bench --model $SPEC/hybrid --data $SPEC/prompts.parquet \
+               --num-prompts 128 --max-running 32 --output-len 256 --temperature 0 --speculative mtp \
+               --num-draft-tokens 2 --profile --json "$OUT/spec_mtp32_prof.json" > "$OUT/spec_mtp32_prof.log" 2>&1
+              grep -E "prefill steps|speculation|plain, drafts|gate|decode" "$OUT/spec_mtp32_prof.log"
+              sed -n '/Name/,$p' "$OUT/spec_mtp32_prof.log" | cut -c1-200 | head -60 ;;
     specdiag) timeout 150 python3 scripts/diagnose_mtp.py --model $SPEC/hybrid --data $SPEC/prompts.parquet 2>&1 \
                | tee "$OUT/diagnose_mtp.log" | grep -E "^(cpu|cuda)" ;;
     control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;

@@ -316,7 +316,8 @@ def _table(report: dict) -> Table:
     if r["prefill_steps"]:
         held = (f" (admission held in {r['admission_held_steps']:,} decode steps; an eager step priced at "
                 f"{r['eager_step_cost']:g})" if r["admission_held_steps"] else "")
-        table.add_row("prefill steps", f"{r['prefill_steps']} x {r['prefill_step_ms']:.1f} ms{held}")
+        table.add_row("prefill steps", f"{r['prefill_steps']} x {r['prefill_step_ms']:.1f} ms, the slowest "
+                      f"{r['prefill_step_max_ms']:.1f} ms{held}")
     if r["decode_gpu_idle_share"] is not None:
         table.add_row("decode step / GPU idle", f"{r['decode_step_ms']:.2f} ms / {r['decode_gpu_idle_share']:.1%}")
         table.add_row("decode GPU / host busy", f"{r['decode_gpu_ms']:.2f} / {r['decode_host_busy_ms']:.2f} ms per step")
@@ -333,6 +334,10 @@ def _table(report: dict) -> Table:
         drafted, plain = r["gate_drafting_steps"], r["gate_plain_steps"]
         table.add_row("speculation gate", f"drafts in {drafted:,} of {drafted + plain:,} decode steps "
                       "(the batch sizes where drafting measured faster)")
+        if (bucket := r["gate_busiest_bucket"]) is not None:
+            table.add_row(f"gate at batch {bucket['batch']}+", "plain {plain_ms:.2f} ms x {plain_tokens:.2f} tokens, "
+                          "drafting {drafting_ms:.2f} ms x {drafting_tokens:.2f} (per step and request; "
+                          "{plain_steps} / {drafting_steps} steps)".format(**bucket))
     if "images_encoded" in r:
         rate = f", {r['vision_tflops_per_s']:,.1f} TFLOP/s" if r["vision_tflops_per_s"] else ""
         peak = f" ({r['vision_peak_fraction']:.0%} of matmul peak)" if r["vision_peak_fraction"] else ""

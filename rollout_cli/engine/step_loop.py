@@ -126,6 +126,7 @@ class StepLoop:
         elif handle.prefilled:
             traffic.prefill_steps += 1
             traffic.prefill_wall_seconds += wall
+            traffic.prefill_max_seconds = max(traffic.prefill_max_seconds, wall)
         # Finished requests' routing is gathered before a later step can reuse their slots (the step
         # in flight writes only slots it was given); with capture on they come back one call later.
         return engine.results_of(engine.routing.finish(finished))

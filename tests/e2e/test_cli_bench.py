@@ -342,6 +342,9 @@ def test_speculative_reports_what_the_gate_let_draft(tmp_path):
     rollout = json.loads(report_path.read_text())["rollout"]
     assert rollout["gate_drafting_steps"] + rollout["gate_plain_steps"] >= 6  # 8 tokens: 7 decode steps at most
     assert "speculation gate" in result.stdout and "decode steps" in result.stdout
+    busiest = rollout["gate_busiest_bucket"]  # what the gate measured where the run spent most decode steps
+    assert busiest["plain_steps"] + busiest["drafting_steps"] >= 2 and busiest["plain_ms"] > 0
+    assert f"gate at batch {busiest['batch']}+" in result.stdout
 
 
 def test_speculative_times_decoding_with_and_without_drafts(tmp_path):

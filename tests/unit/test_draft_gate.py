@@ -67,3 +67,15 @@ def test_reports_without_time_or_batch_are_ignored():
     gate.record(0, True, 0, 1.0)
     gate.record(8, True, 8, 0.0)
     assert not gate.buckets
+
+
+def test_busiest_reports_the_bucket_with_the_most_steps():
+    gate = DraftGate()
+    assert gate.busiest() is None
+    for _ in range(6):
+        _step(gate, 32, plain_s=0.002, draft_s=0.003, accepted_per_request=1.0)
+    _step(gate, 4, plain_s=0.001, draft_s=0.001, accepted_per_request=1.0)
+    summary = gate.busiest()
+    assert summary["batch"] == 27 and batch_bucket(27) == batch_bucket(32) != batch_bucket(26)
+    assert summary["plain_steps"] == 2 and summary["drafting_steps"] == 4  # warm-up and kept step each, then drafts
+    assert summary["plain_ms"] == 2.0 and summary["drafting_ms"] == 3.0 and summary["drafting_tokens"] == 2.0

@@ -48,6 +48,7 @@ class DecodeTraffic:
     # Steps that run prompt tokens (prefill chunks, alone or beside decodes): their count and wall time.
     prefill_steps: int = 0
     prefill_wall_seconds: float = 0.0
+    prefill_max_seconds: float = 0.0  # the slowest: one far above the mean is a one-time cost (a compile)
 
 
 def distinct_context_tokens(decodes) -> int:

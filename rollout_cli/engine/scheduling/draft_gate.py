@@ -97,6 +97,19 @@ class DraftGate:
         drafts = state.winner_drafts()
         return not drafts if state.steps_to_retry <= 0 else drafts
 
+    def busiest(self) -> dict | None:
+        """What the gate measured in the bucket with the most decode steps (`rollout bench` shows it):
+        the smallest batch of the bucket, each option's steps, step time (ms) and tokens per request, as
+        the running averages stand now. None before any step."""
+        if not self.buckets:
+            return None
+        bucket, state = max(self.buckets.items(), key=lambda kv: kv[1].plain.steps + kv[1].drafting.steps)
+        batch = next(b for b in range(1, 1 << 20) if batch_bucket(b) == bucket)
+        return {"batch": batch, **{f"{name}_{key}": value for name, option in
+                                   (("plain", state.plain), ("drafting", state.drafting))
+                                   for key, value in (("steps", option.steps), ("ms", 1e3 * option.seconds),
+                                                      ("tokens", option.tokens_per_request))}}
+
     def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode step of `batch` requests ran (with drafts or not), appended `tokens` tokens in all and
         took `seconds` of wall time."""
