@@ -7,8 +7,8 @@ token at a position is a function of that position's logits and its key); the dr
 they equal what was drawn. The response is therefore the one decoding token by token gives, and the
 logprobs are the target model's: sample-level equality, not rejection sampling's equality in
 distribution. Accepted tokens keep their KV; the KV slots of rejected drafts go back. Hybrid models
-keep the linear layers' state after every draft position in fork slots (BatchEntry.state_forks) and copy
-the one after the last accepted position into the request's slot.
+keep the linear layers' state after every draft position in fork slots (BatchEntry.state_forks); the fork
+after the last accepted position becomes the request's slot (no copy: the old slot goes back).
 
 A mixin of Scheduler (its allocator, linear state slots, stats and drafter).
 """
@@ -110,9 +110,11 @@ class Speculation:
             if request.finish_reason is not None or j == entry.num_draft or token != entry.token_ids[1 + j]:
                 break
         if entry.state_forks is not None:  # hybrid: the linear state after the last accepted position
-            if appended - 1 < entry.num_draft and request.finish_reason is None:
-                self.linear.fork(entry.state_forks[appended - 1], request.state_slot)  # before the next forward
-            for slot in entry.state_forks:  # free now: the queued copy reads its source before any write
+            kept = appended - 1  # its fork, or (every draft accepted) the request's own slot
+            if kept < entry.num_draft and request.finish_reason is None:
+                # no copy: the fork holding that state becomes the request's slot, its old slot a free one
+                request.state_slot, entry.state_forks[kept] = entry.state_forks[kept], request.state_slot
+            for slot in entry.state_forks:
                 self.linear.free(slot)
         # KV holds positions start .. start + appended - 1: the last token and the accepted drafts
         request.num_computed_tokens = entry.start + appended
