@@ -351,7 +351,9 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig, flops_per_s
         **({"episodes": episode_report(episodes, results)} if episodes is not None else {}),
         **(vision_report(engine, seconds, flops_per_s) if workload.images else {}),
         **({"acceptance_length": 1 + (stats.accepted_draft_tokens - stats_before.accepted_draft_tokens) / verify_steps,
-            "verify_steps": verify_steps} if (verify_steps := stats.verify_steps - stats_before.verify_steps) else {}),
+            "verify_steps": verify_steps,
+            "verify_ahead_steps": stats.verify_ahead_steps - stats_before.verify_ahead_steps}
+           if (verify_steps := stats.verify_steps - stats_before.verify_steps) else {}),
         **({"gate_drafting_steps": stats.gate_drafting_steps - stats_before.gate_drafting_steps,
             "gate_plain_steps": stats.gate_plain_steps - stats_before.gate_plain_steps,
             "gate_busiest_bucket": engine.scheduler.draft_gate.busiest()}

@@ -213,7 +213,7 @@ for heads in (16, 32):  # the 0.6B's and the 8B's heads, 8 kv heads; GRPO: 16 gr
                MAX_NEW_TOKENS=128 TRAIN_STEPS=2 ROLLOUT="python3 -m rollout_cli.cli.main" PYTHON=python3 \
                timeout 400 bash recipes/grpo_loop.sh 2>&1 | tee "$OUT/recipe06.log" | tail -4
            grep -q "^error: rollout serve" "$OUT/recipe06.log" && tail -25 /tmp/grpo06/serve.log ;;
-    spectrain) timeout 330 python3 scripts/train_speculation_models.py --out $SPEC --minutes ${SPEC_MINUTES:-2} 2>&1 \
+    spectrain) timeout 330 python3 scripts/train_speculation_models.py --out $SPEC --minutes ${SPEC_MINUTES:-2} --num-prompts 1024 2>&1 \
                | tee "$OUT/train_spec.log" | grep -E "step .*000 |wrote|tokens" ;;
     # the trained checkpoints' own weights: bench() passes --load-format dummy, and the last one given wins
     specmtp32) bench spec_mtp32 120 --model $SPEC/hybrid --data $SPEC/prompts.parquet --load-format auto \
@@ -225,13 +225,14 @@ for heads in (16, 32):  # the 0.6B's and the 8B's heads, 8 kv heads; GRPO: 16 gr
     specsiblings) bench spec_siblings 120 --model $SPEC/dense --data $SPEC/prompts.parquet --load-format auto \
                --num-prompts 64 --n 16 --output-len 256 --temperature 0 --speculative siblings ;;
     specmtp256) bench spec_mtp256 100 --model $SPEC/hybrid --data $SPEC/prompts.parquet --load-format auto \
-               --num-prompts 256 --output-len 256 --temperature 0 --speculative mtp --num-draft-tokens 2 ;;
+               --num-prompts 1024 --output-len 256 --temperature 0 --speculative mtp --num-draft-tokens 2 ;;  # 4 waves: runs of 1 s were 20% apart
     specprof) COLUMNS=200 timeout 200 python3 -m rollout_cli.cli.main bench --model $SPEC/hybrid --data $SPEC/prompts.parquet \
                --num-prompts 128 --max-running 32 --output-len 256 --temperature 0 --speculative mtp \
                --num-draft-tokens 2 --profile --json "$OUT/spec_mtp32_prof.json" > "$OUT/spec_mtp32_prof.log" 2>&1
               grep -E "prefill steps|speculation|plain, drafts|gate|decode" "$OUT/spec_mtp32_prof.log"
               sed -n '/Name/,$p' "$OUT/spec_mtp32_prof.log" | cut -c1-200 | head -60 ;;
-    specdiag) timeout 150 python3 scripts/diagnose_mtp.py --model $SPEC/hybrid --data $SPEC/prompts.parquet 2>&1 \
+    specdiag) timeout 150 python3 scripts/diagnose_mtp.py --model $SPEC/hybrid --data $SPEC/prompts.parquet \
+               --num-draft-tokens ${SPEC_DIAG_DRAFTS:-1} 2>&1 \
                | tee "$OUT/diagnose_mtp.log" | grep -E "^(cpu|cuda)" ;;
     control) timeout 200 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp 2>&1 | tee "$OUT/control_plane.log" | tail -12 ;;
     controlfp8) timeout 250 python3 scripts/control_plane_bench.py --config $Q8 --workdir /tmp/cp --quantization fp8 2>&1 \

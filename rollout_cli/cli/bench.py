@@ -329,7 +329,7 @@ def _table(report: dict) -> Table:
     table.add_row("KV cache", f"{r['kv_cache_tokens']:,} tokens ({r['kv_cache_dtype']})")
     if "acceptance_length" in r:
         table.add_row("speculation", f"{r['acceptance_length']:.2f} tokens per verifying step "
-                      f"({r['verify_steps']:,} verify steps)")
+                      f"({r['verify_steps']:,} verify steps; {r['verify_ahead_steps']:,} steps planned ahead)")
     if "gate_drafting_steps" in r:
         drafted, plain = r["gate_drafting_steps"], r["gate_plain_steps"]
         table.add_row("speculation gate", f"drafts in {drafted:,} of {drafted + plain:,} decode steps "

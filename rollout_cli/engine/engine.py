@@ -141,6 +141,8 @@ class Engine:
         drafts = (self.config.num_draft_tokens or 0, self.config.speculative_max_batch)  # verify steps too
         self.cuda_graph_capture_seconds = self.runner.capture_cuda_graphs(min(self.config.max_running, 256), drafts)
         self.scheduler.pacing.price_eager_steps(self.runner.graphs.eager_over_replay)  # measured at capture
+        if self.config.overlap_schedule:  # verify steps settled on the device: the next may be planned ahead
+            self.scheduler.verify_ahead_rows = self.runner.graphs.ahead_rows()
 
     def enable_routing_capture(self) -> str:
         """Record every token's expert ids from now on; returns the routing dtype name ("uint8"/"int16").
@@ -152,9 +154,8 @@ class Engine:
         return self.routing.enable(self)
 
     def disable_routing_capture(self) -> None:
-        """Stop recording expert ids (`rollout bench --capture-routing compare` alternates runs with
-        and without). The pool is kept for the next enable_routing_capture, which empties the prefix
-        cache again: prefixes cached meanwhile have no routing."""
+        """Stop recording expert ids (`rollout bench --capture-routing compare` alternates runs with and without).
+        The pool is kept for the next enable_routing_capture, which empties the prefix cache again."""
         self.routing.disable(self)
 
     @property
@@ -173,8 +174,7 @@ class Engine:
 
     @property
     def cache_pools(self) -> list:
-        """The pools in cache memory (released with the `kv_cache` tag): the KV pool, and a hybrid
-        model's linear-attention state pool."""
+        """The pools in cache memory (released with the `kv_cache` tag): KV, and a hybrid's linear-attention states."""
         return [self.kv] if self.linear_states is None else [self.kv, self.linear_states]
 
     @property

@@ -114,7 +114,9 @@ class StepLoop:
         finished = engine.scheduler.postprocess(handle.out, tokens, logprobs, handle.scores, handle.score_tops,
                                                 engine.weight_version, handle.sample_extras)
         scheduler = engine.scheduler  # --speculative mtp: the head's pass
-        engine.runner.draft_after_step(handle.out, scheduler.drafter is not None, scheduler.drafting_now())
+        # (no drafts to read where the next verify step was planned ahead: the device drafts its inputs)
+        propose = scheduler.drafting_now() and not scheduler.verify_ahead_in_flight
+        engine.runner.draft_after_step(handle.out, scheduler.drafter is not None, propose)
         now = time.perf_counter()
         wall = now - max(handle.launch_time, self.last_step_done)  # the step's share of wall time
         self.last_step_done = now

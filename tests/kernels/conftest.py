@@ -4,6 +4,7 @@ sets TRITON_INTERPRET before any test module loads)."""
 import pytest
 
 from interpreter_dot import patch_row_invariant_dot
+from mtp_fixtures import with_mtp_head
 
 
 @pytest.fixture
@@ -18,3 +19,9 @@ def module_row_invariant_dot():
     with pytest.MonkeyPatch.context() as patcher:
         patch_row_invariant_dot(patcher)
         yield
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tiny_hybrid_checkpoints, tmp_path_factory) -> str:
+    """The tiny Qwen3-Next checkpoint with an MTP head (mtp_fixtures.with_mtp_head)."""
+    return with_mtp_head(tiny_hybrid_checkpoints["qwen3_next"], tmp_path_factory.mktemp("mtp") / "qwen3_next")

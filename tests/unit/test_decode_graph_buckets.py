@@ -3,7 +3,7 @@ without linear layers the verify steps' 1 + d rows per request (graph capture it
 
 from __future__ import annotations
 
-from rollout_cli.engine.execution.cuda_graphs import MAX_VERIFY_ROWS, batch_buckets, verify_graph_rows
+from rollout_cli.engine.execution.graph_buckets import MAX_VERIFY_ROWS, batch_buckets, verify_graph_rows
 
 
 def test_decode_buckets_then_coarser_verify_buckets_above_them():

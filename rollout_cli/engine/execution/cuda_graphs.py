@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from rollout_cli.engine.execution.graph_buckets import batch_buckets
 from rollout_cli.engine.execution.graph_replay import (best_seconds, capture, garbage_collection_paused,
                                                         host_buffer, side_stream, synchronize)
 from rollout_cli.engine.execution.linear_state import HybridBatch, LinearBatch
@@ -37,43 +38,19 @@ from rollout_cli.engine.execution.sampler import FLOAT_PADDING, NUM_FLOAT_ROWS, 
 from rollout_cli.engine.execution.token_table import TokenTable
 from rollout_cli.engine.execution.triton_attention import (SharedPrefixMetadata, TritonAttentionBatch,
                                                            invariant_decode_attention, warm_decode_splits)
+from rollout_cli.engine.execution.verify_ahead import AheadTables
 from rollout_cli.engine.execution.verify_layout import VerifyLayout
 from rollout_cli.models.moe import routing_recorder_swapped
 
 
-# the widest step a graph replays: verify steps of a model without linear layers run as 1 + d one-token rows
-# per request (256 running x 1 + 4 sibling drafts, the defaults: 1,280); wider ones run eagerly. The graphs'
-# pool keeps the widest step's activations, logits [rows, vocab] among them (about 1.2 GB at a 150k vocab,
-# what such a step allocates eagerly too).
-MAX_VERIFY_ROWS = 1280
-
-
-def verify_graph_rows(max_batch: int, draft_tokens: int, drafting_batch: int | None) -> int | None:
-    """The widest verify step graphs replay for a model without linear layers, with up to draft_tokens
-    drafts per request in steps of up to `drafting_batch` running requests (--speculative-max-batch; None:
-    any); None without speculation (draft_tokens 0)."""
-    if not draft_tokens:
-        return None
-    return min(min(max_batch, drafting_batch or max_batch) * (1 + draft_tokens), MAX_VERIFY_ROWS)
-
-
-def batch_buckets(max_batch: int, widest: int | None = None) -> list[int]:
-    """Graph sizes: 1, 2, 4, 8, then every 16 up to max_batch (decode steps); above it every 64 up to
-    `widest` (verify steps' rows, which decode steps never reach)."""
-    buckets = [b for b in (1, 2, 4, 8) if b < max_batch]
-    buckets += list(range(16, max_batch, 16))
-    buckets = sorted(set(buckets + [max_batch]))
-    if widest is not None and widest > max_batch:
-        buckets += list(range(max_batch + 64, widest, 64)) + [widest]
-    return buckets
-
-
 # rows of the int64 input buffer: the step's inputs (a PENDING token is read from the token table), the
 # linear-state slot (hybrid models; never read by others), the rotary position (the position, but past a
-# prompt with images: position + Request.rope_delta), then the sampler's int table
-# (engine.execution.sampler.SamplingRows.int_rows) from row _SAMPLING on
-_TOKEN, _POSITION, _ROW, _SLOT, _STATE_SLOT, _ROPE_POSITION = range(6)
-_SAMPLING = 6
+# prompt with images: position + Request.rope_delta), whether the row is shifted on the device (a verify step
+# planned ahead: verify_ahead.py), then the sampler's int table (engine.execution.sampler.SamplingRows.int_rows)
+# from row _SAMPLING on, the drawn token's position (its random key) at _SAMPLING + 3
+_TOKEN, _POSITION, _ROW, _SLOT, _STATE_SLOT, _ROPE_POSITION, _SHIFTED = range(7)
+_SAMPLING = 7
+_SAMPLE_POSITION = _SAMPLING + 3
 _NUM_INT_ROWS = _SAMPLING + NUM_INT_ROWS
 # the float32 input buffer is the sampler's float table (SamplingRows.float_rows)
 # --shared-prefix-attention: rows of the int32 group buffer (order, group starts, prefix lengths)
@@ -120,6 +97,12 @@ class DecodeGraphs:
                 chain = ChainedDrafts(verify_rows, hybrid_verify_drafts, embed.shape[1], embed.dtype, pad_row, device)
             self.verify = VerifyLayout(verify_rows, hybrid_verify_drafts, device, chain)
             verify_rows = None
+        # --speculative mtp on a hybrid: verify steps settle their acceptance on the device, so the next one can
+        # be planned ahead of their results (verify_ahead.py)
+        self.ahead = None
+        if self.verify is not None and keep_hidden and hasattr(model, "mtp"):
+            embed = model.model.embed_tokens.weight
+            self.ahead = AheadTables(req_to_token.shape[0], embed.shape[1], embed.dtype, pad_row, device)
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_hidden: dict[int, torch.Tensor] = {}
         self.verify_replays = 0  # hybrid verify steps served by a replay (tests check they ran)
@@ -182,7 +165,17 @@ class DecodeGraphs:
         `verify`: a hybrid's verify step, its linear layers reading the VerifyLayout (with MTP's chain: its
         input ids too, [3, batch])."""
         given, positions, rows, slots = (self.ints[i, :batch] for i in (_TOKEN, _POSITION, _ROW, _SLOT))
+        ahead = self.ahead if verify else None
+        if ahead is not None:  # rows planned ahead of the step before move by what it kept (verify_ahead.py)
+            delta = ahead.shift(self.ints[_SHIFTED, :batch], rows, positions, self.ints[_ROPE_POSITION, :batch],
+                                self.ints[_SAMPLE_POSITION, :batch], self.seq_lens[:batch], slots, self.req_to_token,
+                                self.verify.cu[:batch + 1], self.verify.slots[:batch])
+            if self.verify.chain is not None:
+                self.verify.chain.shift(batch, delta, self.ints[_SHIFTED, :batch], self.req_to_token,
+                                        ahead.next_hidden)
         ids = self.tokens.input_ids(given, rows)  # [batch]
+        if ahead is not None:
+            ids = ahead.input_ids(ids, rows)
         self.req_to_token[rows, positions] = slots.to(torch.int32)  # this step's slots, inside the graph
         chain = self.verify.chain if verify else None
         if chain is not None:  # MTP's drafts 2.. drawn by the head, into ids, before the target's forward
@@ -197,9 +190,15 @@ class DecodeGraphs:
             (self.verify_hidden if verify else self.hidden)[batch] = hidden
         logits = self.model.compute_logits(hidden, upcast=False)  # [batch, vocab]
         tokens, logprobs = sample_rows(logits, self.ints[_SAMPLING:], self.floats, use_triton=True)
-        self.tokens.store(rows, tokens)
-        # float64 holds the token ids and the float32 logprobs exactly; a chain's input ids (its drafts) too
-        return torch.stack((tokens.double(), logprobs.double(), *([ids.double()] if chain is not None else [])))
+        if ahead is not None:  # each entry's bonus token (not each row's) into the token table, and what it kept
+            ahead.settle(self.verify.cu[:batch + 1], rows, ids, tokens, self.verify.slots[:batch],
+                         self.verify.forks[:batch], self.tokens)
+        else:
+            self.tokens.store(rows, tokens)
+        # float64 holds the token ids and the float32 logprobs exactly; a verify step's input ids (the drafts
+        # drawn on the device) too
+        inputs = [ids.double()] if chain is not None or ahead is not None else []
+        return torch.stack((tokens.double(), logprobs.double(), *inputs))
 
     def _head_forward(self, batch: int, packed: torch.Tensor, verify: bool = False) -> torch.Tensor:
         """--speculative mtp: the MTP head's pass behind a plain decode step of `batch` rows, as
@@ -211,7 +210,10 @@ class DecodeGraphs:
         accepted one are what the eager pass after the step computes; later rows' KV slots go back."""
         embeds = self.model.model.embed_tokens(packed[0].long())  # [batch, H]
         hidden = (self.verify_hidden if verify else self.hidden)[batch]
-        return self.model.mtp(embeds, hidden, self.ints[_ROPE_POSITION, :batch], self._attention(batch))
+        out = self.model.mtp(embeds, hidden, self.ints[_ROPE_POSITION, :batch], self._attention(batch))
+        if verify and self.ahead is not None:  # the next draft of each entry, for a step planned ahead
+            self.ahead.settle_head(self.verify.cu[:batch + 1], self.ints[_ROW, :batch], out, self.model)
+        return out
 
     def capture(self, warm_up: bool = True) -> None:
         """warm_up=False skips the eager pass over every bucket: for a re-capture after a memory
@@ -285,6 +287,11 @@ class DecodeGraphs:
             self.hidden[batch] = kept
         return eager / best_seconds(graph.replay, self.device)
 
+    def ahead_rows(self) -> int | None:
+        """The widest verify step the scheduler may plan ahead of the one in flight (verify_ahead.py), or None where
+        verify steps do not settle on the device (no MTP head on a hybrid)."""
+        return self.verify_buckets[-1] if self.ahead is not None else None
+
     def can_run(self, entries, verify: bool = False) -> bool:
         """A decode-only step within the largest bucket (`verify`: a hybrid's verify rows, within the
         verify graphs'); samples that want their positions' top logprobs run eagerly (the graphs copy back
@@ -316,6 +323,7 @@ class DecodeGraphs:
             [e.new_slots[0] for e in entries] + pad,
             [e.request.state_slot for e in entries] + pad,  # padding rows: linear-state slot 0
             [e.start + e.request.rope_delta for e in entries] + pad,
+            [int(e.shifted) for e in entries] + pad,  # positions moved on the device (verify_ahead.py)
             *sampling.int_rows(pad=len(pad)),
         ], dtype=torch.int64)
         floats[:, :bucket] = torch.tensor(sampling.float_rows(pad=len(pad)), dtype=torch.float32)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout_cli.engine.execution.attention import KVCache, prepare_attention
+from rollout_cli.engine.execution.graph_buckets import verify_graph_rows
 from rollout_cli.engine.execution.graph_replay import results_ready_event
 from rollout_cli.engine.execution.linear_state import HybridBatch, begin_step, prepare_step
 from rollout_cli.engine.execution.mtp_chain import fill_drafts
@@ -145,7 +146,7 @@ class ModelRunner:
         """Capture decode graphs for batches up to max_batch, and with speculation on a model without linear
         layers (drafts: draft tokens per request, the batch up to which steps draft or None) for the verify
         steps' 1 + d rows per request up to MAX_VERIFY_ROWS; returns the capture time in seconds."""
-        from rollout_cli.engine.execution.cuda_graphs import DecodeGraphs, verify_graph_rows  # Triton: CPU-optional
+        from rollout_cli.engine.execution.cuda_graphs import DecodeGraphs  # Triton: CPU-optional
 
         assert self.attention_backend == "triton", "CUDA graphs need the Triton attention backend"
         # hybrids verify on graphs of their own (MTP's chained drafts, K > 1, drawn inside them)
@@ -212,6 +213,7 @@ class ModelRunner:
         rows = self._graph_rows(out.entries) if self.graphs is not None else None
         if rows is not None:
             return self._launch_graph(out, rows, started=started)
+        assert not any(e.shifted for e in out.entries), "a step planned ahead of a verify step runs on its graph"
         tokens, logprobs, scores, tops, extras = self._run_eager(out)
         return StepHandle(out, tokens=tokens, logprobs=logprobs, scores=scores, score_tops=tops, prefilled=prefilled,
                           launch_time=started, sample_extras=extras)
@@ -280,15 +282,17 @@ class ModelRunner:
         """A decode-only step by graph replay (forward and sampling) of its one-token `rows`, all sampling."""
         # the graph writes each entry's new slot into req_to_token; older slots that a
         # prefix-cache merge changed (table_start < start) are written here first
-        self._write_table([e for e in out.entries if e.table_start < e.start])
+        # (a shifted entry's: every slot it may use, read back on the device at the positions it moves to)
+        self._write_table([e for e in out.entries if e.table_start < e.start or e.shifted])
         if self.linear_states is not None:  # state copies and zeroing stay outside the graph
             prepare_step(self.linear_states, out)
         timing = None
         if self.time_decode_steps and self.device.type == "cuda":  # the GPU's time (rollout bench)
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record()
-        hybrid_verify = self.linear_states is not None and any(e.num_draft for e in out.entries)
+        hybrid_verify = self.linear_states is not None and any(e.num_draft or e.shifted for e in out.entries)
         self.graphs.run(rows, out.entries if hybrid_verify else None)
+        out.settled_on_device = hybrid_verify and self.graphs.ahead is not None  # a next step may be planned ahead
         if self.routing_pool is not None:  # the graph recorded this step's ids; eager steps record directly
             self.routing_pool.store(*self.graphs.routing_rows(len(rows)))
         if timing is not None:

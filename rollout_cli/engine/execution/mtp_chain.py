@@ -38,11 +38,14 @@ def chains(entry) -> bool:
 
 
 def fill_drafts(entries, input_ids: list) -> None:
-    """After a chained verify graph ran: each chaining entry's drafts 2.. from the step's input ids (the results'
-    third row, one float per row in entry order)."""
+    """After a verify graph ran: each chaining entry's drafts 2.., and every input of an entry planned ahead
+    (its bonus token and drafts: verify_ahead.py), from the step's input ids (the results' third row, one float
+    per row in entry order)."""
     offset = 0
     for e in entries:
-        if chains(e):
+        if e.shifted:
+            e.token_ids[:] = [int(t) for t in input_ids[offset:offset + e.num_new_tokens]]
+        elif chains(e):
             for j in range(2, 1 + e.num_draft):
                 e.token_ids[j] = int(input_ids[offset + j])
         offset += e.num_new_tokens
@@ -74,12 +77,14 @@ class ChainedDrafts:
                 for j in range(1, self.passes + 1):
                     if e.num_draft > j:  # pass j draws draft j + 1 at position start + j - 1
                         at = e.start + j - 1
-                        column.append((offset + j, offset + j + 1, e.table_row, e.new_slots[j - 1], at,
-                                       at + e.request.rope_delta, at + 1))
+                        slot = 0 if e.shifted else e.new_slots[j - 1]  # shifted: read on the device (shift)
+                        column.append((offset + j, offset + j + 1, e.table_row, slot, at, at + e.request.rope_delta,
+                                       at + 1))
                     else:
                         column.append(self._inactive)
                 columns.append(column)
-                hidden.append(e.request.mtp_hidden)
+                # a shifted entry's (planned ahead): read on the device, from the step before (shift)
+                hidden.append(self.hidden[0] if e.shifted else e.request.mtp_hidden)
                 e.request.mtp_hidden = None
             offset += e.num_new_tokens
         assert len(columns) <= chain_width(bucket), f"{len(columns)} chaining entries in a bucket of {bucket} rows"
@@ -93,6 +98,25 @@ class ChainedDrafts:
     def fill_padding(self) -> None:
         """Every column inactive: what warm-up and capture run."""
         self.meta.copy_(self.padding)
+
+    def shift(self, bucket: int, delta: torch.Tensor, shifted: torch.Tensor, req_to_token: torch.Tensor,
+              next_hidden: torch.Tensor) -> None:
+        """Inside a verify graph of `bucket` rows, before draft_inside: the columns of entries planned ahead
+        (shifted [bucket] = 1 on their rows) move by their rows' delta [bucket] (verify_ahead.AheadTables.shift),
+        read their KV slots from req_to_token at the moved positions and start from the head's output the
+        step before kept (next_hidden [table rows, H])."""
+        meta, width = self.meta, chain_width(bucket)
+        token_rows = meta[_TOKEN_ROW, :, :width]  # [P, C]
+        active = token_rows < bucket
+        at = token_rows.clamp(max=bucket - 1)
+        moved = shifted[at].bool() & active
+        step = delta[at] * active
+        for field in (_POSITION, _ROPE_POSITION, _SEQ_LEN):
+            meta[field, :, :width] += step
+        positions, table_rows = meta[_POSITION, :, :width], meta[_TABLE_ROW, :, :width]
+        meta[_SLOT, :, :width] = torch.where(moved, req_to_token[table_rows, positions].long(), meta[_SLOT, :, :width])
+        first = moved[0, :, None]  # pass 1 is active in every chaining column
+        self.hidden[:width] = torch.where(first, next_hidden[table_rows[0]], self.hidden[:width])
 
     def draft_inside(self, graphs, bucket: int, ids: torch.Tensor) -> torch.Tensor:
         """Inside a verify graph of `bucket` rows (graphs: the DecodeGraphs capturing it): the step's input ids

@@ -8,8 +8,9 @@ PENDING input from here, on the device, so the host never waits for a token or p
 paths that need the input as a host integer (the on-policy mode's per-token forwards, tensor-parallel
 followers) read it back, after the step that sampled it.
 
-Verify steps (speculative decoding) sample 1 + d tokens per row and store none; nothing is scheduled
-ahead of them, so no step reads a row they left stale.
+Verify steps (speculative decoding) sample 1 + d tokens per request row. Eager ones store none, and nothing
+is scheduled ahead of them; a hybrid's verify graph stores each entry's bonus token (the one drawn after its
+last accepted draft), which the verify step planned ahead of it reads (engine/execution/verify_ahead.py).
 """
 
 from __future__ import annotations

@@ -57,14 +57,16 @@ def graph_rows(entries, graphs, hybrid: bool) -> list | None:
     eagerly where none chains. A step that also prefills a request admitted beside the drafts runs eagerly
     (its prompt rows would each sample, and the step's results would no longer be one per sampling entry
     plus its drafts)."""
-    if not any(e.num_draft for e in entries):
+    if not any(e.num_draft or e.shifted for e in entries):  # a shifted step needs the verify graph's prologue
         return entries if graphs.can_run(entries) else None
     if any(e.num_new_tokens != 1 + e.num_draft for e in entries):
         return None
     chained = any(DRAFT_LATER in e.token_ids for e in entries)  # MTP's drafts 2.., drawn inside the step
     if (hybrid or chained) and (graphs.verify is None or chained and graphs.verify.chain is None):
         return None
-    rows = [BatchEntry(e.request, e.table_row, e.start + j, [e.token_ids[j]], e.start + j, [e.new_slots[j]], True)
+    # (a shifted entry's slots are read on the device at the positions it moves to: 0 stands in)
+    rows = [BatchEntry(e.request, e.table_row, e.start + j, [e.token_ids[j]], e.start + j,
+                       [0 if e.shifted else e.new_slots[j]], True, shifted=e.shifted)
             for e in entries for j in range(e.num_new_tokens)]
     return rows if graphs.can_run(rows, verify=hybrid) else None
 

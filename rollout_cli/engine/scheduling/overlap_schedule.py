@@ -25,6 +25,9 @@ class OverlapScheduling:
         no waiting request could be admitted instead. Requests that `prev` ends by length are left
         out; one that `prev` ends by eos cannot be foreseen: its entry becomes a ghost in postprocess.
         Nothing here preempts or evicts: short of free slots, None."""
+        if prev.settled_on_device:  # a verify step whose graph settled what it keeps: the next may shift
+            self.settle_ahead(prev)
+            return self._plan_verify_ahead(prev)
         # speculation: how many tokens a verify step keeps is known only after it; the next step drafts; or
         # the drafter must see every step's results before the next one runs (the MTP head)
         if self.drafter is not None and (self.drafter.reads_every_step or self.drafting_now()

@@ -53,6 +53,10 @@ class Request:
     table_row: int = -1
     num_slots_in_table: int = 0
     state_slot: int = -1  # hybrid models: the linear-state pool slot holding our recurrent state
+    # verify steps planned ahead of the one in flight (engine/scheduling/verify_ahead_plan.py): how many are in
+    # flight, and the position past every slot they may use (kept until they are post-processed)
+    ahead_steps: int = 0
+    reserved_end: int = 0
     num_preemptions: int = 0
     computed_before_preemption: int = 0  # num_computed_tokens when last preempted (SchedulerStats.recomputed_tokens)
     cached_prompt_tokens: int = 0  # prompt tokens the prefix cache served at the first admission

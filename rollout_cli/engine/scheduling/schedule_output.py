@@ -24,6 +24,11 @@ class BatchEntry:
     # request that finished (eos) or was aborted before this step was post-processed: computed, discarded.
     ahead: bool = False
     ghost: bool = False
+    # A verify step planned ahead of the verify step before it (engine/scheduling/verify_ahead_plan.py): start
+    # is the lowest it can be (that step kept one token), and the device moves the entry by what it kept
+    # (engine/execution/verify_ahead.py); the host settles start once that step is post-processed. token_ids:
+    # [PENDING, DRAFT_AHEAD, DRAFT_LATER, ...], drawn on the device.
+    shifted: bool = False
     # Scoring requests: rows score_first_row, score_first_row + 1, ... of this entry's new tokens give
     # the logprob of score_targets[0], [1], ... (the token at the next position of each row).
     score_first_row: int = 0
@@ -54,6 +59,9 @@ PENDING = -1  # token id of an entry scheduled ahead: its row's last sampled tok
 # placeholder token id of a draft position after the first under --speculative mtp: the head drafts it in
 # the step itself, once the step's slots exist (engine/execution/mtp_step.MTPStep.extend_drafts)
 DRAFT_LATER = -2
+# input id of the first draft of a verify step planned ahead of the one in flight: the MTP head's draft after the
+# token that step keeps last, read on the device (engine/execution/verify_ahead.py)
+DRAFT_AHEAD = -3
 
 
 @dataclass
@@ -68,6 +76,9 @@ class ScheduleOutput:
     # the head's outputs [B, H] that the next drafts are read from
     mtp_hidden: object = None
     mtp_head_out: object = None
+    # a hybrid's verify graph ran the step and settled what it kept on the device (engine/execution/
+    # verify_ahead.py): the next verify step may be planned before its results are read
+    settled_on_device: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -31,6 +31,7 @@ from rollout_cli.engine.scheduling.request import Request, RequestStatus
 from rollout_cli.engine.scheduling.schedule_output import BatchEntry, ScheduleOutput
 from rollout_cli.engine.scheduling.speculation import Speculation
 from rollout_cli.engine.scheduling.state_slots import LinearStateSlots
+from rollout_cli.engine.scheduling.verify_ahead_plan import VerifyAhead
 from rollout_cli.errors import RolloutError
 
 
@@ -44,16 +45,15 @@ class SchedulerStats:
     # prefix cache gave back): the price of preemption
     recomputed_tokens: int = 0
     peak_running: int = 0  # the most requests running at once
-    # speculative decoding (engine/scheduling/speculation.py): request-steps that verified drafts, the
-    # draft tokens they carried and how many of those were accepted
+    # speculative decoding (speculation.py): request-steps that verified drafts, their drafts, those accepted
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     # with the speculation gate on (engine/scheduling/draft_gate.py): decode-only steps it let draft, and not
     gate_drafting_steps: int = 0
     gate_plain_steps: int = 0
-    # decode steps that left waiting requests out though seats were free (engine/scheduling/admission_pacing.py)
-    admission_held_steps: int = 0
+    verify_ahead_steps: int = 0  # verify steps planned ahead of the one in flight (verify_ahead_plan.py)
+    admission_held_steps: int = 0  # decode steps that left waiting requests out though seats were free (pacing)
 
     @property
     def acceptance_length(self) -> float | None:
@@ -65,11 +65,11 @@ class SchedulerStats:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-class Scheduler(PrefixReuse, OverlapScheduling, Speculation, PacedAdmission):
+class Scheduler(PrefixReuse, OverlapScheduling, VerifyAhead, Speculation, PacedAdmission):
     """The steps of the engine loop; schedule_ahead (planning the next decode step while one runs) is in
-    engine/scheduling/overlap_schedule.py, the prefix cache's side (matching,
-    publishing, flushing, pinning) in engine/scheduling/prefix_reuse.py, when waiting requests join decode
-    steps (holds_admission, report_step) in engine/scheduling/admission_pacing.py."""
+    engine/scheduling/overlap_schedule.py (verify steps: verify_ahead_plan.py), the prefix cache's side (matching,
+    publishing, flushing, pinning) in prefix_reuse.py, when waiting requests join decode steps (holds_admission,
+    report_step) in admission_pacing.py."""
 
     def __init__(
         self,
@@ -159,8 +159,8 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation, PacedAdmission):
         return out
 
     def _schedule_all_decodes(self, out: ScheduleOutput) -> bool:
-        """Fast path of the steady state: every running request decodes one token and
-        the pool has a free slot for each. Same result as the general loop, fewer calls."""
+        """Fast path of the steady state (every running request decodes one token, a free slot for each): the
+        general loop's result, fewer calls."""
         running = self.running
         if not running or len(running) > self.max_batch_tokens or self.allocator.num_free < len(running):
             return False
@@ -267,26 +267,25 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation, PacedAdmission):
     def postprocess(self, out: ScheduleOutput, tokens: list[int], logprobs: list[float],
                     scores: list[float] = (), score_tops: list | None = None,
                     weight_version: str = "", sample_extras: list | None = None) -> list[Request]:
-        """Advance each request by its step; `tokens`/`logprobs` hold one entry per sampling request,
-        `scores` the scored rows' logprobs in entry order (scoring requests), `score_tops` their top-k;
-        `weight_version`: the weights the step ran on (recorded per token); `sample_extras`: per sampling
-        request its position's (top list, sampling mask) (sampler.sample_extras; None: no request asks)."""
+        """Advance each request by its step; `tokens`/`logprobs`: one entry per sampling request, `scores` the scored
+        rows' logprobs in entry order (scoring requests), `score_tops` their top-k; `weight_version`: the weights the
+        step ran on; `sample_extras`: per sampling request (top list, sampling mask) (sampler.sample_extras) or None."""
         finished = []
         sampled = iter(zip(tokens, logprobs, sample_extras if sample_extras is not None else repeat(None)))
         scored = iter(zip(scores, score_tops if score_tops is not None else [None] * len(scores)))
         now = time.monotonic()
+        self.settle_planned_ahead(out)  # a verify step planned ahead of the one before: its place, settled
         for entry in out.entries:
             request = entry.request
             if request.status is not RequestStatus.RUNNING:  # finished or aborted meanwhile
                 if entry.ahead:  # scheduled before its request ended: a ghost, computed for nothing
-                    entry.ghost = True
-                    self.stats.computed_tokens -= 1
+                    self._drop_ghost(entry)
                 for _ in range(1 + entry.num_draft if entry.sample else 0):
                     next(sampled)
                 for _ in entry.score_targets or ():
                     next(scored)
                 continue
-            if entry.num_draft:  # a decode that verified drafts (engine/scheduling/speculation.py)
+            if entry.num_draft or entry.shifted:  # a decode that verified drafts (engine/scheduling/speculation.py)
                 self._accept_drafts(entry, sampled, weight_version)
                 self._observe(request)
                 if request.finish_reason is not None:
@@ -398,3 +397,4 @@ class Scheduler(PrefixReuse, OverlapScheduling, Speculation, PacedAdmission):
     def abort_all(self) -> None:
         """Drop every unfinished request, giving back its slots and table row (waiting ones hold none)."""
         self.abort(list(self.running) + list(self.waiting))
+        self.verify_ahead_in_flight = 0  # a step planned ahead in an abandoned stream is never post-processed

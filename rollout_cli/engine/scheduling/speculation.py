@@ -119,14 +119,20 @@ class Speculation:
         # KV holds positions start .. start + appended - 1: the last token and the accepted drafts
         request.num_computed_tokens = entry.start + appended
         request.num_slots_in_table = request.num_computed_tokens
-        rejected = request.slots[request.num_computed_tokens:]
+        if entry.shifted:
+            request.ahead_steps -= 1
+        kept = self._kept_slots_end(request)  # a verify step planned ahead may hold the rejected positions' slots
+        rejected = request.slots[kept:]
         if rejected:
             self.allocator.free(rejected)
-            del request.slots[request.num_computed_tokens:]
-        self.stats.verify_steps += 1
-        self.stats.draft_tokens += entry.num_draft
-        self.stats.accepted_draft_tokens += appended - 1
-        self.stats.computed_tokens -= len(rejected)
+            del request.slots[kept:]
+        if not request.ahead_steps:
+            request.reserved_end = 0
+        if entry.num_draft:
+            self.stats.verify_steps += 1
+            self.stats.draft_tokens += entry.num_draft
+            self.stats.accepted_draft_tokens += appended - 1
+        self.stats.computed_tokens -= entry.num_new_tokens - appended  # the rejected rows
 
     def _observe(self, request: Request) -> None:
         if self.drafter is not None:
