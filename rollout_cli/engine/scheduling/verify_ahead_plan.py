@@ -67,8 +67,10 @@ class VerifyAhead:
             if request.params.per_token_extras or request.is_scoring:
                 return None
             end = e.start + e.num_draft + 1  # the step ahead's first position is at most this
-            room = min(self.num_draft_tokens, request.params.max_new_tokens - len(request.output_token_ids) - end
-                       + e.start - 1, request.max_model_len - end - 2)
+            kept_most = e.num_draft + 1  # tokens the step in flight may add: drafts fit what is left after those
+            room = min(self.num_draft_tokens,
+                       request.params.max_new_tokens - len(request.output_token_ids) - kept_most - 1,
+                       request.max_model_len - end - 2)
             plans.append((e, max(room, 0)))
         rows = sum(1 + drafts for _, drafts in plans)
         forks = sum(drafts for _, drafts in plans)
