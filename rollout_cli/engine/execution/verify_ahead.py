@@ -29,12 +29,10 @@ from rollout_cli.engine.execution.token_table import TokenTable
 from rollout_cli.engine.scheduling.schedule_output import DRAFT_AHEAD
 
 
-def entry_rows(cu: torch.Tensor, num_rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cu [E + 1] (entry b's rows cu[b] .. cu[b + 1] - 1) -> (row counts [E], row indices [E, width], clamped
-    into the step's `num_rows` rows: an entry's rows past its count repeat a valid one, masked by the caller)."""
-    counts = cu[1:] - cu[:-1]
-    index = (cu[:-1, None] + torch.arange(width, device=cu.device)).clamp(max=num_rows - 1)
-    return counts, index
+def entry_rows(cu: torch.Tensor, num_rows: int, width: int) -> torch.Tensor:
+    """cu [E + 1] (entry b's rows cu[b] .. cu[b + 1] - 1) -> row indices [E, width], clamped into the step's
+    `num_rows` rows: an entry's rows past its count repeat a valid one, masked by the caller."""
+    return (cu[:-1, None] + torch.arange(width, device=cu.device)).clamp(max=num_rows - 1)
 
 
 class AheadTables:
@@ -47,11 +45,12 @@ class AheadTables:
         self.next_draft = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self.next_hidden = torch.zeros((num_rows, hidden_size), dtype=dtype, device=device)
 
-    def _entry_table_rows(self, cu: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (row counts [E], each entry's req_to_token row [E]: the pad row for entries of no rows)."""
+    def _entries(self, cu: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (row counts [E], each entry's first row [E] (clamped into the step), its req_to_token row [E]: the
+        pad row for entries of no rows)."""
         counts = cu[1:] - cu[:-1]
         first = cu[:-1].clamp(max=rows.shape[0] - 1)
-        return counts, torch.where(counts > 0, rows[first], self.pad_row)
+        return counts, first, torch.where(counts > 0, rows[first], self.pad_row)
 
     def shift(self, shifted: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor,
               sample_positions: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, req_to_token: torch.Tensor,
@@ -68,9 +67,8 @@ class AheadTables:
         seq_lens += delta.to(seq_lens.dtype)
         moved = shifted.bool()
         slots.copy_(torch.where(moved, req_to_token[rows, positions].long(), slots))
-        counts, entry_rows_ = self._entry_table_rows(cu, rows)
-        first = cu[:-1].clamp(max=rows.shape[0] - 1)
-        state_slots.copy_(torch.where(moved[first] & (counts > 0), self.state_of[entry_rows_], state_slots))
+        counts, first, table_rows = self._entries(cu, rows)
+        state_slots.copy_(torch.where(moved[first] & (counts > 0), self.state_of[table_rows], state_slots))
         return delta
 
     def input_ids(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -85,11 +83,11 @@ class AheadTables:
         token table, at the entry's request row. What Speculation._accept_drafts decides on the host, unless
         the request finishes inside the step (then nothing reads these)."""
         num_rows, num_drafts = rows.shape[0], forks.shape[1]
-        counts, index = entry_rows(cu, num_rows, num_drafts + 1)  # [E], [E, K + 1]
+        counts, _, table_rows = self._entries(cu, rows)
+        index = entry_rows(cu, num_rows, num_drafts + 1)  # [E, K + 1]
         later = torch.arange(num_drafts + 1, device=cu.device) + 1 < counts[:, None]  # row j has a draft after it
         equal = (sampled[index] == ids[(index + 1).clamp(max=num_rows - 1)]) & later
         kept = equal.long().cumprod(dim=1).sum(dim=1)  # [E]: m
-        _, table_rows = self._entry_table_rows(cu, rows)
         bonus = sampled[index].gather(1, kept[:, None]).squeeze(1)
         fork = forks.gather(1, kept.clamp(max=num_drafts - 1)[:, None]).squeeze(1)
         self.accepted[table_rows] = kept
@@ -99,8 +97,8 @@ class AheadTables:
     def settle_head(self, cu: torch.Tensor, rows: torch.Tensor, head_out: torch.Tensor, model) -> None:
         """The epilogue of the head's verify graph (after `settle`): each entry's head output at its last kept
         row (head_out [R, H]) and the greedy draft it makes through the target's LM head."""
-        _, table_rows = self._entry_table_rows(cu, rows)
-        last_kept = (cu[:-1] + self.accepted[table_rows]).clamp(max=rows.shape[0] - 1)
+        _, first, table_rows = self._entries(cu, rows)
+        last_kept = (first + self.accepted[table_rows]).clamp(max=rows.shape[0] - 1)
         hidden = head_out[last_kept]  # [E, H]
         self.next_hidden[table_rows] = hidden
         self.next_draft[table_rows] = model.compute_logits(hidden).argmax(dim=-1)

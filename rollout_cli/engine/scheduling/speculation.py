@@ -120,14 +120,12 @@ class Speculation:
         request.num_computed_tokens = entry.start + appended
         request.num_slots_in_table = request.num_computed_tokens
         if entry.shifted:
-            request.ahead_steps -= 1
+            self._ahead_step_done(request)
         kept = self._kept_slots_end(request)  # a verify step planned ahead may hold the rejected positions' slots
         rejected = request.slots[kept:]
         if rejected:
             self.allocator.free(rejected)
             del request.slots[kept:]
-        if not request.ahead_steps:
-            request.reserved_end = 0
         if entry.num_draft:
             self.stats.verify_steps += 1
             self.stats.draft_tokens += entry.num_draft

@@ -113,12 +113,17 @@ class VerifyAhead:
         for slot in entry.state_forks or ():
             self.linear.free(slot)
         if entry.shifted:
-            entry.request.ahead_steps -= 1
-            if not entry.request.ahead_steps:
-                entry.request.reserved_end = 0
+            self._ahead_step_done(entry.request)
 
-    def _kept_slots_end(self, request) -> int:
+    @staticmethod
+    def _ahead_step_done(request) -> None:
+        """A step planned here for `request` was post-processed: once none is in flight, it reserves no slots."""
+        request.ahead_steps -= 1
+        if not request.ahead_steps:
+            request.reserved_end = 0
+
+    @staticmethod
+    def _kept_slots_end(request) -> int:
         """Where the slots a request no longer needs begin: past its computed tokens, or past every position a
-        verify step planned ahead and still in flight may use."""
-        return max(request.num_computed_tokens, request.reserved_end) if request.ahead_steps else \
-            request.num_computed_tokens
+        verify step planned ahead and still in flight may use (reserved_end is 0 while none is)."""
+        return max(request.num_computed_tokens, request.reserved_end)
