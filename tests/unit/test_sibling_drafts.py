@@ -29,14 +29,31 @@ def test_a_sibling_continuation_after_the_same_ngram_is_proposed():
     assert drafter.propose(_request(2, [1, 2, 3], []), 2) == [10, 11]  # from the prompt's last 2 tokens
 
 
-def test_no_draft_from_itself_another_prompt_or_past_the_end():
+def test_its_own_earlier_text_and_the_prompt_are_sources_too():
     drafter = SiblingDrafter(ngram=1)
-    a = _request(0, [5], [6, 7, 6])
+    a = _request(0, [5, 6, 8, 9], [6, 7, 6])
     drafter.observe(a)
-    assert drafter.propose(a, 4) == []  # its own past: not a sibling
-    assert drafter.propose(_request(1, [9], [6], leader=SimpleNamespace(request_id=7)), 4) == []  # another prompt
-    assert drafter.propose(_request(2, [5], [7, 6]), 4) == [7, 6]  # the most recent occurrence of (6,): after 6 at 1
+    assert drafter.propose(a, 4) == [7, 6]  # its own past: (6,) last ended at 1, followed by 7, 6
+    b = _request(1, [5, 6, 8, 9], [9, 5])
+    drafter.observe(b)
+    assert drafter.propose(b, 2) == [6, 8]  # (5,) only in the prompt: what followed it there
+    b.output_token_ids.append(3)
+    drafter.observe(b)
+    assert drafter.propose(b, 4) == []  # (3,): in nobody's text but at its own end
+    assert drafter.propose(_request(2, [9], [6], leader=SimpleNamespace(request_id=7)), 4) == []  # another prompt
     assert drafter.propose(_request(3, [5], [7]), 0) == []
+
+
+def test_proposing_before_observing_reads_the_same_index():
+    """The engine observes a request's new tokens before proposing; a request proposed for without that (a
+    stale record, or none) looks its last n-gram up instead of taking its record's entry."""
+    drafter = SiblingDrafter(ngram=2)
+    a = _request(0, [1, 2], [3, 4, 5, 3, 4])
+    drafter.observe(a)
+    assert drafter.propose(a, 2) == [5, 3]  # the record: (3, 4) last ended at 2 (at 5 in a's own end)
+    a.output_token_ids.append(5)  # not observed yet
+    assert drafter.propose(a, 2) == [3, 4]  # (4, 5) looked up
+    assert drafter.propose(_request(1, [1, 2], [2, 3]), 3) == [4, 5, 3]  # never observed: looked up too
 
 
 def test_the_newest_occurrences_are_kept_and_groups_end_with_their_samples():

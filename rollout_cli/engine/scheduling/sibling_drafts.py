@@ -1,31 +1,45 @@
-"""Draft tokens from sibling samples (`--speculative siblings`, issue 22): no extra weights.
+"""Draft tokens from the text of a prompt's group (`--speculative siblings`, issue 22): no extra weights.
 
-The n samples of a prompt (a GRPO group) often say the same thing in places: a sample about to write what
-a sibling already wrote after the same few tokens can be handed that continuation as a draft, and one
-forward verifies it (engine/scheduling/speculation.py). Here is only the proposing: per prompt (its
-samples share a group leader), an index
-from every n-gram (the last `ngram` tokens) the group's samples produced to where it ended, in each
-sample's response; a request's draft is what followed its own last n-gram the most recent time a sibling
-wrote it. Finished siblings stay sources until the whole group is done.
+The n samples of a prompt (a GRPO group) often say the same thing in places, and often repeat what the
+prompt or they themselves wrote before (names in code, quoted passages, a pattern that recurs): a sample
+about to continue an n-gram (its last `ngram` tokens) the way the group's text already continued it can be
+handed that continuation as a draft, and one forward verifies it (engine/scheduling/speculation.py). Here
+is only the proposing: per prompt (its samples share a group leader), an index from every n-gram of the
+group's text to where it ended: in the shared prompt, and in each sample's response, its own included. A
+request's draft is what followed its last n-gram the most recent time the group wrote it (a sibling that
+runs ahead first, then older text, the prompt last). Finished siblings stay sources until the whole group
+is done.
 
-Plain Python over ints, like the scheduler: unit-tested on the CPU.
+Plain Python over ints, like the scheduler, and run for every request of every drafting step on the host
+between a step's results and the next launch: a sample's record keeps the index's entry for its last
+n-gram, so proposing is one walk over a short list. Unit-tested on the CPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+PROMPT = -1  # the source id of the group's prompt in _Group.texts (request ids are never negative)
+
 
 @dataclass
 class _Group:
-    """One prompt's samples: their responses (by request id) and the n-gram index over them."""
+    """One prompt's text: the prompt and its samples' responses, and the n-gram index over them."""
 
-    responses: dict[int, list[int]] = field(default_factory=dict)
-    indexed: dict[int, int] = field(default_factory=dict)  # request id -> response tokens indexed so far
-    # n-gram -> (request id, index in its response of the token after the n-gram), most recent last
+    texts: dict[int, list[int]] = field(default_factory=dict)  # PROMPT or a request id -> its tokens
+    # n-gram -> (source, index in its text of the token after the n-gram), most recent last
     ends: dict[tuple[int, ...], list[tuple[int, int]]] = field(default_factory=dict)
     expected: int = 0  # samples the engine made of the prompt (SiblingDrafter.expect)
     finished: int = 0
+
+
+@dataclass
+class _Sample:
+    """A live sample's place in its group's index."""
+
+    group: _Group
+    indexed: int = -1  # the n-grams ending before response[0 .. indexed] are in the index (-1: none yet)
+    tail: list[tuple[int, int]] | None = None  # group.ends' entry for the n-gram ending at `indexed`
 
 
 def group_key(request) -> int:
@@ -37,7 +51,8 @@ def group_key(request) -> int:
 
 
 class SiblingDrafter:
-    """Proposes drafts for a request from the responses of the other samples of its prompt."""
+    """Proposes drafts for a request from the text of its prompt's group: the prompt, the siblings'
+    responses and its own."""
 
     reads_every_step = False  # a step without drafts may be scheduled ahead (it indexes results when they come)
 
@@ -47,45 +62,64 @@ class SiblingDrafter:
         self.ngram = ngram
         self.max_sources = max_sources  # occurrences kept per n-gram: the most recent ones
         self._groups: dict[int, _Group] = {}
+        self._samples: dict[int, _Sample] = {}  # request id -> its record, while it lives
 
     def observe(self, request) -> None:
-        """Index the response tokens `request` appended since the last call (and, at its first call, the
-        prompt's last n-gram, after which every sample's response starts). Runs for every request of every
-        verify step, on the host between the step's results and the next launch: the loop is kept tight."""
+        """Index the response tokens `request` appended since the last call (at its first call, the
+        group's prompt too if it is the group's first sample, and the prompt's last n-gram, after which
+        every sample's response starts). Runs for every request of every verify step: the loop is tight."""
         rid, response, n = request.request_id, request.output_token_ids, self.ngram
-        key = group_key(request)
-        group = self._groups.get(key)
-        if group is None:
-            group = self._groups[key] = _Group()
-        group.responses[rid] = response  # the live list: later tokens show up as they come
-        first = group.indexed.get(rid, -1) + 1
-        ends, keep = group.ends, self.max_sources
-        for end in range(first, len(response) + 1):  # the n-gram ending just before response[end]
+        sample = self._samples.get(rid)
+        if sample is None:
+            sample = self._samples[rid] = self._join(request)
+        group = sample.group
+        ends, keep, end = group.ends, self.max_sources, sample.indexed
+        seen = sample.tail
+        for end in range(end + 1, len(response) + 1):  # the n-gram ending before response[end]
             # past the first n tokens the window lies inside the response (the common case, inline)
             window = tuple(response[end - n:end]) if end >= n else self._last_ngram(request.prompt_token_ids,
                                                                                  response, end)
             if window is None:
+                seen = None
                 continue
             seen = ends.get(window)
             if seen is None:
-                ends[window] = [(rid, end)]
+                seen = ends[window] = [(rid, end)]
             else:
                 seen.append((rid, end))
                 if len(seen) > keep:
                     del seen[0]
-        group.indexed[rid] = len(response)
+        sample.indexed, sample.tail = end, seen
+
+    def _join(self, request) -> _Sample:
+        """A sample's first observe: its group (made here if `expect` did not), the prompt's n-grams
+        indexed by the group's first sample, its response registered as a source (the live list)."""
+        group = self._groups.setdefault(group_key(request), _Group())
+        if PROMPT not in group.texts:
+            prompt = group.texts[PROMPT] = request.prompt_token_ids
+            for end in range(self.ngram, len(prompt)):  # the prompt's tail n-gram ends in the response
+                group.ends.setdefault(tuple(prompt[end - self.ngram:end]), []).append((PROMPT, end))
+            for seen in group.ends.values():
+                del seen[:-self.max_sources]
+        group.texts[request.request_id] = request.output_token_ids
+        return _Sample(group)
 
     def propose(self, request, max_tokens: int) -> list[int]:
-        """Up to `max_tokens` tokens a sibling wrote after `request`'s last n-gram ([] if none did)."""
-        group = self._groups.get(group_key(request))
-        if group is None or max_tokens <= 0:
+        """Up to `max_tokens` tokens the group's text holds after `request`'s last n-gram ([] if none)."""
+        if max_tokens <= 0:
             return []
         response = request.output_token_ids
-        tail = self._last_ngram(request.prompt_token_ids, response, len(response))
-        for source, end in reversed(group.ends.get(tail, ())):
-            if source == request.request_id:
-                continue
-            draft = group.responses[source][end:end + max_tokens]  # a slice: a new list
+        sample = self._samples.get(request.request_id)
+        if sample is not None and sample.indexed == len(response):
+            group, seen = sample.group, sample.tail or ()  # observed up to now: its entry is at hand
+        else:
+            group = self._groups.get(group_key(request))
+            if group is None:
+                return []
+            seen = group.ends.get(self._last_ngram(request.prompt_token_ids, response, len(response)), ())
+        texts = group.texts
+        for source, end in reversed(seen):
+            draft = texts[source][end:end + max_tokens]  # a slice: a new list; empty at a text's own end
             if draft:
                 return draft
         return []
@@ -107,6 +141,7 @@ class SiblingDrafter:
     def finished(self, request) -> None:
         """A sample ended (or was aborted); the group is dropped once every expected one has (finished
         samples stay sources till then)."""
+        self._samples.pop(request.request_id, None)
         key = group_key(request)
         group = self._groups.get(key)
         if group is None:
