@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rollout_kernels.host_to_device import LastLayout, to_device
+
 try:
     import triton
     import triton.language as tl
@@ -162,17 +164,21 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 _BLOCK_T = 64  # rows of one varlen conv program
 
 
-def _token_blocks(cu_seqlens: list[int], block: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (first row [N] int64, rows [N] int32, sequence [N] int32) of each block of <= `block` rows."""
+def _build_token_blocks(cu_seqlens: tuple[int, ...], block: int, device) -> tuple[torch.Tensor, ...]:
     starts, lens, seqs = [], [], []
     for b in range(len(cu_seqlens) - 1):
         for r in range(cu_seqlens[b], cu_seqlens[b + 1], block):
             starts.append(r)
             lens.append(min(block, cu_seqlens[b + 1] - r))
             seqs.append(b)
-    return (torch.tensor(starts, dtype=torch.int64, device=device),
-            torch.tensor(lens, dtype=torch.int32, device=device),
-            torch.tensor(seqs, dtype=torch.int32, device=device))
+    cu = to_device(list(cu_seqlens), torch.int64, device)
+    return cu, (to_device(starts, torch.int64, device), to_device(lens, torch.int32, device),
+                to_device(seqs, torch.int32, device))
+
+
+# -> (cu_seqlens [B + 1] int64, (first row [N] int64, rows [N] int32, sequence [N] int32) of each block of
+# <= `block` rows), on the device; built once per step (every linear layer asks alike)
+_token_blocks = LastLayout(_build_token_blocks)
 
 
 if triton is not None:
@@ -288,9 +294,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     out = torch.empty((T, C), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    cu = torch.tensor(cu_seqlens, dtype=torch.int64, device=x.device)
-    _launch_conv(x, weight, bias, conv_states, state_indices, cu, _token_blocks(cu_seqlens, _BLOCK_T, x.device),
-                 activation, out)
+    cu, blocks = _token_blocks(cu_seqlens, _BLOCK_T, x.device)
+    _launch_conv(x, weight, bias, conv_states, state_indices, cu, blocks, activation, out)
     return out
 
 
@@ -332,7 +337,7 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     assert fork_slots.dim() == 2 and fork_slots.shape[0] == B and fork_slots.dtype == torch.int64 \
         and fork_slots.is_contiguous(), f"fork_slots must be [{B}, F] int64, contiguous"
     block_c, block_w = min(triton.next_power_of_2(C), 128), max(2, triton.next_power_of_2(width - 1))
-    cu = cu_seqlens if on_device else torch.tensor(cu_seqlens, dtype=torch.int64, device=x.device)
+    cu = cu_seqlens if on_device else to_device(cu_seqlens, torch.int64, x.device)
     if B and fork_slots.shape[1]:
         _conv_fork_write_kernel[(B, triton.cdiv(C, block_c), fork_slots.shape[1])](
             x, conv_states, state_indices, cu, fork_slots, x.stride(0), conv_states.stride(0), conv_states.stride(1),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from rollout_kernels.gated_delta_rule import l2norm
+from rollout_kernels.host_to_device import LastLayout, to_device
 
 try:
     import triton
@@ -33,9 +34,7 @@ else:
     )
 
 
-def chunk_plan(cu_seqlens: list[int], chunk_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (chunk_starts [N] int64: first row of each chunk, chunk_lens [N] int32,
-    chunk_offsets [B + 1] int64: sequence b owns chunks chunk_offsets[b]:chunk_offsets[b+1])."""
+def _chunk_plan(cu_seqlens: tuple[int, ...], chunk_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     starts, lens, offsets = [], [], [0]
     for b in range(len(cu_seqlens) - 1):
         s, e = cu_seqlens[b], cu_seqlens[b + 1]
@@ -43,9 +42,13 @@ def chunk_plan(cu_seqlens: list[int], chunk_size: int, device) -> tuple[torch.Te
             starts.append(c)
             lens.append(min(chunk_size, e - c))
         offsets.append(len(starts))
-    return (torch.tensor(starts, dtype=torch.int64, device=device),
-            torch.tensor(lens, dtype=torch.int32, device=device),
-            torch.tensor(offsets, dtype=torch.int64, device=device))
+    return (to_device(starts, torch.int64, device), to_device(lens, torch.int32, device),
+            to_device(offsets, torch.int64, device))
+
+
+# -> (chunk_starts [N] int64: first row of each chunk, chunk_lens [N] int32, chunk_offsets [B + 1] int64:
+# sequence b owns chunks chunk_offsets[b]:chunk_offsets[b+1]); built once per step (every layer asks alike)
+chunk_plan = LastLayout(_chunk_plan)
 
 
 def chunk_local_cumsum_ref(g: torch.Tensor, cu_seqlens: list[int], chunk_size: int) -> torch.Tensor:

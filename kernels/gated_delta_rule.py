@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rollout_kernels.host_to_device import to_device
+
 try:
     import triton
     import triton.language as tl
@@ -272,7 +274,7 @@ def _launch_delta(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens: list[
         assert cu_seqlens.dtype == torch.int64, "a device cu_seqlens must be int64"
         cu = cu_seqlens
     else:
-        cu = torch.tensor(cu_seqlens, dtype=torch.int64, device=q.device) if cu_seqlens is not None else state_indices
+        cu = to_device(cu_seqlens, torch.int64, q.device) if cu_seqlens is not None else state_indices
     if fork_slots is not None:
         assert fork_slots.dim() == 2 and fork_slots.shape[0] == sequences and fork_slots.dtype == torch.int64 \
             and fork_slots.is_contiguous(), f"fork_slots must be [{sequences}, F] int64, contiguous"

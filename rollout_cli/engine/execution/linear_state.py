@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from rollout_cli.models.gated_deltanet import LinearStateShape
+from rollout_kernels.host_to_device import to_device
 
 
 class LinearStatePool:
@@ -120,7 +121,7 @@ class LinearBatch:
             cu_seqlens.append(cu_seqlens[-1] + e.num_new_tokens)
 
         def slots(group):
-            return torch.tensor([e.request.state_slot for e in group], dtype=torch.long, device=device)
+            return to_device([e.request.state_slot for e in group], torch.long, device)
 
         return cls(pool, slots(decodes), slots(prefills) if prefills else None, cu_seqlens, triton_kernels, invariant,
                    verify)
@@ -179,7 +180,7 @@ def _verify_layout(entries, device) -> tuple[list[int], torch.Tensor]:
         cu.append(cu[-1] + e.num_new_tokens)
     width = max(e.num_draft for e in entries)
     forks = [(list(e.state_forks) if e.state_forks is not None else []) for e in entries]
-    return cu, torch.tensor([f + [-1] * (width - len(f)) for f in forks], dtype=torch.long, device=device)
+    return cu, to_device([f + [-1] * (width - len(f)) for f in forks], torch.long, device)
 
 
 class HybridBatch:

@@ -27,6 +27,7 @@ from rollout_cli.engine.execution.token_table import TokenTable
 from rollout_cli.engine.execution.verify_layout import graph_rows
 from rollout_cli.engine.execution.vision_step import EncoderCache, step_positions_and_images
 from rollout_cli.engine.scheduling.schedule_output import PENDING, BatchEntry, ScheduleOutput
+from rollout_kernels.host_to_device import to_device
 
 
 @dataclass
@@ -177,8 +178,8 @@ class ModelRunner:
             cols.extend(range(e.table_start, e.table_start + n))
             slots.extend(e.table_slots)
         if slots:
-            index = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
-            self.req_to_token.index_put_(index, torch.tensor(slots, dtype=torch.int32, device=self.device))
+            index = (to_device(rows, torch.long, self.device), to_device(cols, torch.long, self.device))
+            self.req_to_token.index_put_(index, to_device(slots, torch.int32, self.device))
 
     def _count_traffic(self, out: ScheduleOutput) -> None:
         decodes = [e for e in out.entries if e.num_new_tokens == 1]
@@ -266,7 +267,7 @@ class ModelRunner:
         tokens, logprobs = sample_rows(logits, *sampling.to_device(self.device),
                                        use_triton=self.attention_backend == "triton", per_row=self.per_token)
         if not any(e.num_draft for e in sampled):  # verify steps keep no token here (token_table.py)
-            self.tokens.store(torch.tensor([e.table_row for e in sampled], device=self.device), tokens)
+            self.tokens.store(to_device([e.table_row for e in sampled], torch.long, self.device), tokens)
         if hidden is not None:
             self.mtp_step.at_launch(out, hidden, lambda: tokens)
         # one device-to-host copy: float64 holds both the token ids and the float32 logprobs exactly
@@ -353,20 +354,19 @@ class ModelRunner:
 
     def _eager_logits(self, out: ScheduleOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One forward over the step's entries -> (sampling logits [B, V], scored rows' logits [S, V])."""
-        input_ids = torch.tensor([t for e in out.entries for t in e.token_ids], device=self.device)
+        # index lists go up without a host wait (rollout_kernels.host_to_device)
+        input_ids = to_device([t for e in out.entries for t in e.token_ids], torch.long, self.device)
         if any(e.token_ids == [PENDING] for e in out.entries):  # scheduled ahead: inputs from the token table
-            rows = torch.tensor([e.table_row for e in out.entries for _ in e.token_ids], device=self.device)
+            rows = to_device([e.table_row for e in out.entries for _ in e.token_ids], torch.long, self.device)
             input_ids = self.tokens.input_ids(input_ids, rows)
         vision = None
         if self.encoder_cache is None:
-            positions = torch.tensor(
-                [p for e in out.entries for p in range(e.start, e.start + e.num_new_tokens)], device=self.device
-            )
+            positions = to_device([p for e in out.entries for p in range(e.start, e.start + e.num_new_tokens)],
+                                  torch.long, self.device)
         else:  # multimodal positions; image rows and their embeddings (the vision tower runs here when needed)
             positions, vision = step_positions_and_images(out.entries, self.encoder_cache, self.device)
         # [T] KV slot of every new token: the attention stores k/v there, routing capture its expert ids
-        store_slots = torch.tensor([s for e in out.entries for s in e.new_slots], dtype=torch.long,
-                                   device=self.device)
+        store_slots = to_device([s for e in out.entries for s in e.new_slots], torch.long, self.device)
         if self.routing_pool is not None:
             self.routing_pool.begin_step(store_slots)
         attn = self._prepare(out.entries, self.req_to_token, self.kv, self.scale, store_slots)
@@ -392,7 +392,7 @@ class ModelRunner:
         if not last_rows and not score_rows:
             return None, None
         # the Triton sampler takes model-dtype logits (it upcasts in registers); the torch one float32
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows + score_rows, device=self.device)],
+        logits = self.model.compute_logits(hidden[to_device(last_rows + score_rows, torch.long, self.device)],
                                            upcast=self.attention_backend != "triton")  # [B + S, V]
         n = len(last_rows)
         return (logits[:n] if n else None), (logits[n:] if score_rows else None)

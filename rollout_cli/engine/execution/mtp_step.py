@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from rollout_cli.engine.execution.host_to_device import to_device
 from rollout_cli.engine.execution.mtp_chain import chains
 from rollout_cli.engine.execution.vision_step import step_positions_and_images
 from rollout_cli.engine.scheduling.schedule_output import BatchEntry
+from rollout_kernels.host_to_device import to_device
 
 
 class MTPStep:
@@ -164,7 +164,7 @@ class MTPStep:
         tokens after them, or `tokens` [M] on the device): (target_hidden [M, H], those tokens), its KV
         stored at `slots` [M] -> its normed output [M, H]."""
         runner, device = self.runner, self.runner.device
-        # index lists go up without a host wait (host_to_device.py): a plain step's pass runs behind it
+        # index lists go up without a host wait (rollout_kernels.host_to_device): a plain step's pass runs behind it
         attn = runner._prepare(head_entries, runner.req_to_token, runner.kv, runner.scale,
                                to_device(slots, torch.long, device))
         if tokens is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from rollout_kernels.host_to_device import to_device
 from rollout_kernels.sampling_ref import as_int64_key, kept_mask_ref, sample_ref, token_logprobs_ref
 
 # rows of the int64 table, then of the float32 table
@@ -67,8 +68,7 @@ class SamplingRows:
 
     def to_device(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(int64 [NUM_INT_ROWS, B], float32 [NUM_FLOAT_ROWS, B]) on `device`, for `sample_rows`."""
-        return (torch.tensor(self.int_rows(), dtype=torch.int64, device=device),
-                torch.tensor(self.float_rows(), dtype=torch.float32, device=device))
+        return to_device(self.int_rows(), torch.int64, device), to_device(self.float_rows(), torch.float32, device)
 
 
 def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, use_triton: bool,

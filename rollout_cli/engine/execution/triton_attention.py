@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from rollout_cli.engine.execution.attention import KVCache
-from rollout_cli.engine.execution.host_to_device import to_device
 from rollout_cli.engine.execution.prefix_groups import group_shared_prefixes
 from rollout_kernels.batch_invariant_attention import batch_invariant_attention, block_rows, query_blocks
 from rollout_kernels.decode_attention import decode_attention
 from rollout_kernels.extend_attention import extend_attention
+from rollout_kernels.host_to_device import to_device
 from rollout_kernels.kv_store import store_kv
 from rollout_kernels.qk_norm_rope_store import qk_norm_rope_store
 from rollout_kernels.shared_prefix_decode_attention import shared_prefix_decode_attention
