@@ -4,7 +4,7 @@ clock), so every decision below is exact."""
 
 from __future__ import annotations
 
-from rollout_cli.engine.scheduling.draft_gate import FIRST_RETRY, LAST_RETRY, DraftGate, batch_bucket
+from rollout_cli.engine.scheduling.draft_gate import FIRST_RETRY, LAST_RETRY, RETRY_STEPS, DraftGate, batch_bucket
 
 
 def _step(gate: DraftGate, batch: int, plain_s: float, draft_s: float, accepted_per_request: float) -> bool:
@@ -43,15 +43,18 @@ def test_the_warm_up_step_is_not_kept():
 
 def test_the_loser_is_retried_less_often_while_it_keeps_losing():
     gate = DraftGate()
-    choices = [_step(gate, 64, plain_s=1.0, draft_s=4.0, accepted_per_request=1.0) for _ in range(4000)]
-    retries = [i for i, drafted in enumerate(choices) if drafted][2:]  # after the two measuring steps
-    gaps = [b - a for a, b in zip(retries, retries[1:])]
-    assert gaps[0] == 2 * FIRST_RETRY + 1 and gaps == sorted(gaps) and max(gaps) == LAST_RETRY + 1
+    choices = [_step(gate, 64, plain_s=1.0, draft_s=4.0, accepted_per_request=1.0) for _ in range(6000)]
+    drafted = [i for i, d in enumerate(choices) if d][2:]  # after the two measuring steps
+    starts = [i for i in drafted if i - 1 not in drafted]
+    assert all(all(choices[i:i + RETRY_STEPS]) and not choices[i + RETRY_STEPS] for i in starts)  # 3 steps a re-try
+    gaps = [b - a - RETRY_STEPS for a, b in zip(starts, starts[1:])]  # plain steps between re-tries
+    assert starts[0] == 4 + FIRST_RETRY and gaps[0] == 2 * FIRST_RETRY
+    assert gaps == sorted(gaps) and max(gaps) == LAST_RETRY
 
 
 def test_a_retry_that_wins_turns_drafting_back_on():
     gate = DraftGate()
-    for _ in range(20):
+    for _ in range(4 + FIRST_RETRY - 1):  # the measuring steps, then plain until the first re-try is due
         _step(gate, 32, plain_s=1.0, draft_s=4.0, accepted_per_request=1.0)  # drafts lose: acceptance is poor
     assert not gate.should_draft(32)
     # acceptance grows (sibling drafts improve as samples finish): a retry finds drafting faster again
@@ -59,7 +62,25 @@ def test_a_retry_that_wins_turns_drafting_back_on():
     first_draft = choices.index(True)
     after = choices[first_draft:]
     assert first_draft < 2 * FIRST_RETRY and all(after[:FIRST_RETRY])
-    assert after.count(False) <= len(after) // FIRST_RETRY  # plain steps now only as re-tries of the loser
+    assert after.count(False) <= RETRY_STEPS * len(after) // FIRST_RETRY  # plain only in re-tries of the loser
+
+
+def test_a_retry_keeps_no_transition_step():
+    """A plain step right after drafting ones cannot be planned ahead of its predecessor: a lone slow step that
+    must not keep plain the loser (the first step of each re-try is dropped)."""
+    gate = DraftGate()
+    gate.record(64, False, 64, 1.0)
+    gate.record(64, False, 64, 4.0)  # plain measured slow: drafting (2 tokens a request at 3.0) looks faster
+    gate.record(64, True, 128, 3.0)
+    gate.record(64, True, 128, 3.0)
+    for _ in range(FIRST_RETRY):
+        assert gate.should_draft(64)
+        gate.record(64, True, 128, 3.0)
+    assert not gate.should_draft(64)  # the re-try of plain
+    gate.record(64, False, 64, 9.0)  # its transition step
+    gate.record(64, False, 64, 1.0)
+    gate.record(64, False, 64, 1.0)
+    assert not gate.should_draft(64)  # plain at 1.0 ms a token beats drafting's 1.5 ms
 
 
 def test_reports_without_time_or_batch_are_ignored():

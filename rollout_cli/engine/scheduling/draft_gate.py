@@ -14,9 +14,13 @@ are accepted, so the gate measures instead of guessing: per batch-size bucket it
 plain decode steps and of drafting steps and the tokens a request gained per step in each, and drafts
 only where drafting steps gain more tokens per request per second. An unmeasured option is tried first;
 the losing one is re-tried now and then (after 16 steps of the bucket, doubling up to 1,024 while it
-keeps losing), since acceptance changes over a run (sibling drafts grow better as samples finish); a
-re-try's step replaces the loser's stale figures, and if that makes it the winner on one lucky step,
-the steps that follow average it back down and hand the lead back.
+keeps losing), since acceptance changes over a run (sibling drafts grow better as samples finish). A
+re-try runs the loser for 3 steps and drops the first: a step that follows the other option's is a
+transition (a plain step behind a drafting one cannot be planned ahead of it; on an H100 such lone
+plain steps averaged 8.9 ms against 1.75 ms a step in the plain run, docs/benchmarks.md session 39,
+keeping plain the loser for the rest of the run). The next replaces the loser's stale figures, the third
+is averaged in; if that makes it the winner on lucky steps, the steps that follow average it back down
+and hand the lead back.
 
 Which steps draft never changes a token (engine/scheduling/speculation.py): the gate only moves speed.
 Pure bookkeeping, no clock of its own: the step loop reports each decode step's wall time.
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 SMOOTHING = 0.3  # weight of a new step in the running averages: a few steps follow a change, one stall does not
 FIRST_RETRY = 16  # steps of a bucket before its losing option is tried again
 LAST_RETRY = 1024  # the longest wait between re-tries (the interval doubles while the loser keeps losing)
+RETRY_STEPS = 3  # steps of one re-try; its first, a transition from the other option, is not kept
 
 
 def batch_bucket(batch: int) -> int:
@@ -72,6 +77,8 @@ class BucketState:
     drafting: StepAverage = field(default_factory=StepAverage)
     retry_interval: int = FIRST_RETRY
     steps_to_retry: int = FIRST_RETRY
+    retrying: bool | None = None  # during a re-try, the option re-tried (True: drafting), else None
+    retry_steps: int = 0  # steps of the re-try run so far
 
     def winner_drafts(self) -> bool:
         return self.drafting.rate > self.plain.rate
@@ -94,8 +101,7 @@ class DraftGate:
             return False
         if not state.drafting.measured:
             return True
-        drafts = state.winner_drafts()
-        return not drafts if state.steps_to_retry <= 0 else drafts
+        return state.retrying if state.retrying is not None else state.winner_drafts()
 
     def busiest(self) -> dict | None:
         """What the gate measured in the bucket with the most decode steps (`rollout bench` shows it):
@@ -116,12 +122,19 @@ class DraftGate:
         if batch < 1 or seconds <= 0:
             return
         state = self._bucket(batch)
-        retrying = state.plain.measured and state.drafting.measured and state.steps_to_retry <= 0
-        loser_before = not state.winner_drafts() if retrying else None
-        (state.drafting if drafted else state.plain).add(seconds, tokens / batch, fresh=drafted == loser_before)
-        if not retrying:
-            state.steps_to_retry -= 1
-        elif drafted == loser_before:  # the re-try ran: wait longer if the loser lost again, else start over
+        option = state.drafting if drafted else state.plain
+        if state.retrying is None or drafted != state.retrying:
+            counts = state.plain.measured and state.drafting.measured and state.retrying is None
+            option.add(seconds, tokens / batch)
+            if counts:  # a step of the winner, both options measured: towards the next re-try
+                state.steps_to_retry -= 1
+                if state.steps_to_retry <= 0:
+                    state.retrying, state.retry_steps = not state.winner_drafts(), 0
+            return
+        state.retry_steps += 1
+        if state.retry_steps > 1:  # the first is a transition step, not kept
+            option.add(seconds, tokens / batch, fresh=state.retry_steps == 2)
+        if state.retry_steps == RETRY_STEPS:  # wait longer if the loser lost again, else start over
             still_losing = state.winner_drafts() != drafted
             state.retry_interval = min(2 * state.retry_interval, LAST_RETRY) if still_losing else FIRST_RETRY
-            state.steps_to_retry = state.retry_interval
+            state.steps_to_retry, state.retrying = state.retry_interval, None
