@@ -34,7 +34,7 @@ else:
     )
 
 
-def _chunk_plan(cu_seqlens: tuple[int, ...], chunk_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunk_plan(cu_seqlens: tuple[int, ...], chunk_size: int, device) -> tuple[torch.Tensor, ...]:
     starts, lens, offsets = [], [], [0]
     for b in range(len(cu_seqlens) - 1):
         s, e = cu_seqlens[b], cu_seqlens[b + 1]
