@@ -72,21 +72,15 @@ class Speculation:
             draft = self._draft(request, budget)
             budget -= len(draft)
             drafts.append(draft)
-        needed = len(running) + sum(map(len, drafts))
-        if self.allocator.num_free < needed:
-            drafts, needed = [[] for _ in running], len(running)
-        slots, taken = self.allocator.allocate(needed), 0  # one call for the step: a slice per request
+        if self.allocator.num_free < len(running) + sum(map(len, drafts)):
+            drafts = [[] for _ in running]
         for request, draft in zip(running, drafts):
             forks = None
             if draft and self.linear is not None:  # hybrid: a state slot per draft position, or no draft
                 forks = self.linear.allocate_forks(len(draft))
-                if forks is None:
-                    self.allocator.free(slots[taken + 1:taken + 1 + len(draft)])
-                    del slots[taken + 1:taken + 1 + len(draft)]
-                    draft = []
+                draft = draft if forks is not None else []
             start = request.num_computed_tokens
-            request.slots += slots[taken:taken + 1 + len(draft)]
-            taken += 1 + len(draft)
+            request.slots.extend(self.allocator.allocate(1 + len(draft)))
             table_start = request.num_slots_in_table
             last = request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
             out.entries.append(BatchEntry(request, request.table_row, start, [last] + draft, table_start,
@@ -98,11 +92,10 @@ class Speculation:
     def _draft(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decode-ready request: at most num_draft_tokens, `budget`, and what its
         max_new_tokens and --max-model-len leave after the token this step samples anyway."""
-        if request.score_from is not None or request.params.per_token_extras:  # one row per sample there
+        if request.params.per_token_extras or request.is_scoring:  # one row per sample there
             return []
-        generated = len(request.output_token_ids)
-        room = min(self.num_draft_tokens, budget, request.params.max_new_tokens - generated - 1,
-                   request.max_model_len - len(request.prompt_token_ids) - generated - 1)
+        room = min(self.num_draft_tokens, budget, request.params.max_new_tokens - len(request.output_token_ids) - 1,
+                   request.max_model_len - request.num_tokens - 1)
         return self.drafter.propose(request, room) if room > 0 else []
 
     def _accept_drafts(self, entry, sampled, weight_version: str) -> None:
