@@ -219,11 +219,16 @@ for heads in (16, 32):  # the 0.6B's and the 8B's heads, 8 kv heads; GRPO: 16 gr
     specmtp32) bench spec_mtp32 120 --model $SPEC/hybrid --data $SPEC/prompts.parquet --load-format auto \
                --num-prompts 128 --max-running 32 --output-len 256 --temperature 0 --speculative mtp \
                --num-draft-tokens 2 ;;
+    specmtp32all) bench spec_mtp32_always 120 --model $SPEC/hybrid --data $SPEC/prompts.parquet --load-format auto \
+               --num-prompts 128 --max-running 32 --output-len 256 --temperature 0 --speculative mtp \
+               --num-draft-tokens 2 --speculative-always ;;  # every decode step drafts: the steady state's cost
     specmtp32k1) bench spec_mtp32_k1 120 --model $SPEC/hybrid --data $SPEC/prompts.parquet --load-format auto \
                --num-prompts 128 --max-running 32 --output-len 256 --temperature 0 --speculative mtp \
                --num-draft-tokens 1 ;;  # one draft: no chain inside the step (the hybrid verify graphs' case)
     specsiblings) bench spec_siblings 120 --model $SPEC/dense --data $SPEC/prompts.parquet --load-format auto \
                --num-prompts 64 --n 16 --output-len 256 --temperature 0 --speculative siblings ;;
+    specsiblings1) bench spec_siblings_t1 120 --model $SPEC/dense --data $SPEC/prompts.parquet --load-format auto \
+               --num-prompts 64 --n 16 --output-len 256 --temperature 1 --speculative siblings ;;  # GRPO samples at T 1
     specmtp256) bench spec_mtp256 100 --model $SPEC/hybrid --data $SPEC/prompts.parquet --load-format auto \
                --num-prompts 1024 --output-len 256 --temperature 0 --speculative mtp --num-draft-tokens 2 ;;  # 4 waves: runs of 1 s were 20% apart
     specprof) COLUMNS=200 timeout 200 python3 -m rollout_cli.cli.main bench --model $SPEC/hybrid --data $SPEC/prompts.parquet \

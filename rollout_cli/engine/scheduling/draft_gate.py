@@ -20,7 +20,11 @@ transition (a plain step behind a drafting one cannot be planned ahead of it; on
 plain steps averaged 8.9 ms against 1.75 ms a step in the plain run, docs/benchmarks.md session 39,
 keeping plain the loser for the rest of the run). The next replaces the loser's stale figures, the third
 is averaged in; if that makes it the winner on lucky steps, the steps that follow average it back down
-and hand the lead back.
+and hand the lead back. A step counts at most OUTLIER times its option's average: a step where a wave of
+requests finishes (hundreds of trajectories built in one post-processing) or the collector runs costs the
+same whichever option runs, and one such step made plain look 4x slower than its steps are (an H100's
+siblings run at 216+ running, docs/benchmarks.md session 40); a lasting change still moves the average,
+by up to SMOOTHING x (OUTLIER - 1) a step.
 
 Which steps draft never changes a token (engine/scheduling/speculation.py): the gate only moves speed.
 Pure bookkeeping, no clock of its own: the step loop reports each decode step's wall time.
@@ -35,6 +39,7 @@ SMOOTHING = 0.3  # weight of a new step in the running averages: a few steps fol
 FIRST_RETRY = 16  # steps of a bucket before its losing option is tried again
 LAST_RETRY = 1024  # the longest wait between re-tries (the interval doubles while the loser keeps losing)
 RETRY_STEPS = 3  # steps of one re-try; its first, a transition from the other option, is not kept
+OUTLIER = 2.0  # a kept step counts at most this many times its option's average
 
 
 def batch_bucket(batch: int) -> int:
@@ -62,6 +67,8 @@ class StepAverage:
         if self.steps == 1:
             return
         weight = 1.0 if self.steps == 2 or fresh else SMOOTHING
+        if weight < 1.0:  # a lone slow step (a wave of finishes, a collection) moves the average a bounded step
+            seconds = min(seconds, OUTLIER * self.seconds)
         self.seconds += weight * (seconds - self.seconds)
         self.tokens_per_request += weight * (tokens_per_request - self.tokens_per_request)
 
