@@ -340,6 +340,7 @@ def run_engine(engine: Engine, workload: Workload, cfg: BenchConfig, flops_per_s
         # share of a graph-replayed decode step's wall time (schedule -> postprocess) the GPU sat idle
         "decode_gpu_idle_share": 1 - traffic.gpu_seconds / traffic.wall_seconds if traffic.wall_seconds else None,
         "decode_step_ms": 1e3 * traffic.wall_seconds / traffic.timed_steps if traffic.timed_steps else None,
+        "decode_seconds": traffic.wall_seconds,  # the graph-replayed decode steps' wall time
         # host time per graph step not spent waiting for results: when it tops the GPU's step time,
         # the host is what the GPU waits for
         "decode_host_busy_ms": (1e3 * (traffic.wall_seconds - traffic.wait_seconds) / traffic.timed_steps

@@ -174,6 +174,17 @@ def bandwidth_limit(engine: Engine, measured_tok_s: float, hbm_bytes_per_s: floa
     return report
 
 
+def speculation_bound(plain: dict, acceptance_length: float | None) -> float | None:
+    """The most a drafter accepting `acceptance_length` tokens per verifying step could speed up the plain run
+    `plain` (a run_engine report): its graph-replayed decode steps' wall time divided by that length (every
+    step drafting, drafts free), the rest of the run (prefill and other eager steps, the tail) as it was:
+    Amdahl's law over the run. None without drafts or timed decode steps."""
+    decode = plain.get("decode_seconds") or 0.0
+    if not acceptance_length or decode <= 0.0:
+        return None
+    return plain["seconds"] / (plain["seconds"] - decode + decode / acceptance_length)
+
+
 def check_context_length(cfg, prompt_lengths: list[int], max_model_len: int, model_positions: int,
                          data: str | None = None, set_by_flag: bool = False) -> None:
     """Refuse a workload (bench.BenchConfig, its prompts' lengths) whose longest sample runs past the engine's

@@ -247,13 +247,16 @@ def _compare_speculation(engine, workload, cfg, console) -> dict:
     """--speculative: decoding without and with drafts on one engine, off, on, on, off (the speedup issue 22
     asks for: output tok/s with drafts over without); the engine ends with drafts on and `rollout`
     reports that run (its acceptance length included)."""
+    from rollout_cli.bench_limits import speculation_bound  # the CLI starts without torch
+
     runs, plain_seconds, speculative_seconds = _abba(engine, workload, cfg, console, engine.set_speculation,
                                                      f"--speculative {engine.config.speculative}")
     engine.set_speculation(True)
     return {"rollout": runs[2], "rollout_plain": runs[3],
             "speculation_runs": [{"speculative": on, "seconds": r["seconds"], "output_tokens_per_s": r["output_tokens_per_s"]}
                                  for on, r in zip((False, True, True, False), runs)],
-            "speculation_speedup": plain_seconds / speculative_seconds, "abba_spread": abba_spread(runs)}
+            "speculation_speedup": plain_seconds / speculative_seconds, "abba_spread": abba_spread(runs),
+            "speculation_bound": speculation_bound(runs[3], runs[2].get("acceptance_length"))}
 
 
 def _write_report(path: str, report: dict) -> None:
@@ -381,7 +384,9 @@ def _table(report: dict) -> Table:
     if "speculation_runs" in report:
         runs = " / ".join(f"{r['output_tokens_per_s']:,.0f}" for r in report["speculation_runs"])
         table.add_row("plain, drafts, drafts, plain", f"{runs} tok/s")
+        bound = report["speculation_bound"]
         table.add_row("speculation speedup", f"{report['speculation_speedup']:.2f}x output tok/s (ABBA)"
+                      + (f", at most {bound:.2f}x at this acceptance" if bound else "")
                       + _spread_note(report["speculation_runs"]))
     if "long_tail" in report:
         lt = report["long_tail"]

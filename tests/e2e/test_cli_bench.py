@@ -363,6 +363,8 @@ def test_speculative_times_decoding_with_and_without_drafts(tmp_path):
     assert report["speculation_speedup"] == pytest.approx(plain / drafted)
     assert report["rollout"]["acceptance_length"] > 1 and "acceptance_length" not in report["rollout_plain"]
     assert "speculation speedup" in result.stdout and "tokens per verifying step" in result.stdout
+    # the bound needs graph-replayed decode steps' time (bench_limits.speculation_bound): the CPU times none
+    assert "speculation_bound" in report and report["speculation_bound"] is None and "at most" not in result.stdout
 
 
 def test_mtp_on_dummy_weights_says_the_head_is_random(tiny_hybrid_checkpoints, tmp_path):
