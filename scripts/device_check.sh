@@ -221,7 +221,7 @@ for heads in (16, 32):  # the 0.6B's and the 8B's heads, 8 kv heads; GRPO: 16 gr
                --num-draft-tokens 2 ;;
     specmtp32all) bench spec_mtp32_always 120 --model $SPEC/hybrid --data $SPEC/prompts.parquet --load-format auto \
                --num-prompts 128 --max-running 32 --output-len 256 --temperature 0 --speculative mtp \
-               --num-draft-tokens 2 --speculative-always ;;  # every decode step drafts: the steady state's cost
+               --num-draft-tokens 2 --speculative-always --profile ;;  # every decode step drafts: the steady state's cost
     specmtp32k1) bench spec_mtp32_k1 120 --model $SPEC/hybrid --data $SPEC/prompts.parquet --load-format auto \
                --num-prompts 128 --max-running 32 --output-len 256 --temperature 0 --speculative mtp \
                --num-draft-tokens 1 ;;  # one draft: no chain inside the step (the hybrid verify graphs' case)
