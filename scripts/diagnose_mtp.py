@@ -5,7 +5,7 @@ CUDA graphs, then float32) against the CPU's torch path in float32, on a few hel
     python scripts/diagnose_mtp.py --model /tmp/spec/hybrid --data /tmp/spec/prompts.parquet
 
 Prints, per GPU setting, the share of greedy tokens equal to the CPU's (position by position, up to the
-first difference of each prompt) and of the drafts proposed at the same positions that are equal, and the
+first difference of each prompt) and of the drafts verified at the same positions that are equal, and the
 acceptance length. Equal tokens with unequal drafts point at the head's pass; unequal tokens, at the trunk.
 """
 

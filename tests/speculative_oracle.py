@@ -33,3 +33,6 @@ class OracleDrafter:
 
     def expect(self, prompt_index: int, count: int) -> None:
         pass
+
+    def verified(self, entry) -> None:
+        pass

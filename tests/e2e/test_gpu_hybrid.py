@@ -256,7 +256,9 @@ def test_mtp_plain_steps_replay_graphs_above_the_max_batch(tiny_hybrid_checkpoin
 def test_mtp_drafts_on_graphs_are_the_heads_drafts_on_the_cpu(tiny_hybrid_checkpoints, tmp_path):
     """The head's drafts themselves (tokens compare equal whatever the drafts are): plain steps replaying the
     CUDA graphs, then the head's own graph behind them (it reads the decode graph's hidden states and sampled
-    tokens), propose what the CPU's torch path proposes, float32 on both."""
+    tokens), propose what the CPU's torch path proposes, float32 on both; so do the head's verify graphs for the
+    verify steps planned ahead (their drafts never reach the host's propose: the log records what each verify
+    step checked)."""
     import sys
     from pathlib import Path
 

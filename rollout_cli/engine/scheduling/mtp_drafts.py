@@ -31,15 +31,19 @@ class MTPDrafter:
     def expect(self, request, count: int) -> None:
         pass
 
+    def verified(self, entry) -> None:  # a verify entry's drafts, as post-processing compares them
+        pass
+
 
 class RecordingMTPDrafter(MTPDrafter):
-    """An MTPDrafter that also records every first draft it is handed: (prompt, sample, position) -> token in
-    `log`, for diagnostics (scripts/diagnose_mtp.py compares the GPU's drafts with the CPU's) and tests."""
+    """An MTPDrafter that also records the first draft of every verify entry, as post-processing compares it:
+    (prompt, sample, position) -> token in `log`, for diagnostics (scripts/diagnose_mtp.py compares the GPU's
+    drafts with the CPU's) and tests. Recorded there, not in propose: a verify step planned ahead of the one
+    before (engine/scheduling/verify_ahead_plan.py) gets its drafts from the head's graph on the device."""
 
     def __init__(self, log: dict):
         self.log = log
 
-    def propose(self, request, max_tokens: int) -> list[int]:
-        if request.mtp_draft is not None and request.mtp_draft[0] == request.num_tokens:
-            self.log[(request.prompt_index, request.sample_index, request.num_tokens)] = request.mtp_draft[1]
-        return super().propose(request, max_tokens)
+    def verified(self, entry) -> None:
+        request = entry.request
+        self.log[(request.prompt_index, request.sample_index, entry.start + 1)] = entry.token_ids[1]

@@ -102,6 +102,8 @@ class Speculation:
         """Post-process a verify entry: append the drawn tokens while the drafts equal them (the first
         different one is the position's token, appended too), keep the KV of the accepted positions."""
         request = entry.request
+        if entry.num_draft:
+            self.drafter.verified(entry)
         rows = [next(sampled) for _ in range(1 + entry.num_draft)]
         appended = 0
         for j, (token, logprob, extras) in enumerate(rows):
