@@ -299,18 +299,24 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out
 
 
-def _launch_conv(x, weight, bias, conv_states, state_indices, cu, blocks, activation, out) -> None:
+def _launch_conv(x, weight, bias, conv_states, state_indices, cu, blocks, activation, out,
+                 max_rows: int = _BLOCK_T) -> None:
     """The varlen conv into out [T, C], then each sequence's new conv state: cu [B + 1] int64 on the device;
     blocks (first row, rows, sequence) of <= _BLOCK_T rows each (_token_blocks), or None for one program per
-    sequence of at most _BLOCK_T rows, read from cu alone (a CUDA graph's static layout)."""
+    sequence of at most `max_rows` rows, read from cu alone (a CUDA graph's static layout)."""
     C, width, B = x.shape[1], weight.shape[1], state_indices.shape[0]
     block_c = min(triton.next_power_of_2(C), 128)
     programs = B if blocks is None else blocks[0].shape[0]
     starts, lens, seqs = (cu, cu, cu) if blocks is None else blocks  # PER_SEQ reads none of the three
+    # a program's row tile: a verify step's sequence holds 1 + drafts rows; with 64-row tiles this kernel was
+    # the costliest of MTP's drafting steps on an H100 (session 40's profile: 25.9 us a call over 150 calls, 6
+    # a verify step, a few of them prefill's). Each output element sums the same taps in the same order
+    # whatever the tile.
+    block_t = _BLOCK_T if blocks is not None else max(2, triton.next_power_of_2(max_rows))
     _causal_conv1d_varlen_kernel[(programs, triton.cdiv(C, block_c))](
         x, weight, bias if bias is not None else weight, conv_states, state_indices, cu, starts, lens, seqs, out,
         x.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1), out.stride(0), C,
-        WIDTH=width, BT=_BLOCK_T, BC=block_c, HAS_BIAS=bias is not None, SILU=activation is not None,
+        WIDTH=width, BT=block_t, BC=block_c, HAS_BIAS=bias is not None, SILU=activation is not None,
         PER_SEQ=blocks is None, num_warps=4,
     )
     _conv_state_write_kernel[(B, triton.cdiv(C, block_c))](
@@ -348,5 +354,6 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     assert cu.dtype == torch.int64 and state_indices.shape == (B,) and 1 + fork_slots.shape[1] <= _BLOCK_T
     out = torch.empty((T, C), dtype=x.dtype, device=x.device)
     if B:
-        _launch_conv(x, weight, bias, conv_states, state_indices, cu, None, activation, out)
+        _launch_conv(x, weight, bias, conv_states, state_indices, cu, None, activation, out,
+                     max_rows=1 + fork_slots.shape[1])
     return out
