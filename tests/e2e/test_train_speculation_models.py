@@ -4,6 +4,7 @@ those it saved, the tokens those of plain decoding), the dense one under --specu
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,10 @@ def test_trained_pair_runs_speculation(tmp_path):
 
     out = tmp_path / "spec"
     subprocess.run([sys.executable, "scripts/train_speculation_models.py", "--out", str(out), "--tiny", "--device",
-                    "cpu", "--num-prompts", "4", "--prompt-len", "24"], cwd=REPO, check=True, capture_output=True,
-                   timeout=300)
+                    "cpu", "--num-prompts", "4", "--prompt-len", "24", "--layers", "6"], cwd=REPO, check=True,
+                   capture_output=True, timeout=300)
+    for model in ("hybrid", "dense"):  # --layers: the trunk's depth (the tiny size has 4)
+        assert json.loads((out / model / "config.json").read_text())["num_hidden_layers"] == 6
     texts = pq.read_table(out / "prompts.parquet").column("prompt").to_pylist()
     assert len(texts) == 4 and all(texts)
     tokenizer = AutoTokenizer.from_pretrained(out / "hybrid")
