@@ -25,7 +25,7 @@ class OracleDrafter:
         self.proposed += len(draft)
         return draft
 
-    def observe(self, request) -> None:
+    def catch_up(self, requests) -> None:
         pass
 
     def finished(self, request) -> None:

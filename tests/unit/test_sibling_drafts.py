@@ -68,3 +68,25 @@ def test_the_newest_occurrences_are_kept_and_groups_end_with_their_samples():
     assert len(drafter) == 1  # finished samples stay sources while a sibling lives
     drafter.finished(samples[2])
     assert len(drafter) == 0
+
+
+def test_the_index_catches_up_only_before_a_drafting_step():
+    """The engine indexes nothing after plain steps; catch_up (before a drafting step) indexes what the running
+    samples wrote since, and the last tokens of siblings that ended meanwhile; their records go once read."""
+    drafter = SiblingDrafter(ngram=1)
+    drafter.expect(LEADER, 3)
+    a, b, c = (_request(i, [1], []) for i in range(3))
+    drafter.catch_up([a, b, c])  # the first drafting step: each joins, nothing written yet
+    a.output_token_ids += [4, 5, 6]  # plain steps: nothing indexed
+    b.output_token_ids += [4, 5]
+    c.output_token_ids += [7, 8, 9]
+    assert drafter.propose(b, 2) == []  # (5,): not in the index yet, nor is a's text after it
+    drafter.finished(a)  # a ends unindexed: kept for the group's next catch_up
+    assert len(drafter._groups[LEADER.request_id].unindexed) == 1
+    drafter.catch_up([b, c])
+    assert drafter.propose(b, 2) == [6]  # a's last tokens, indexed now
+    assert drafter.propose(c, 2) == []
+    assert a.request_id not in drafter._samples and not drafter._groups[LEADER.request_id].unindexed
+    drafter.finished(b)
+    drafter.finished(c)
+    assert len(drafter) == 0 and not drafter._samples  # the group and every record gone with its last sample

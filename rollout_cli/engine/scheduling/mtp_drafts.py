@@ -22,7 +22,7 @@ class MTPDrafter:
             return []
         return [draft[1]] + [DRAFT_LATER] * (max_tokens - 1)
 
-    def observe(self, request) -> None:  # the interface of sibling_drafts.SiblingDrafter
+    def catch_up(self, requests) -> None:  # the interface of sibling_drafts.SiblingDrafter
         pass
 
     def finished(self, request) -> None:

@@ -287,7 +287,6 @@ class Scheduler(PrefixReuse, OverlapScheduling, VerifyAhead, Speculation, PacedA
                 continue
             if entry.num_draft or entry.shifted:  # a decode that verified drafts (engine/scheduling/speculation.py)
                 self._accept_drafts(entry, sampled, weight_version)
-                self._observe(request)
                 if request.finish_reason is not None:
                     self._finish(request)
                     finished.append(request)
@@ -306,7 +305,6 @@ class Scheduler(PrefixReuse, OverlapScheduling, VerifyAhead, Speculation, PacedA
                 if request.first_token_time is None:
                     request.first_token_time = now
                 request.append_token(token, logprob, weight_version, extras)
-                self._observe(request)
             if entry.score_targets:
                 first = entry.first_scored
                 for i in range(len(entry.score_targets)):

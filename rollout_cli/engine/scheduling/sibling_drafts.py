@@ -12,7 +12,11 @@ is done.
 
 Plain Python over ints, like the scheduler, and run for every request of every drafting step on the host
 between a step's results and the next launch: a sample's record keeps the index's entry for its last
-n-gram, so proposing is one walk over a short list. Unit-tested on the CPU.
+n-gram, so proposing is one walk over a short list. The index catches up only when a step is about to
+draft (catch_up), not after every step: on an H100 at 256 running, T 1, a siblings run's decode steps took
+2.65 ms against 1.98 ms in the plain run (the host the limit in both) while the speculation gate kept 90% of
+them plain, and indexing each sample's new token was the per-request work such a plain step added
+(docs/benchmarks.md session 40). Unit-tested on the CPU.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class _Group:
     ends: dict[tuple[int, ...], list[tuple[int, int]]] = field(default_factory=dict)
     expected: int = 0  # samples the engine made of the prompt (SiblingDrafter.expect)
     finished: int = 0
+    unindexed: list = field(default_factory=list)  # samples that ended before their last tokens were indexed
 
 
 @dataclass
@@ -64,10 +69,22 @@ class SiblingDrafter:
         self._groups: dict[int, _Group] = {}
         self._samples: dict[int, _Sample] = {}  # request id -> its record, while it lives
 
+    def catch_up(self, requests) -> None:
+        """Before a drafting step: index what the running `requests` and their groups' ended samples wrote
+        since they were last indexed."""
+        for request in requests:
+            self.observe(request)
+            group = self._samples[request.request_id].group
+            if group.unindexed:
+                for ended in group.unindexed:
+                    self.observe(ended)
+                    del self._samples[ended.request_id]
+                group.unindexed.clear()
+
     def observe(self, request) -> None:
         """Index the response tokens `request` appended since the last call (at its first call, the
         group's prompt too if it is the group's first sample, and the prompt's last n-gram, after which
-        every sample's response starts). Runs for every request of every verify step: the loop is tight."""
+        every sample's response starts). Runs for every request of every drafting step: the loop is tight."""
         rid, response, n = request.request_id, request.output_token_ids, self.ngram
         sample = self._samples.get(rid)
         if sample is None:
@@ -140,15 +157,19 @@ class SiblingDrafter:
 
     def finished(self, request) -> None:
         """A sample ended (or was aborted); the group is dropped once every expected one has (finished
-        samples stay sources till then)."""
-        self._samples.pop(request.request_id, None)
+        samples stay sources till then, their last tokens indexed at the group's next catch_up)."""
         key = group_key(request)
         group = self._groups.get(key)
         if group is None:
+            self._samples.pop(request.request_id, None)
             return
         group.finished += 1
-        if group.finished >= group.expected:
-            del self._groups[key]
+        if group.finished < group.expected:
+            group.unindexed.append(request)
+            return
+        for ended in group.unindexed + [request]:
+            self._samples.pop(ended.request_id, None)
+        del self._groups[key]
 
     def verified(self, entry) -> None:  # a verify entry's drafts (observe indexes what it kept)
         pass

@@ -67,6 +67,7 @@ class Speculation:
         running = self.running
         out.drafting = True  # even where no request gets a draft: such a step is not overlapped
         budget = self.max_batch_tokens - len(running)
+        self.drafter.catch_up(running)  # the drafter reads the text written since its last drafting step
         drafts = []
         for request in running:
             draft = self._draft(request, budget)
@@ -133,10 +134,6 @@ class Speculation:
             self.stats.draft_tokens += entry.num_draft
             self.stats.accepted_draft_tokens += appended - 1
         self.stats.computed_tokens -= entry.num_new_tokens - appended  # the rejected rows
-
-    def _observe(self, request: Request) -> None:
-        if self.drafter is not None:
-            self.drafter.observe(request)
 
     def _sample_gone(self, request: Request) -> None:
         """A sample finished or was aborted: its group may be done with its drafts."""
