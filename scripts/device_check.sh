@@ -49,8 +49,8 @@
 # as two halves on one stream, and as two halves on two streams, each a CUDA graph), specmodels (issue 22's targets: scripts/train_speculation_models.py trains a small Qwen3-Next-shaped model with
 # its MTP head and a dense one on the standard library's code, 2 minutes each, then bench --speculative mtp at
 # batch 32 (128 prompts), siblings on 64 x n16 held-out code prompts, and mtp at batch 256 (compute-bound: no slower), greedy; then scripts/diagnose_mtp.py: the GPU's tokens and drafts against the CPU's; its parts spectrain specmtp32 specsiblings
-# specmtp256 specdiag run alone too, SPEC_MINUTES sets the training time, SPEC_LAYERS the trunk's depth (8); specmtp32k1:
-# one draft token; specmtp32all: every decode step drafting, profiled; specsiblings1: siblings at T 1; specprof: the
+# specmtp256 specdiag run alone too, SPEC_MINUTES sets the training time, SPEC_LAYERS the trunk's depth (8);
+# specmtp32k1: one draft token; specmtp32all: every decode step drafting, profiled; specsiblings1: siblings at T 1; specprof: the
 # MTP line at batch 32 with --profile: torch.profiler's kernels and host operators of a short run, prefill included). masktests (--sampling-mask: the kept-set kernel
 # compiled against the sampler, masked samples beside graph-replayed ones, HF logits replayed over the masks).
 # Logs and JSON go to $OUT.
@@ -214,8 +214,8 @@ for heads in (16, 32):  # the 0.6B's and the 8B's heads, 8 kv heads; GRPO: 16 gr
                MAX_NEW_TOKENS=128 TRAIN_STEPS=2 ROLLOUT="python3 -m rollout_cli.cli.main" PYTHON=python3 \
                timeout 400 bash recipes/grpo_loop.sh 2>&1 | tee "$OUT/recipe06.log" | tail -4
            grep -q "^error: rollout serve" "$OUT/recipe06.log" && tail -25 /tmp/grpo06/serve.log ;;
-    spectrain) timeout 330 python3 scripts/train_speculation_models.py --out $SPEC --minutes ${SPEC_MINUTES:-2} --num-prompts 1024 \
-               ${SPEC_LAYERS:+--layers $SPEC_LAYERS} 2>&1 \
+    spectrain) timeout 330 python3 scripts/train_speculation_models.py --out $SPEC --minutes ${SPEC_MINUTES:-2} \
+               --num-prompts 1024 ${SPEC_LAYERS:+--layers $SPEC_LAYERS} 2>&1 \
                | tee "$OUT/train_spec.log" | grep -E "step .*000 |wrote|tokens" ;;
     # the trained checkpoints' own weights: bench() passes --load-format dummy, and the last one given wins
     specmtp32) bench spec_mtp32 120 --model $SPEC/hybrid --data $SPEC/prompts.parquet --load-format auto \
@@ -223,7 +223,7 @@ for heads in (16, 32):  # the 0.6B's and the 8B's heads, 8 kv heads; GRPO: 16 gr
                --num-draft-tokens 2 ;;
     specmtp32all) bench spec_mtp32_always 120 --model $SPEC/hybrid --data $SPEC/prompts.parquet --load-format auto \
                --num-prompts 128 --max-running 32 --output-len 256 --temperature 0 --speculative mtp \
-               --num-draft-tokens 2 --speculative-always --profile ;;  # every decode step drafts: the steady state's cost
+               --num-draft-tokens 2 --speculative-always --profile ;;  # every decode step drafts, profiled
     specmtp32k1) bench spec_mtp32_k1 120 --model $SPEC/hybrid --data $SPEC/prompts.parquet --load-format auto \
                --num-prompts 128 --max-running 32 --output-len 256 --temperature 0 --speculative mtp \
                --num-draft-tokens 1 ;;  # one draft: no chain inside the step (the hybrid verify graphs' case)

@@ -4,8 +4,8 @@ clock), so every decision below is exact."""
 
 from __future__ import annotations
 
-from rollout_cli.engine.scheduling.draft_gate import (FIRST_RETRY, LAST_RETRY, OUTLIER, RETRY_STEPS, SMOOTHING, DraftGate,
-                                                      StepAverage, batch_bucket)
+from rollout_cli.engine.scheduling.draft_gate import (FIRST_RETRY, LAST_RETRY, OUTLIER, RETRY_STEPS, SMOOTHING,
+                                                      DraftGate, StepAverage, batch_bucket)
 
 
 def _step(gate: DraftGate, batch: int, plain_s: float, draft_s: float, accepted_per_request: float) -> bool:
