@@ -77,6 +77,7 @@ def test_a_prefix_shared_through_the_cache_counts_once_per_step():
     assert distinct_context_tokens(group + [decode(5, 0, 20, first_slot=77_000)]) == 14 + 12 + 15 - 2 * 10 + 20
     assert distinct_context_tokens([decode(5, 0, 14), decode(6, 0, 3)]) == 17  # nothing shared
 
+
 def test_speculation_bound_is_amdahls_law_over_the_plain_run():
     """A plain run of 10 s with 6 s of decode steps, drafts accepting 3 tokens a step: 6 s -> 2 s, at most 10 / 6."""
     plain = {"seconds": 10.0, "decode_seconds": 6.0}

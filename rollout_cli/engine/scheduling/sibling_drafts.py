@@ -73,18 +73,18 @@ class SiblingDrafter:
         """Before a drafting step: index what the running `requests` and their groups' ended samples wrote
         since they were last indexed."""
         for request in requests:
-            self.observe(request)
-            group = self._samples[request.request_id].group
+            group = self.observe(request).group
             if group.unindexed:
                 for ended in group.unindexed:
                     self.observe(ended)
                     del self._samples[ended.request_id]
                 group.unindexed.clear()
 
-    def observe(self, request) -> None:
+    def observe(self, request) -> _Sample:
         """Index the response tokens `request` appended since the last call (at its first call, the
         group's prompt too if it is the group's first sample, and the prompt's last n-gram, after which
-        every sample's response starts). Runs for every request of every drafting step: the loop is tight."""
+        every sample's response starts) -> its record. Runs for every request of every drafting step: the
+        loop is tight."""
         rid, response, n = request.request_id, request.output_token_ids, self.ngram
         sample = self._samples.get(rid)
         if sample is None:
@@ -107,6 +107,7 @@ class SiblingDrafter:
                 if len(seen) > keep:
                     del seen[0]
         sample.indexed, sample.tail = end, seen
+        return sample
 
     def _join(self, request) -> _Sample:
         """A sample's first observe: its group (made here if `expect` did not), the prompt's n-grams
